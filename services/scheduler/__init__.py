@@ -1,0 +1,1 @@
+"""The scheduler: the L4M service (resource tables, validation, batching, executors)."""

@@ -1,0 +1,1 @@
+"""The spawner: sandboxed controllers, their runtime and their lifecycle."""
