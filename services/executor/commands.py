@@ -1,0 +1,151 @@
+"""Batched executor commands and their results, as plain frozen dataclasses with physical ids.
+
+The scheduler has already translated every controller-visible id into a physical one; the executor
+only checks them again (defense in depth). One batch is a sequence of items of one command class.
+
+Context arithmetic of `ForwardText` / `Forward` (shared with the proto): the item's total context is
+`page_size * (len(kv_page_ids) - 1) + kv_last_page_length` and INCLUDES the new tokens, so the
+caller grows its pages first. With `num_ctx = total - num_new`, new token `i` is written at slot
+`num_ctx + i` of the page list, and its attention-mask row decodes to exactly `num_ctx + i + 1`
+values (BRLE, first run visible). Output index `j` yields the next-token distribution after token `j`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class ResourceKind(enum.StrEnum):
+    KV_PAGE = "kv_page"
+    EMBED_SLOT = "embed_slot"
+
+
+class SamplerKind(enum.StrEnum):
+    DISTRIBUTION = "distribution"  # top `distribution_top_k` ids + probabilities, sorted descending
+    GREEDY = "greedy"
+    SAMPLE = "sample"  # temperature, then top_k / top_p / min_p truncation, optionally seeded
+
+
+@dataclass(frozen=True)
+class SamplerSpec:
+    """How to turn one output's logits into a result.
+
+    `vocab_mask` is a BRLE over the vocabulary (first run = allowed); masked tokens get -inf before
+    anything else, including the returned logprob (log-softmax at temperature 1).
+    `top_k == 0`, `top_p` of 0 or >= 1 and `min_p == 0` switch that filter off.
+    """
+
+    kind: SamplerKind = SamplerKind.GREEDY
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 0.0
+    min_p: float = 0.0
+    seed: int | None = None
+    distribution_top_k: int = 0
+    vocab_mask: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Allocate:
+    kind: ResourceKind
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Deallocate:
+    kind: ResourceKind
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EmbedText:
+    """Write each token's input embedding and position into an embedding slot."""
+
+    slot_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    position_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Forward:
+    """Run the slots `input_slot_ids` through the model into the pages (plain causal attention,
+    ANDed with page visibility); final hidden states of `output_indices` go to `output_slot_ids`."""
+
+    kv_page_ids: tuple[int, ...]
+    kv_last_page_length: int
+    input_slot_ids: tuple[int, ...]
+    output_indices: tuple[int, ...] = ()
+    output_slot_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ForwardText:
+    """Tokens through the model into the pages; one sampler per output index.
+
+    `attention_mask` holds one BRLE row per token, or is empty for plain causal attention.
+    """
+
+    kv_page_ids: tuple[int, ...]
+    kv_last_page_length: int
+    token_ids: tuple[int, ...]
+    position_ids: tuple[int, ...]
+    attention_mask: tuple[tuple[int, ...], ...] = ()
+    output_indices: tuple[int, ...] = ()
+    samplers: tuple[SamplerSpec, ...] = ()
+
+
+@dataclass(frozen=True)
+class SampleTopK:
+    """Top-k next-token distribution from the hidden state stored in an embedding slot."""
+
+    slot_id: int
+    k: int
+
+
+@dataclass(frozen=True)
+class CopyKvPage:
+    src_page_id: int
+    dst_page_id: int
+    src_offset: int
+    dst_offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class MaskKvPage:
+    """BRLE over the page's `page_size` slots, first run visible; ANDed into later attention."""
+
+    page_id: int
+    mask: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EmbedImage:
+    slot_ids: tuple[int, ...]
+    image: bytes = b""
+
+
+@dataclass(frozen=True)
+class Distribution:
+    token_ids: tuple[int, ...]
+    probs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: float
+
+
+SamplerResult = Distribution | SampledToken
+
+
+@dataclass(frozen=True)
+class ForwardTextResult:
+    outputs: tuple[SamplerResult, ...] = field(default_factory=tuple)
+
+
+Command = (
+    Allocate | Deallocate | EmbedText | Forward | ForwardText | SampleTopK | CopyKvPage | MaskKvPage | EmbedImage
+)
