@@ -20,8 +20,9 @@ def _refuse(*args: object, **kwargs: object) -> None:
 
 @pytest.fixture(autouse=True)
 def _no_sockets(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("socket", "create_connection", "socketpair", "create_server"):
-        monkeypatch.setattr(socket, name, _refuse)
+    # Connecting, binding and listening are refused; socketpair() (asyncio's self-pipe) stays usable.
+    for name in ("connect", "connect_ex", "bind", "listen"):
+        monkeypatch.setattr(socket.socket, name, _refuse)
     # gRPC's core opens its own sockets, below Python's socket module: refuse its entry points too.
     for module, names in (
         (grpc, ("insecure_channel", "secure_channel", "server")),

@@ -14,7 +14,7 @@ from tests.unit.conftest import SocketOpenedInUnitTest
 @pytest.mark.parametrize(
     "open_it",
     [
-        lambda: socket.socket(),
+        lambda: socket.socket().bind(("127.0.0.1", 0)),
         lambda: socket.create_connection(("127.0.0.1", 1)),
         lambda: grpc.insecure_channel("127.0.0.1:1"),
         lambda: grpc.aio.insecure_channel("127.0.0.1:1"),
