@@ -1,0 +1,241 @@
+"""`l4m up`: run a whole cluster (executors, scheduler, spawner) as child processes on this machine.
+
+The supervisor starts each service with `python -m l4m.<service>`, waits for its grpc.health.v1 check to
+answer SERVING (showing the executors' progress while the model loads), prints the endpoints, and then
+watches: Ctrl-C, SIGTERM, or any child dying stops everything, the dead child's log tail printed first.
+
+Internal hops use Unix sockets in the state directory; the user-facing services (spawner, scheduler)
+also listen on loopback TCP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+STOP_GRACE_S = 10.0
+LOG_TAIL_LINES = 40
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not start or a service died."""
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Everything `l4m up` needs, built once from the command line."""
+
+    state_dir: Path
+    host: str = "127.0.0.1"
+    spawner_port: int = 7410
+    scheduler_port: int = 7411
+    metrics_port_base: int = 9410  # spawner +0, scheduler +1, executor i +10+i; 0 = no metrics
+    devices: tuple[str, ...] = ("cpu",)
+    dtype: str = "auto"
+    model: str = ""  # empty: the embedded default (SmolLM2-135M-Instruct)
+    batching: str = "adaptive"
+    sandbox: str = "process"
+    allow_anonymous: bool = False
+    start_timeout_s: float = 300.0
+    echo_logs: bool = True
+
+    @property
+    def socket_dir(self) -> Path:
+        return self.state_dir / "sockets"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.state_dir / "logs"
+
+    @property
+    def spawner_address(self) -> str:
+        return f"{self.host}:{self.spawner_port}"
+
+    @property
+    def scheduler_address(self) -> str:
+        return f"{self.host}:{self.scheduler_port}"
+
+    def executor_socket(self, index: int) -> Path:
+        return self.socket_dir / f"executor-{index}.sock"
+
+    def metrics_port(self, offset: int) -> int:
+        return self.metrics_port_base + offset if self.metrics_port_base else 0
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """One child process: its name, command line, and the gRPC address its health check answers on."""
+
+    name: str
+    argv: tuple[str, ...]
+    health_address: str
+    metrics_port: int = 0
+
+
+@dataclass
+class RunningService:
+    spec: ServiceSpec
+    process: asyncio.subprocess.Process
+    log_path: Path
+    log_tail: list[str] = field(default_factory=list)
+
+
+def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
+    """The services of a cluster, in start order (executors first: the scheduler connects to them)."""
+    python = sys.executable
+    specs: list[ServiceSpec] = []
+    executor_addresses: list[str] = []
+    for index, device in enumerate(config.devices):
+        address = f"unix:{config.executor_socket(index)}"
+        executor_addresses.append(address)
+        argv = [python, "-m", "l4m.executor", "--listen", address, "--device", device, "--dtype", config.dtype]
+        argv += ["--metrics-port", str(config.metrics_port(10 + index))]
+        if config.model:
+            argv += ["--model", config.model]
+        specs.append(ServiceSpec(f"executor-{index}", tuple(argv), address, config.metrics_port(10 + index)))
+    argv = [python, "-m", "l4m.scheduler", "--listen", config.scheduler_address]
+    argv += ["--listen-unix", str(config.socket_dir / "scheduler.sock"), "--batching", config.batching]
+    argv += ["--metrics-port", str(config.metrics_port(1))]
+    for address in executor_addresses:
+        argv += ["--executor", address]
+    if config.allow_anonymous:
+        argv.append("--allow-anonymous")
+    specs.append(ServiceSpec("scheduler", tuple(argv), config.scheduler_address, config.metrics_port(1)))
+    argv = [python, "-m", "l4m.spawner", "--listen", config.spawner_address]
+    argv += ["--scheduler", f"unix:{config.socket_dir / 'scheduler.sock'}", "--socket-dir", str(config.socket_dir)]
+    argv += ["--state-dir", str(config.state_dir / "spawner"), "--sandbox", config.sandbox]
+    argv += ["--metrics-port", str(config.metrics_port(0))]
+    specs.append(ServiceSpec("spawner", tuple(argv), config.spawner_address, config.metrics_port(0)))
+    return specs
+
+
+class Cluster:
+    """Starts, watches and stops the services of `service_specs(config)`."""
+
+    def __init__(self, config: ClusterConfig, say: Callable[[str], None] = print) -> None:
+        self.config = config
+        self._say = say
+        self._services: list[RunningService] = []
+        self._pumps: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        """Start every service in order and wait for each to be healthy; on any failure stop all and raise."""
+        for directory in (self.config.socket_dir, self.config.log_dir):
+            directory.mkdir(parents=True, exist_ok=True)
+        try:
+            for spec in service_specs(self.config):
+                service = await self._spawn(spec)
+                await self._wait_healthy(service)
+        except BaseException:
+            await self.stop()
+            raise
+
+    def endpoints(self) -> list[str]:
+        lines = [
+            f"spawner    {self.config.spawner_address}   (users: l4m run --spawner {self.config.spawner_address} FILE)",
+            f"scheduler  {self.config.scheduler_address}   (L4M sessions; unix:{self.config.socket_dir}/scheduler.sock)",
+        ]
+        lines += [f"{s.spec.name} {s.spec.health_address}" for s in self._services if s.spec.name.startswith("executor")]
+        lines += [
+            f"metrics    http://{self.config.host}:{s.spec.metrics_port}/metrics ({s.spec.name})"
+            for s in self._services
+            if s.spec.metrics_port
+        ]
+        lines.append(f"logs       {self.config.log_dir}")
+        return lines
+
+    async def wait_for_exit(self) -> RunningService:
+        """Block until some service exits; return it (the caller decides what to do)."""
+        waits = {asyncio.ensure_future(s.process.wait()): s for s in self._services}
+        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        return waits[next(iter(done))]
+
+    async def stop(self) -> None:
+        """SIGTERM every live service (newest first), SIGKILL what is left after the grace period."""
+        for service in reversed(self._services):
+            if service.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    service.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for service in reversed(self._services):
+            remaining = max(0.1, deadline - time.monotonic())
+            try:
+                await asyncio.wait_for(service.process.wait(), remaining)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    service.process.kill()
+                await service.process.wait()
+        for pump in self._pumps:
+            pump.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+        self._pumps.clear()
+
+    def describe_exit(self, service: RunningService) -> str:
+        tail = "\n".join(f"  | {line}" for line in service.log_tail[-LOG_TAIL_LINES:])
+        return f"{service.spec.name} exited with code {service.process.returncode}; last log lines:\n{tail}"
+
+    async def _spawn(self, spec: ServiceSpec) -> RunningService:
+        log_path = self.config.log_dir / f"{spec.name}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        process = await asyncio.create_subprocess_exec(
+            *spec.argv,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # Ctrl-C reaches the supervisor only; it stops children in order
+        )
+        service = RunningService(spec, process, log_path)
+        self._services.append(service)
+        self._pumps.append(asyncio.create_task(self._pump_log(service)))
+        return service
+
+    async def _pump_log(self, service: RunningService) -> None:
+        assert service.process.stdout is not None
+        with service.log_path.open("a", encoding="utf-8") as log:
+            async for raw in service.process.stdout:
+                line = raw.decode(errors="replace").rstrip("\n")
+                log.write(line + "\n")
+                log.flush()
+                service.log_tail.append(line)
+                del service.log_tail[:-LOG_TAIL_LINES]
+                if self.config.echo_logs:
+                    self._say(f"[{service.spec.name}] {line}")
+
+    async def _wait_healthy(self, service: RunningService) -> None:
+        started = time.monotonic()
+        deadline = started + self.config.start_timeout_s
+        next_note = started + 5.0
+        async with grpc.aio.insecure_channel(service.spec.health_address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                if service.process.returncode is not None:
+                    await asyncio.sleep(0.2)  # let the log pump drain the last lines
+                    raise ClusterError(self.describe_exit(service))
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        self._say(f"[l4m up] {service.spec.name} is healthy after {time.monotonic() - started:.1f} s")
+                        return
+                now = time.monotonic()
+                if now > deadline:
+                    raise ClusterError(
+                        f"{service.spec.name} was not healthy within {self.config.start_timeout_s:.0f} s; "
+                        f"see {service.log_path}"
+                    )
+                if now > next_note:
+                    self._say(f"[l4m up] waiting for {service.spec.name} ({now - started:.0f} s) ...")
+                    next_note = now + 5.0
+                await asyncio.sleep(0.2)

@@ -1,0 +1,83 @@
+"""Tracing and metrics set-up shared by every l4m process, configured only by the standard variables.
+
+Tracing is on when the environment asks for it (`OTEL_TRACES_EXPORTER`, or an `OTEL_EXPORTER_OTLP_*`
+endpoint); otherwise the OpenTelemetry API stays the no-op tracer, so instrumentation costs a few
+function calls and nothing is exported. Resource attributes come from `OTEL_SERVICE_NAME` and
+`OTEL_RESOURCE_ATTRIBUTES`, with the service's own name as the default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+
+
+def tracing_requested(environ: Mapping[str, str] = os.environ) -> bool:
+    exporter = environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if exporter:
+        return exporter != "none"
+    return any(environ.get(name) for name in _ENDPOINT_VARS)
+
+
+def configure_tracing(service_name: str, environ: Mapping[str, str] = os.environ) -> bool:
+    """Install an SDK tracer provider exporting per the environment; return whether tracing is on."""
+    if not tracing_requested(environ):
+        return False
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+    resource = Resource.create({SERVICE_NAME: environ.get("OTEL_SERVICE_NAME") or service_name})
+    provider = TracerProvider(resource=resource)
+    exporter_name = environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower()
+    if exporter_name == "console":
+        exporter = ConsoleSpanExporter()
+    else:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        # A `unix:` endpoint (controllers export through the spawner's socket) has no TLS.
+        insecure = True if endpoint and endpoint.startswith("unix:") else None
+        exporter = OTLPSpanExporter(endpoint=endpoint, insecure=insecure)
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    return True
+
+
+def shutdown_tracing() -> None:
+    """Flush and stop the exporter (call before the process exits)."""
+    provider = trace.get_tracer_provider()
+    shutdown = getattr(provider, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+
+
+def context_from_traceparent(traceparent: str, tracestate: str = "") -> otel_context.Context:
+    """The OpenTelemetry context a W3C `traceparent` (and `tracestate`) names; empty → the root context."""
+    carrier = {"traceparent": traceparent} if traceparent else {}
+    if traceparent and tracestate:
+        carrier["tracestate"] = tracestate
+    return _PROPAGATOR.extract(carrier, context=otel_context.Context())
+
+
+def traceparent_of(ctx: otel_context.Context | None = None) -> tuple[str, str]:
+    """(`traceparent`, `tracestate`) of the current span, or of `ctx`; empty strings when not traced."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=ctx)
+    return carrier.get("traceparent", ""), carrier.get("tracestate", "")
+
+
+def start_metrics_server(port: int, registry: object | None = None, host: str = "127.0.0.1") -> None:
+    """Serve Prometheus metrics on http://host:port/metrics (port 0: no server)."""
+    if not port:
+        return
+    from prometheus_client import REGISTRY, start_http_server
+
+    start_http_server(port, addr=host, registry=registry or REGISTRY)
