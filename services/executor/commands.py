@@ -149,3 +149,30 @@ class ForwardTextResult:
 Command = (
     Allocate | Deallocate | EmbedText | Forward | ForwardText | SampleTopK | CopyKvPage | MaskKvPage | EmbedImage
 )
+
+
+@dataclass(frozen=True)
+class ExecutorInfo:
+    """What get_info reports: the model, its numbers, capacities and tokenizer."""
+
+    model_name: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+    page_size: int
+    num_kv_pages: int
+    num_embed_slots: int
+    num_free_kv_pages: int
+    num_free_embed_slots: int
+    device: str
+    dtype: str
+    tokenizer_json: str
+    special_tokens: dict[str, int]
+    eos_token_ids: tuple[int, ...]
+    chat_template: str
+    capabilities: tuple[str, ...]

@@ -23,13 +23,12 @@ CHILD = textwrap.dedent(
     from opentelemetry import trace
     from l4m import telemetry
     assert telemetry.configure_tracing("l4m.test-child")
-    ctx = telemetry.context_from_traceparent("%s")
+    ctx = telemetry.context_from_traceparent(PARENT)
     with trace.get_tracer("t").start_as_current_span("child.work", context=ctx):
         pass
     telemetry.shutdown_tracing()
     """
-    % PARENT
-)
+).replace("PARENT", repr(PARENT))
 
 
 def _run_child(env_extra: dict[str, str]) -> None:
