@@ -78,7 +78,7 @@ class VariableStore:
         seen = -1
         while True:
             async with var.changed:
-                await var.changed.wait_for(lambda: var.snapshot.version != seen)
+                await var.changed.wait_for(lambda seen=seen: var.snapshot.version != seen)
                 snap = var.snapshot
             seen = snap.version
             yield snap

@@ -1,0 +1,112 @@
+"""`l4m up` and `l4m demo`: the cluster on this machine, from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import getpass
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+from l4m.cluster import Cluster, ClusterConfig, ClusterError
+
+DEMO_PROMPT = "Write a haiku about a robot learning to paint."
+EXAMPLES_DIR = Path(__file__).resolve().parents[3] / "examples" / "controllers"
+
+
+def default_state_dir() -> Path:
+    # Under /tmp, not $HOME: sandboxes run as an unprivileged user that must reach the socket directory.
+    return Path(tempfile.gettempdir()) / f"l4m-{getpass.getuser()}"
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--state-dir", type=Path, default=None, help="sockets, logs, programs (default /tmp/l4m-$USER)")
+    parser.add_argument("--host", default="127.0.0.1", help="address the user-facing services listen on")
+    parser.add_argument("--spawner-port", type=int, default=7410)
+    parser.add_argument("--scheduler-port", type=int, default=7411)
+    parser.add_argument("--metrics-port-base", type=int, default=9410, help="0 disables the metrics endpoints")
+    parser.add_argument(
+        "--devices", default="cpu", help="one executor per device, comma separated: cpu | cuda:0,cuda:1 ..."
+    )
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--model", default="", help="GGUF file or safetensors directory (default: SmolLM2-135M)")
+    parser.add_argument(
+        "--batching", default="adaptive", help="adaptive | t-only:<ms> | k-only:<k> | k-or-t:<k>:<ms>"
+    )
+    parser.add_argument("--sandbox", default="process", choices=["process", "docker"])
+    parser.add_argument("--allow-anonymous", action="store_true", help="dev: L4M sessions without a token")
+    parser.add_argument("--quiet", action="store_true", help="do not echo the services' logs")
+
+
+def cluster_config(args: argparse.Namespace) -> ClusterConfig:
+    return ClusterConfig(
+        state_dir=args.state_dir or default_state_dir(),
+        host=args.host,
+        spawner_port=args.spawner_port,
+        scheduler_port=args.scheduler_port,
+        metrics_port_base=args.metrics_port_base,
+        devices=tuple(d.strip() for d in args.devices.split(",") if d.strip()),
+        dtype=args.dtype,
+        model=args.model,
+        batching=args.batching,
+        sandbox=args.sandbox,
+        allow_anonymous=args.allow_anonymous,
+        echo_logs=not args.quiet,
+    )
+
+
+async def _up(config: ClusterConfig) -> int:
+    cluster = Cluster(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await cluster.start()
+    except ClusterError as error:
+        print(f"l4m up: {error}", file=sys.stderr)
+        return 1
+    print("l4m is up:\n  " + "\n  ".join(cluster.endpoints()) + "\nCtrl-C stops it.", flush=True)
+    stopped = asyncio.ensure_future(stop.wait())
+    died = asyncio.ensure_future(cluster.wait_for_exit())
+    await asyncio.wait({stopped, died}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if died.done():
+        print(f"l4m up: {cluster.describe_exit(died.result())}\nstopping the others.", file=sys.stderr)
+        code = 1
+    else:
+        died.cancel()
+        print("l4m up: stopping ...", flush=True)
+    await cluster.stop()
+    return code
+
+
+def run_up(args: argparse.Namespace) -> int:
+    return asyncio.run(_up(cluster_config(args)))
+
+
+async def _demo(config: ClusterConfig, prompt: str, max_tokens: int) -> int:
+    from l4m.client import run_program  # the user client; imported here to keep `l4m up` light
+
+    cluster = Cluster(config)
+    try:
+        await cluster.start()
+        print("[l4m demo] cluster is up; running examples/controllers/text_completion.py", flush=True)
+        program = EXAMPLES_DIR / "text_completion.py"
+        return await run_program(
+            config.spawner_address, program, ["--max-tokens", str(max_tokens), prompt], echo=True
+        )
+    except ClusterError as error:
+        print(f"l4m demo: {error}", file=sys.stderr)
+        return 1
+    finally:
+        with contextlib.suppress(Exception):
+            await cluster.stop()
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    config = cluster_config(args)
+    return asyncio.run(_demo(config, args.prompt, args.max_tokens))

@@ -1,0 +1,172 @@
+"""cgroup v1 groups for process sandboxes: memory, pids, CPU bandwidth and CPU accounting.
+
+Each instance gets `/sys/fs/cgroup/<controller>/l4m/<spawner id>/<instance id>` in every controller
+that is mounted and writable here. The sandbox's first process writes its own pid into each group's
+`cgroup.procs` before it execs anything (see process_sandbox.py), so every descendant is counted.
+Counters read back after an exit say which limit was hit: `memory.oom_control` (oom_kill),
+`memory.failcnt`, `pids.events` (max), `cpuacct.usage`.
+
+Machines without writable v1 controllers (cgroup v2 only, or an unprivileged spawner) get no
+groups: `CgroupManager.available` is empty and the process backend falls back to rlimits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from l4m.spawner.sandbox import Limits
+
+CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
+CFS_PERIOD_US = 100_000
+
+
+@dataclass(frozen=True)
+class InstanceCgroup:
+    """One instance's groups, one directory per available controller."""
+
+    dirs: dict[str, Path]
+
+    def procs_files(self) -> list[Path]:
+        return [directory / "cgroup.procs" for directory in self.dirs.values()]
+
+    def memory_oom_kills(self) -> int | None:
+        text = self._read("memory", "memory.oom_control")
+        if text is None:
+            return None
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return None
+
+    def memory_limit_hits(self) -> int | None:
+        text = self._read("memory", "memory.failcnt")
+        return int(text) if text is not None else None
+
+    def pids_refused(self) -> int | None:
+        text = self._read("pids", "pids.events")
+        if text is None:
+            return None
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "max":
+                return int(value)
+        return None
+
+    def cpu_time_s(self) -> float | None:
+        text = self._read("cpuacct", "cpuacct.usage")
+        return int(text) / 1e9 if text is not None else None
+
+    def pids(self) -> set[int]:
+        found: set[int] = set()
+        for procs in self.procs_files():
+            with contextlib.suppress(OSError):
+                found.update(int(line) for line in procs.read_text().split())
+        return found
+
+    def kill_all(self) -> None:
+        """SIGKILLs every task still in the groups (a sandbox's pid-1 death normally did it already)."""
+        for _ in range(50):
+            pids = self.pids()
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.01)
+
+    def remove(self) -> None:
+        self.kill_all()
+        for directory in self.dirs.values():
+            for _ in range(100):
+                try:
+                    directory.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:  # EBUSY while the last tasks are being reaped
+                    time.sleep(0.01)
+
+    def _read(self, controller: str, name: str) -> str | None:
+        directory = self.dirs.get(controller)
+        if directory is None:
+            return None
+        try:
+            return (directory / name).read_text().strip()
+        except OSError:
+            return None
+
+
+class CgroupManager:
+    """Creates and removes instance groups under `<root>/<controller>/l4m/<spawner id>`."""
+
+    def __init__(self, spawner_id: str, root: Path = Path("/sys/fs/cgroup")) -> None:
+        self.spawner_id = spawner_id
+        self.root = root
+        self.available: dict[str, Path] = {}
+        for controller in CONTROLLERS:
+            parent = root / controller / "l4m" / spawner_id
+            if self._usable(root / controller, parent):
+                self.available[controller] = parent
+
+    @staticmethod
+    def _usable(mount: Path, parent: Path) -> bool:
+        # A v1 hierarchy has cgroup.procs and no cgroup.controllers (that file marks v2).
+        if not (mount / "cgroup.procs").exists() or (mount / "cgroup.controllers").exists():
+            return False
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            probe = parent / f"probe-{os.getpid()}"
+            probe.mkdir(exist_ok=True)
+            probe.rmdir()
+        except OSError:
+            return False
+        return True
+
+    def create(self, instance_id: str, limits: Limits) -> InstanceCgroup:
+        dirs: dict[str, Path] = {}
+        try:
+            for controller, parent in self.available.items():
+                directory = parent / instance_id
+                directory.mkdir()
+                dirs[controller] = directory
+            group = InstanceCgroup(dirs)
+            self._apply(group, limits)
+            return group
+        except OSError:
+            InstanceCgroup(dirs).remove()
+            raise
+
+    def _apply(self, group: InstanceCgroup, limits: Limits) -> None:
+        if "memory" in group.dirs:
+            memory = group.dirs["memory"]
+            (memory / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
+            # No swap either (memsw is limit + swap; only present with swap accounting on).
+            with contextlib.suppress(OSError):
+                (memory / "memory.memsw.limit_in_bytes").write_text(str(limits.memory_bytes))
+        if "pids" in group.dirs:
+            (group.dirs["pids"] / "pids.max").write_text(str(limits.max_processes))
+        if "cpu" in group.dirs and limits.cpu_cores > 0:
+            cpu = group.dirs["cpu"]
+            (cpu / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
+            (cpu / "cpu.cfs_quota_us").write_text(str(int(limits.cpu_cores * CFS_PERIOD_US)))
+
+    def remove_parents(self) -> None:
+        """Removes this spawner id's (empty) parent groups; for a spawner that stops for good."""
+        for parent in self.available.values():
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+
+    def cleanup_orphans(self) -> int:
+        """Kills and removes every instance group this spawner id left behind; returns how many."""
+        names: set[str] = set()
+        for parent in self.available.values():
+            names.update(child.name for child in parent.iterdir() if child.is_dir())
+        for name in names:
+            InstanceCgroup({c: p / name for c, p in self.available.items() if (p / name).is_dir()}).remove()
+        return len(names)

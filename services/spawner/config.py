@@ -1,0 +1,41 @@
+"""The spawner's configuration: built once in `main()` from flags and environment, passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from l4m.spawner.sandbox import Limits
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SpawnerConfig:
+    state_dir: Path  # programs under state_dir/store
+    # Directory mounted at /run/l4m in every sandbox: the runtime socket is created here, and the
+    # scheduler's socket (`scheduler_socket_name`) is expected here.
+    socket_dir: Path
+    listen_address: str = "127.0.0.1:0"  # users' SpawnerService (host:port; port 0 = any)
+    spawner_id: str = "default"
+    sandbox_kind: str = "process"  # "process" (bubblewrap) or "docker"
+    docker_image: str = ""  # empty: build/reuse the controller image
+    # The scheduler's InstanceRegistryService (host:port or unix:///...); empty = no scheduler.
+    scheduler_registry_address: str = ""
+    scheduler_socket_name: str = "scheduler.sock"
+    runtime_socket_name: str = "runtime.sock"
+    max_program_bytes: int = 16 * MiB
+    default_limits: Limits = field(default_factory=Limits)
+    max_limits: Limits = field(
+        default_factory=lambda: Limits(
+            wall_time_s=3600.0,
+            cpu_time_s=3600.0,
+            memory_bytes=4096 * MiB,
+            max_processes=256,
+            max_open_files=1024,
+            max_output_bytes=256 * MiB,
+        )
+    )
+    default_max_tokens: int = 0  # per instance; 0 = unlimited
+    max_children_per_tree: int = 32
+    max_instances: int = 256  # alive at once

@@ -1,0 +1,251 @@
+"""The sandbox interface every backend implements, and how an exit becomes an exit reason.
+
+A backend (`ProcessSandbox`: bubblewrap; `DockerSandbox`: a container) turns a `SandboxSpec` into a
+running `SandboxHandle`. The handle yields raw output chunks, can be killed with a reason, reports
+resource usage it can measure, and resolves to one `ExitInfo`. Wall time, output bytes and
+CPU-time polling are the supervisor's (`supervisor.py`), the same for every backend; what only the
+kernel or the engine can enforce (memory, process count, open files, per-process CPU time) the
+backend sets up, and `derive_exit_info` reads its counters back to say which limit was hit.
+"""
+
+from __future__ import annotations
+
+import abc
+import signal as signal_module
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+MiB = 1024 * 1024
+
+# How a program's process is named inside every sandbox, whatever the backend.
+SANDBOX_SOCKET_DIR = "/run/l4m"
+SANDBOX_PROGRAM_DIR = "/opt/l4m/program"
+SANDBOX_SDK_DIR = "/opt/l4m/python"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-instance resource limits. Zero means "no limit" only where a field says so."""
+
+    wall_time_s: float = 300.0
+    cpu_time_s: float = 60.0
+    memory_bytes: int = 512 * MiB
+    max_processes: int = 64  # tasks (processes + threads) alive at once in the sandbox
+    max_open_files: int = 256
+    max_output_bytes: int = 16 * MiB  # stdout + stderr together
+    cpu_cores: float = 1.0  # CPU bandwidth share; 0 = unthrottled
+    tmp_bytes: int = 64 * MiB  # size of the private /tmp (also the largest file it may write)
+
+
+class ExitReason(StrEnum):
+    EXITED = "exited"  # ran to its end and exited with status 0
+    CRASHED = "crashed"  # non-zero status or a fatal signal that no limit explains
+    KILLED = "killed"  # killed from outside the sandbox for a reason the spawner did not choose
+    WALL_TIME_LIMIT = "wall_time_limit"
+    CPU_TIME_LIMIT = "cpu_time_limit"
+    MEMORY_LIMIT = "memory_limit"
+    PROCESS_LIMIT = "process_limit"
+    OUTPUT_LIMIT = "output_limit"
+    TRAPPED = "trapped"  # the scheduler trapped the instance (a bad L4M command)
+    TERMINATED = "terminated"  # the user asked for it
+    LAUNCH_FAILED = "launch_failed"  # the sandbox could not start
+    PARENT_EXITED = "parent_exited"  # a child controller whose parent ended first
+
+
+@dataclass(frozen=True)
+class ExitInfo:
+    reason: ExitReason
+    message: str
+    exit_code: int | None = None
+    signal: int | None = None
+    enforced_by: str = ""  # the mechanism that stopped it, e.g. "cgroup memory", "rlimit cpu"
+
+    @property
+    def is_limit(self) -> bool:
+        return self.reason.value.endswith("_limit")
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What to run and under which limits. Paths are host paths; the backend binds them in."""
+
+    instance_id: str
+    program_path: Path
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    socket_dir: Path | None = None  # mounted at /run/l4m; its sockets must be usable by any uid
+    limits: Limits = field(default_factory=Limits)
+
+
+class OutputStream(StrEnum):
+    STDOUT = "stdout"
+    STDERR = "stderr"
+
+
+@dataclass(frozen=True)
+class OutputChunk:
+    stream: OutputStream
+    data: bytes
+
+
+@dataclass(frozen=True)
+class ExitFacts:
+    """Everything a backend observed about an exit; `derive_exit_info` turns it into an ExitInfo.
+
+    `exit_code`/`signal` describe the program's own end (a backend decodes "128 + N" statuses).
+    Counters come from cgroups or the engine; None means "this backend cannot tell".
+    """
+
+    limits: Limits
+    exit_code: int | None = None
+    signal: int | None = None
+    kill_reason: ExitReason | None = None  # set when the spawner killed it, for that reason
+    kill_message: str = ""
+    memory_oom_kills: int | None = None
+    memory_limit_hits: int | None = None
+    pids_refused: int | None = None
+    cpu_time_s: float | None = None
+    stderr_tail: bytes = b""
+    memory_mechanism: str = "cgroup memory"  # what enforces the memory limit on this backend
+    pids_mechanism: str = "cgroup pids"  # what enforces the process limit on this backend
+
+
+class SandboxHandle(abc.ABC):
+    """One running sandbox. `wait()` resolves once, after the output has been fully read."""
+
+    instance_id: str
+
+    @abc.abstractmethod
+    def output(self) -> AsyncIterator[OutputChunk]:
+        """Raw output chunks in arrival order; ends when both streams are closed."""
+
+    @abc.abstractmethod
+    async def wait(self) -> ExitInfo:
+        """Waits for the exit, releases every resource the sandbox held, and says why it ended."""
+
+    @abc.abstractmethod
+    async def kill(self, reason: ExitReason, message: str) -> None:
+        """Kills everything in the sandbox; the first reason given is the one `wait()` reports."""
+
+    def cpu_time_s(self) -> float | None:
+        """CPU seconds used by every process of the sandbox so far, if the backend can measure it."""
+        return None
+
+
+class Sandbox(abc.ABC):
+    """A sandbox backend: starts programs under limits and cleans up after a crashed spawner."""
+
+    kind: str
+
+    @abc.abstractmethod
+    async def start(self, spec: SandboxSpec) -> SandboxHandle: ...
+
+    @abc.abstractmethod
+    async def cleanup_orphans(self) -> int:
+        """Removes sandboxes a previous run of this spawner left behind; returns how many."""
+
+    @abc.abstractmethod
+    def enforcement(self) -> dict[str, str]:
+        """Which mechanism enforces each limit on this machine (limit name -> mechanism)."""
+
+
+class SandboxError(Exception):
+    """A sandbox could not be started (missing tool, engine down, bad spec)."""
+
+
+_MEMORY_MARKERS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"out of memory")
+_PROCESS_MARKERS = (
+    b"BlockingIOError: [Errno 11]",
+    b"Resource temporarily unavailable",
+    b"can't start new thread",
+)
+
+
+def derive_exit_info(facts: ExitFacts) -> ExitInfo:
+    """Says why a sandbox ended, most specific cause first: a spawner kill, then a limit the kernel
+    counted, then the symptoms a limit leaves in stderr (for machines without cgroups), then the
+    program's own status."""
+    code, sig = facts.exit_code, facts.signal
+    status = _describe_status(code, sig)
+    if facts.kill_reason is not None:
+        return ExitInfo(facts.kill_reason, facts.kill_message or status, code, sig, "spawner")
+    if facts.memory_oom_kills:
+        return ExitInfo(
+            ExitReason.MEMORY_LIMIT,
+            f"killed by the kernel's OOM killer at the memory limit of {facts.limits.memory_bytes} bytes",
+            code,
+            sig,
+            facts.memory_mechanism,
+        )
+    if sig == signal_module.SIGXCPU or (
+        sig == signal_module.SIGKILL
+        and facts.cpu_time_s is not None
+        and facts.cpu_time_s >= facts.limits.cpu_time_s
+    ):
+        return ExitInfo(
+            ExitReason.CPU_TIME_LIMIT,
+            f"used its CPU time limit of {facts.limits.cpu_time_s:g} s ({status})",
+            code,
+            sig,
+            "rlimit cpu",
+        )
+    failed = sig is not None or (code is not None and code != 0)
+    if failed and facts.memory_limit_hits and _has_marker(facts.stderr_tail, _MEMORY_MARKERS):
+        return _memory_refused(facts, status)
+    if failed and facts.pids_refused:
+        return _processes_refused(facts, status)
+    if failed and _has_marker(facts.stderr_tail, _MEMORY_MARKERS):
+        return _memory_refused(facts, status)
+    if failed and _has_marker(facts.stderr_tail, _PROCESS_MARKERS):
+        return _processes_refused(facts, status)
+    if sig is not None:
+        return ExitInfo(ExitReason.CRASHED, status, code, sig)
+    if code == 0:
+        return ExitInfo(ExitReason.EXITED, status, code, sig)
+    return ExitInfo(ExitReason.CRASHED, status, code, sig)
+
+
+def _memory_refused(facts: ExitFacts, status: str) -> ExitInfo:
+    return ExitInfo(
+        ExitReason.MEMORY_LIMIT,
+        f"an allocation was refused at the memory limit of {facts.limits.memory_bytes} bytes ({status})",
+        facts.exit_code,
+        facts.signal,
+        facts.memory_mechanism,
+    )
+
+
+def _processes_refused(facts: ExitFacts, status: str) -> ExitInfo:
+    return ExitInfo(
+        ExitReason.PROCESS_LIMIT,
+        f"creating a process or thread was refused at the limit of {facts.limits.max_processes} ({status})",
+        facts.exit_code,
+        facts.signal,
+        facts.pids_mechanism,
+    )
+
+
+def _has_marker(stderr_tail: bytes, markers: tuple[bytes, ...]) -> bool:
+    return any(marker in stderr_tail for marker in markers)
+
+
+def _describe_status(code: int | None, sig: int | None) -> str:
+    if sig is not None:
+        try:
+            name = signal_module.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        return f"killed by {name}"
+    return f"exited with status {code}"
+
+
+def split_wait_status(status: int) -> tuple[int | None, int | None]:
+    """(exit code, signal) from a status where "128 + N" means "killed by signal N" (bwrap, tini,
+    docker) and a negative value means the supervised process itself got signal -N."""
+    if status < 0:
+        return None, -status
+    if 128 < status <= 128 + 64:
+        return None, status - 128
+    return status, None

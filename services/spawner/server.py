@@ -1,0 +1,364 @@
+"""The spawner's gRPC layer: SpawnerService for users, RuntimeService for controllers.
+
+Thin servicers: each RPC converts protobuf to domain values, calls `InstanceManager` / `ProgramStore`,
+and converts back. `_errors_to_status` is the one place typed errors become gRPC status codes. Users
+reach SpawnerService on `config.listen_address`; controllers reach RuntimeService only on the Unix
+socket `<socket_dir>/<runtime_socket_name>` (mounted at /run/l4m) and are identified by their
+`l4m-instance-token` metadata.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from l4m.spawner.config import SpawnerConfig
+from l4m.spawner.instances import (
+    Instance,
+    InstanceManager,
+    InstanceNotFound,
+    InstanceRegistry,
+    LaunchFailed,
+    NoScheduler,
+    TooManyInstances,
+)
+from l4m.spawner.programs import (
+    DigestMismatch,
+    InvalidProgram,
+    InvalidTag,
+    ProgramNotFound,
+    ProgramStore,
+    ProgramTooLarge,
+)
+from l4m.spawner.sandbox import ExitInfo, ExitReason, Limits, OutputStream, Sandbox
+from l4m.spawner.supervisor import ExitEvent, InstanceState, MessageEvent, OutputEvent
+from l4m.spawner.variables import VariableError
+from l4m.v1 import registry_pb2, registry_pb2_grpc, spawner_pb2, spawner_pb2_grpc
+
+TOKEN_METADATA_KEY = "l4m-instance-token"
+REGISTRY_DEADLINE_S = 10.0
+
+_STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (ProgramNotFound, grpc.StatusCode.NOT_FOUND),
+    (InstanceNotFound, grpc.StatusCode.NOT_FOUND),
+    (InvalidProgram, grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidTag, grpc.StatusCode.INVALID_ARGUMENT),
+    (DigestMismatch, grpc.StatusCode.INVALID_ARGUMENT),
+    (VariableError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ProgramTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (TooManyInstances, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (LaunchFailed, grpc.StatusCode.UNAVAILABLE),
+)
+_EXIT_REASON_TO_PB = {reason: getattr(spawner_pb2, f"EXIT_REASON_{reason.name}", 0) for reason in ExitReason}
+_STATE_TO_PB = {state: getattr(spawner_pb2, f"INSTANCE_STATE_{state.name}") for state in InstanceState}
+
+
+@contextlib.asynccontextmanager
+async def _errors_to_status(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    try:
+        yield
+    except Exception as exc:
+        for error_type, code in _STATUS_BY_ERROR:
+            if isinstance(exc, error_type):
+                await context.abort(code, str(exc))
+        raise
+
+
+# -- conversions -----------------------------------------------------------------------------------
+
+
+def limits_from_pb(limits: spawner_pb2.Limits) -> Limits:
+    """0 fields stay 0 (= "the default"); `clamp_limits` fills and caps them."""
+    return Limits(
+        wall_time_s=limits.wall_time_ms / 1000,
+        cpu_time_s=limits.cpu_time_ms / 1000,
+        memory_bytes=limits.memory_bytes,
+        max_processes=limits.max_processes,
+        max_open_files=limits.max_open_files,
+        max_output_bytes=limits.max_output_bytes,
+        cpu_cores=0.0,
+        tmp_bytes=0,
+    )
+
+
+def exit_to_pb(info: ExitInfo) -> spawner_pb2.InstanceExit:
+    return spawner_pb2.InstanceExit(
+        reason=_EXIT_REASON_TO_PB[info.reason],
+        exit_code=info.exit_code or 0,
+        signal=info.signal or 0,
+        message=info.message,
+    )
+
+
+def event_to_pb(event: OutputEvent | MessageEvent | ExitEvent) -> spawner_pb2.AttachResponse:
+    if isinstance(event, MessageEvent):
+        return spawner_pb2.AttachResponse(message=spawner_pb2.InstanceMessage(text=event.text))
+    if isinstance(event, ExitEvent):
+        return spawner_pb2.AttachResponse(exit=exit_to_pb(event.info))
+    stream = (
+        spawner_pb2.LOG_STREAM_STDOUT
+        if event.stream is OutputStream.STDOUT
+        else spawner_pb2.LOG_STREAM_STDERR
+    )
+    line = event.data.decode("utf-8", errors="replace").removesuffix("\n")
+    return spawner_pb2.AttachResponse(log=spawner_pb2.LogLine(stream=stream, line=line))
+
+
+def instance_to_pb(instance: Instance) -> spawner_pb2.InstanceInfo:
+    info = spawner_pb2.InstanceInfo(
+        instance_id=instance.instance_id,
+        program_sha256=instance.program_sha256,
+        args=instance.args,
+        state=_STATE_TO_PB[instance.state],
+        parent_instance_id=instance.parent_id,
+        launched_at_unix_ms=instance.launched_at_unix_ms,
+    )
+    if instance.exit_info is not None:
+        info.exit.CopyFrom(exit_to_pb(instance.exit_info))
+    return info
+
+
+def _timeout_s(timeout_ms: int) -> float | None:
+    return timeout_ms / 1000 if timeout_ms else None
+
+
+# -- SpawnerService -----------------------------------------------------------------------------
+
+
+class SpawnerServicer(spawner_pb2_grpc.SpawnerServiceServicer):
+    def __init__(self, manager: InstanceManager) -> None:
+        self.manager = manager
+        self.store: ProgramStore = manager.store
+
+    async def UploadProgram(self, request_iterator, context):  # noqa: N802 - gRPC method names
+        async with _errors_to_status(context):
+            upload = self.store.begin_upload()
+            header = spawner_pb2.ProgramHeader()
+            try:
+                async for request in request_iterator:
+                    if request.HasField("header"):
+                        header = request.header
+                    else:
+                        upload.write(request.chunk)
+            except BaseException:
+                upload.abort()
+                raise
+            tags = (header.tag,) if header.tag else ()
+            result = self.store.finish_upload(upload, header.sha256, tags)
+            return spawner_pb2.UploadProgramResponse(
+                sha256=result.program.sha256,
+                size_bytes=result.program.size_bytes,
+                already_present=result.already_present,
+            )
+
+    async def ListPrograms(self, request, context):  # noqa: N802
+        programs = [
+            spawner_pb2.ProgramInfo(sha256=p.sha256, size_bytes=p.size_bytes, tags=p.tags)
+            for p in self.store.list_programs()
+        ]
+        return spawner_pb2.ListProgramsResponse(programs=programs)
+
+    async def Launch(self, request, context):  # noqa: N802
+        async with _errors_to_status(context):
+            env = {}
+            traceparent = dict(context.invocation_metadata()).get("traceparent")
+            if traceparent:
+                env["TRACEPARENT"] = traceparent
+            instance = await self.manager.launch(
+                request.program,
+                tuple(request.args),
+                limits_from_pb(request.limits),
+                request.limits.max_tokens,
+                env,
+            )
+            return spawner_pb2.LaunchResponse(instance_id=instance.instance_id)
+
+    async def Attach(self, request, context):  # noqa: N802
+        async with _errors_to_status(context):
+            instance = self.manager.get(request.instance_id)
+        async for event in instance.supervisor.subscribe():
+            yield event_to_pb(event)
+
+    async def SendMessage(self, request, context):  # noqa: N802
+        async with _errors_to_status(context):
+            self.manager.send_to_instance(request.instance_id, request.text)
+            return spawner_pb2.SendMessageResponse()
+
+    async def Terminate(self, request, context):  # noqa: N802
+        async with _errors_to_status(context):
+            await self.manager.terminate(request.instance_id)
+            return spawner_pb2.TerminateResponse()
+
+    async def ListInstances(self, request, context):  # noqa: N802
+        return spawner_pb2.ListInstancesResponse(
+            instances=[instance_to_pb(i) for i in self.manager.list_instances()]
+        )
+
+
+# -- RuntimeService -----------------------------------------------------------------------------
+
+
+class RuntimeServicer(spawner_pb2_grpc.RuntimeServiceServicer):
+    def __init__(self, manager: InstanceManager) -> None:
+        self.manager = manager
+
+    async def _caller(self, context: grpc.aio.ServicerContext) -> Instance:
+        token = dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY, "")
+        try:
+            return self.manager.by_token(token)
+        except InstanceNotFound:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"missing or unknown {TOKEN_METADATA_KEY}")
+            raise
+
+    async def SendToUser(self, request, context):  # noqa: N802
+        instance = await self._caller(context)
+        if not await instance.supervisor.publish_message(request.text):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the instance's output limit is used up")
+        return spawner_pb2.SendToUserResponse()
+
+    async def ReceiveFromUser(self, request, context):  # noqa: N802
+        instance = await self._caller(context)
+        text = await self.manager.receive_from_user(instance, _timeout_s(request.timeout_ms))
+        return spawner_pb2.ReceiveFromUserResponse(received=text is not None, text=text or "")
+
+    async def GetVariable(self, request, context):  # noqa: N802
+        instance = await self._caller(context)
+        async with _errors_to_status(context):
+            snap = instance.tree.variables.get(request.name)
+            return spawner_pb2.GetVariableResponse(exists=snap.exists, value=snap.value, version=snap.version)
+
+    async def SetVariable(self, request, context):  # noqa: N802
+        instance = await self._caller(context)
+        async with _errors_to_status(context):
+            snap = await instance.tree.variables.set(request.name, request.value)
+            return spawner_pb2.SetVariableResponse(version=snap.version)
+
+    async def CompareAndSetVariable(self, request, context):  # noqa: N802
+        instance = await self._caller(context)
+        async with _errors_to_status(context):
+            result = await instance.tree.variables.compare_and_set(
+                request.name, request.expected_version, request.value
+            )
+            return spawner_pb2.CompareAndSetVariableResponse(
+                swapped=result.swapped, version=result.snapshot.version, value=result.snapshot.value
+            )
+
+    async def AppendVariable(self, request, context):  # noqa: N802
+        instance = await self._caller(context)
+        async with _errors_to_status(context):
+            snap = await instance.tree.variables.append(request.name, request.value)
+            return spawner_pb2.AppendVariableResponse(version=snap.version)
+
+    async def WatchVariable(self, request, context):  # noqa: N802
+        instance = await self._caller(context)
+        async for snap in instance.tree.variables.watch(request.name):
+            yield spawner_pb2.WatchVariableResponse(
+                exists=snap.exists, value=snap.value, version=snap.version
+            )
+
+    async def SpawnChild(self, request, context):  # noqa: N802
+        parent = await self._caller(context)
+        async with _errors_to_status(context):
+            limits = limits_from_pb(request.limits) if request.HasField("limits") else None
+            child = await self.manager.spawn_child(parent, request.program, tuple(request.args), limits)
+            return spawner_pb2.SpawnChildResponse(instance_id=child.instance_id)
+
+    async def WaitChild(self, request, context):  # noqa: N802
+        parent = await self._caller(context)
+        async with _errors_to_status(context):
+            info = await self.manager.wait_child(parent, request.instance_id, _timeout_s(request.timeout_ms))
+            if info is None:
+                return spawner_pb2.WaitChildResponse(exited=False)
+            return spawner_pb2.WaitChildResponse(exited=True, exit=exit_to_pb(info))
+
+
+# -- the scheduler ------------------------------------------------------------------------------
+
+
+class GrpcInstanceRegistry(InstanceRegistry):
+    """The scheduler's InstanceRegistryService, with a deadline on every call."""
+
+    def __init__(self, address: str) -> None:
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = registry_pb2_grpc.InstanceRegistryServiceStub(self._channel)
+
+    async def register(self, instance_id: str, token: str, max_tokens: int, launched_at_unix_ms: int) -> None:
+        request = registry_pb2.RegisterInstanceRequest(
+            instance_id=instance_id,
+            token=token,
+            max_tokens=max_tokens,
+            launched_at_unix_ms=launched_at_unix_ms,
+        )
+        await self._stub.RegisterInstance(request, timeout=REGISTRY_DEADLINE_S)
+
+    async def destroy(self, instance_id: str, reason: str) -> None:
+        request = registry_pb2.DestroyInstanceRequest(instance_id=instance_id, reason=reason)
+        await self._stub.DestroyInstance(request, timeout=REGISTRY_DEADLINE_S)
+
+    async def forward_traps(self, manager: InstanceManager) -> None:
+        """Stops instances the scheduler trapped; runs for the life of the server."""
+        stream = self._stub.WatchInstanceEvents(registry_pb2.WatchInstanceEventsRequest())
+        async for event in stream:
+            await manager.trap(event.instance_id, event.trap.reason)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+# -- assembly -----------------------------------------------------------------------------------
+
+
+def make_sandbox(config: SpawnerConfig) -> Sandbox:
+    if config.sandbox_kind == "process":
+        from l4m.spawner.process_sandbox import ProcessSandbox, ProcessSandboxConfig
+
+        return ProcessSandbox(ProcessSandboxConfig(spawner_id=config.spawner_id))
+    if config.sandbox_kind == "docker":
+        import docker
+        from l4m.spawner.docker_image import ensure_controller_image
+        from l4m.spawner.docker_sandbox import DockerSandbox, DockerSandboxConfig
+
+        image = config.docker_image or ensure_controller_image(docker.from_env())
+        return DockerSandbox(DockerSandboxConfig(image=image, spawner_id=config.spawner_id))
+    raise ValueError(f"unknown sandbox kind {config.sandbox_kind!r} (expected process or docker)")
+
+
+async def create_server(
+    config: SpawnerConfig, sandbox: Sandbox | None = None, registry: InstanceRegistry | None = None
+) -> tuple[grpc.aio.Server, int, InstanceManager]:
+    """Builds (does not start) the server; returns it, the bound TCP port and the core."""
+    sandbox = sandbox or make_sandbox(config)
+    await sandbox.cleanup_orphans()
+    if registry is None:
+        registry = (
+            GrpcInstanceRegistry(config.scheduler_registry_address)
+            if config.scheduler_registry_address
+            else NoScheduler()
+        )
+    store = ProgramStore(config.state_dir / "store", config.max_program_bytes)
+    manager = InstanceManager(config, store, sandbox, registry)
+
+    server = grpc.aio.server()
+    spawner_pb2_grpc.add_SpawnerServiceServicer_to_server(SpawnerServicer(manager), server)
+    spawner_pb2_grpc.add_RuntimeServiceServicer_to_server(RuntimeServicer(manager), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    port = server.add_insecure_port(config.listen_address)
+    # The sandbox uid must reach the runtime socket: the directory is traversable and the socket
+    # writable by anyone, which is safe because every call must carry an instance token.
+    config.socket_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(config.socket_dir, 0o755)
+    runtime_socket = config.socket_dir / config.runtime_socket_name
+    runtime_socket.unlink(missing_ok=True)
+    server.add_insecure_port(f"unix://{runtime_socket}")
+    return server, port, manager
+
+
+def make_socket_accessible(config: SpawnerConfig) -> None:
+    """Call after `server.start()`: gRPC creates the socket file only then."""
+    os.chmod(config.socket_dir / config.runtime_socket_name, 0o666)

@@ -1,0 +1,260 @@
+"""One instance's life from launch to its single exit report, the same on every backend.
+
+The supervisor owns the limits the spawner itself enforces: wall time (a timer), output bytes
+(counted as output is read; the first byte past the limit kills the instance) and sandbox-wide CPU
+time where the backend can measure it (polled). It splits output into lines, replays what was
+already said to late subscribers, reports one ExitInfo to every subscriber and exit callback, and
+always waits for the handle, which releases what the sandbox held (cgroups, uid, container).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from l4m.spawner.sandbox import (
+    ExitInfo,
+    ExitReason,
+    OutputChunk,
+    OutputStream,
+    Sandbox,
+    SandboxHandle,
+    SandboxSpec,
+)
+
+DEFAULT_MAX_LINE_BYTES = 64 * 1024
+DEFAULT_MAX_REPLAY_BYTES = 1024 * 1024
+
+
+class InstanceState(StrEnum):
+    STARTING = "starting"
+    RUNNING = "running"
+    EXITED = "exited"
+
+
+@dataclass(frozen=True)
+class OutputEvent:
+    """A line of output (with its newline), or a fragment of one longer than the line limit."""
+
+    stream: OutputStream
+    data: bytes
+
+
+@dataclass(frozen=True)
+class MessageEvent:
+    """A message the controller sent to its user through the runtime (not through its output)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ExitEvent:
+    info: ExitInfo
+
+
+InstanceEvent = OutputEvent | MessageEvent | ExitEvent
+ExitCallback = Callable[[ExitInfo], Awaitable[None] | None]
+
+
+class _LineSplitter:
+    def __init__(self, max_line_bytes: int) -> None:
+        self._max_line_bytes = max_line_bytes
+        self._buffers: dict[OutputStream, bytearray] = collections.defaultdict(bytearray)
+
+    def feed(self, chunk: OutputChunk) -> list[OutputEvent]:
+        buffer = self._buffers[chunk.stream]
+        buffer += chunk.data
+        events: list[OutputEvent] = []
+        while True:
+            end = buffer.find(b"\n")
+            if end < 0 and len(buffer) < self._max_line_bytes:
+                return events
+            cut = end + 1 if 0 <= end < self._max_line_bytes else self._max_line_bytes
+            events.append(OutputEvent(chunk.stream, bytes(buffer[:cut])))
+            del buffer[:cut]
+
+    def flush(self) -> list[OutputEvent]:
+        events = [OutputEvent(stream, bytes(buffer)) for stream, buffer in self._buffers.items() if buffer]
+        self._buffers.clear()
+        return events
+
+
+class InstanceSupervisor:
+    """Launches one sandbox and watches it until it exits. Create one per instance."""
+
+    def __init__(
+        self,
+        sandbox: Sandbox,
+        spec: SandboxSpec,
+        *,
+        cpu_poll_interval_s: float = 0.25,
+        max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+        max_replay_bytes: int = DEFAULT_MAX_REPLAY_BYTES,
+    ) -> None:
+        self.spec = spec
+        self._sandbox = sandbox
+        self._cpu_poll_interval_s = cpu_poll_interval_s
+        self._splitter = _LineSplitter(max_line_bytes)
+        self._max_replay_bytes = max_replay_bytes
+        self._history: collections.deque[InstanceEvent] = collections.deque()
+        self._history_bytes = 0
+        self._subscribers: set[asyncio.Queue[InstanceEvent]] = set()
+        self._exit_callbacks: list[ExitCallback] = []
+        self._handle: SandboxHandle | None = None
+        self._run_task: asyncio.Task[ExitInfo] | None = None
+        self.state = InstanceState.STARTING
+        self.exit_info: ExitInfo | None = None
+        self.num_output_bytes = 0
+        self.started_at_monotonic_s = 0.0
+        self.first_output_at_monotonic_s: float | None = None
+
+    @property
+    def instance_id(self) -> str:
+        return self.spec.instance_id
+
+    def add_exit_callback(self, callback: ExitCallback) -> None:
+        """`callback(exit_info)` runs once when the instance has exited and been cleaned up."""
+        self._exit_callbacks.append(callback)
+
+    async def start(self) -> None:
+        """Launches the sandbox; raises SandboxError if it cannot start."""
+        self.started_at_monotonic_s = time.monotonic()
+        self._handle = await self._sandbox.start(self.spec)
+        self.state = InstanceState.RUNNING
+        self._run_task = asyncio.create_task(self._run(self._handle), name=f"instance-{self.instance_id}")
+
+    async def wait(self) -> ExitInfo:
+        if self._run_task is None:
+            raise RuntimeError("the instance was never started")
+        return await asyncio.shield(self._run_task)
+
+    async def terminate(
+        self, reason: ExitReason = ExitReason.TERMINATED, message: str = "terminated on request"
+    ) -> ExitInfo:
+        """Kills the instance (the first reason given wins) and waits for its exit report."""
+        if self._handle is not None and self.state is InstanceState.RUNNING:
+            await self._handle.kill(reason, message)
+        return await self.wait()
+
+    async def subscribe(self) -> AsyncIterator[InstanceEvent]:
+        """Output seen so far (up to the replay limit), then live output, then one ExitEvent."""
+        queue: asyncio.Queue[InstanceEvent] = asyncio.Queue()
+        backlog = list(self._history)
+        if self.exit_info is None:
+            self._subscribers.add(queue)
+        try:
+            for event in backlog:
+                yield event
+            if self.exit_info is not None:
+                if not backlog or not isinstance(backlog[-1], ExitEvent):
+                    yield ExitEvent(self.exit_info)
+                return
+            while True:
+                event = await queue.get()
+                yield event
+                if isinstance(event, ExitEvent):
+                    return
+        finally:
+            self._subscribers.discard(queue)
+
+    async def publish_message(self, text: str) -> bool:
+        """Forwards a controller's message to subscribers; counts against the output limit.
+
+        Returns False (and kills the instance) when the message would go past the limit."""
+        if self.state is not InstanceState.RUNNING or self._handle is None:
+            return False
+        size = len(text.encode())
+        max_output_bytes = self.spec.limits.max_output_bytes
+        if self.num_output_bytes + size > max_output_bytes:
+            self.num_output_bytes += size
+            await self._handle.kill(
+                ExitReason.OUTPUT_LIMIT, f"wrote more than its output limit of {max_output_bytes} bytes"
+            )
+            return False
+        self.num_output_bytes += size
+        self._publish(MessageEvent(text))
+        return True
+
+    # -- internals -------------------------------------------------------------------------------
+
+    async def _run(self, handle: SandboxHandle) -> ExitInfo:
+        limits = self.spec.limits
+        watchers = [asyncio.create_task(self._kill_after_wall_time(handle, limits.wall_time_s))]
+        if handle.cpu_time_s() is not None:
+            watchers.append(asyncio.create_task(self._poll_cpu_time(handle, limits.cpu_time_s)))
+        try:
+            await self._pump_output(handle, limits.max_output_bytes)
+        except BaseException:
+            # Cancelled (the spawner is stopping) or broken: the sandbox must not outlive us.
+            await handle.kill(ExitReason.KILLED, "the spawner stopped watching the instance")
+            raise
+        finally:
+            # Always reaped, so its cgroups, uid or container are released.
+            info = await handle.wait()
+            for watcher in watchers:
+                watcher.cancel()
+        for event in self._splitter.flush():
+            self._publish(event)
+        self.state = InstanceState.EXITED
+        self.exit_info = info
+        self._publish(ExitEvent(info))
+        for callback in self._exit_callbacks:
+            result = callback(info)
+            if inspect.isawaitable(result):
+                await result
+        return info
+
+    async def _pump_output(self, handle: SandboxHandle, max_output_bytes: int) -> None:
+        async for chunk in handle.output():
+            if self.first_output_at_monotonic_s is None:
+                self.first_output_at_monotonic_s = time.monotonic()
+            room = max_output_bytes - self.num_output_bytes
+            self.num_output_bytes += len(chunk.data)
+            if room <= 0:
+                continue  # already killed; drain what was in flight
+            if len(chunk.data) > room:
+                chunk = OutputChunk(chunk.stream, chunk.data[:room])
+                await handle.kill(
+                    ExitReason.OUTPUT_LIMIT,
+                    f"wrote more than its output limit of {max_output_bytes} bytes",
+                )
+            for event in self._splitter.feed(chunk):
+                self._publish(event)
+
+    async def _kill_after_wall_time(self, handle: SandboxHandle, wall_time_s: float) -> None:
+        await asyncio.sleep(wall_time_s)
+        await handle.kill(ExitReason.WALL_TIME_LIMIT, f"ran past its wall time limit of {wall_time_s:g} s")
+
+    async def _poll_cpu_time(self, handle: SandboxHandle, cpu_time_s: float) -> None:
+        # rlimit cpu stops each process at the limit; this catches a sandbox that shares the work
+        # among many processes, each under the limit, together over it.
+        while True:
+            await asyncio.sleep(self._cpu_poll_interval_s)
+            used = handle.cpu_time_s()
+            if used is not None and used > cpu_time_s + self._cpu_poll_interval_s:
+                await handle.kill(
+                    ExitReason.CPU_TIME_LIMIT,
+                    f"its processes used {used:.1f} s of CPU, over the limit of {cpu_time_s:g} s",
+                )
+                return
+
+    def _publish(self, event: InstanceEvent) -> None:
+        self._history.append(event)
+        self._history_bytes += _event_bytes(event)
+        while self._history_bytes > self._max_replay_bytes and not isinstance(self._history[0], ExitEvent):
+            self._history_bytes -= _event_bytes(self._history.popleft())
+        for queue in self._subscribers:
+            queue.put_nowait(event)
+
+
+def _event_bytes(event: InstanceEvent) -> int:
+    if isinstance(event, OutputEvent):
+        return len(event.data)
+    if isinstance(event, MessageEvent):
+        return len(event.text)
+    return 0

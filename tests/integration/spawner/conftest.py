@@ -1,0 +1,83 @@
+"""Real sandboxes for the spawner's integration tests: bubblewrap, and a real Docker engine.
+
+The docker fixture starts an engine with the shared scripts when `docker info` fails, builds the
+stand-in base image and the controller image once per machine (the controller tag is a content
+hash, so later runs reuse it), and fails (does not skip) when any of that is impossible: the escape
+suite must run on both backends.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from l4m.spawner.docker_image import ensure_controller_image
+from l4m.spawner.docker_sandbox import DockerSandbox, DockerSandboxConfig
+from l4m.spawner.process_sandbox import ProcessSandbox, ProcessSandboxConfig
+from l4m.spawner.sandbox import Sandbox
+
+SHARED_SCRIPTS = Path(os.environ.get("L4M_SHARED_SCRIPTS", "/work/shared/scripts"))
+BASE_IMAGE = "python:3.11-slim"
+
+
+def _run(command: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
+
+
+def _docker_engine_up() -> bool:
+    return shutil.which("docker") is not None and _run(["docker", "info"], 30).returncode == 0
+
+
+def _ensure_docker_engine() -> None:
+    if _docker_engine_up():
+        return
+    script = SHARED_SCRIPTS / "docker-engine.sh"
+    if not script.exists():
+        pytest.fail(f"no Docker engine is running and {script} (which starts one) does not exist")
+    result = _run(["bash", str(script)], 600)
+    if result.returncode != 0 or not _docker_engine_up():
+        pytest.fail(f"could not start a Docker engine with {script}:\n{result.stdout}\n{result.stderr}")
+
+
+def _ensure_base_image() -> None:
+    if _run(["docker", "image", "inspect", BASE_IMAGE], 60).returncode == 0:
+        return
+    script = SHARED_SCRIPTS / "base-image.sh"
+    result = _run(["bash", str(script), BASE_IMAGE], 900)
+    if result.returncode != 0:
+        pytest.fail(f"could not build the base image {BASE_IMAGE} with {script}:\n{result.stderr[-4000:]}")
+
+
+@pytest.fixture(scope="session")
+def spawner_id() -> str:
+    return f"test-{os.getpid()}"
+
+
+@pytest.fixture(scope="session")
+def process_sandbox(spawner_id: str) -> Iterator[ProcessSandbox]:
+    sandbox = ProcessSandbox(ProcessSandboxConfig(spawner_id=spawner_id))
+    yield sandbox
+    sandbox.close()
+
+
+@pytest.fixture(scope="session")
+def docker_sandbox(spawner_id: str) -> DockerSandbox:
+    import docker
+
+    _ensure_docker_engine()
+    _ensure_base_image()
+    try:
+        tag = ensure_controller_image(docker.from_env())
+    except Exception as exc:  # noqa: BLE001 - any failure here must fail the suite with its reason
+        pytest.fail(f"could not build the controller image: {exc}")
+    return DockerSandbox(DockerSandboxConfig(image=tag, spawner_id=spawner_id))
+
+
+@pytest.fixture(params=["process", pytest.param("docker", marks=pytest.mark.docker)])
+def sandbox(request: pytest.FixtureRequest) -> Sandbox:
+    return request.getfixturevalue(f"{request.param}_sandbox")

@@ -1,0 +1,303 @@
+"""The sandbox escape suite, on both backends (real bubblewrap, a real Docker engine).
+
+Each hostile controller either is refused (files, network) or is stopped with the exit reason that
+names the limit it hit (processes, memory, CPU, output, wall time). A well-behaved controller runs
+next to every hostile one and again after it, and must succeed both times: one instance's abuse
+must not hurt the host or its neighbours. The Unix socket directory, the one way out, must work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2_grpc
+
+from l4m.spawner.programs import ProgramStore
+from l4m.spawner.sandbox import ExitInfo, ExitReason, Limits, Sandbox, SandboxSpec
+from l4m.spawner.supervisor import ExitEvent, InstanceSupervisor
+
+MiB = 1024 * 1024
+HOSTILE_LIMITS = Limits(
+    wall_time_s=60.0,
+    cpu_time_s=2.0,
+    memory_bytes=256 * MiB,
+    max_processes=64,
+    max_open_files=64,
+    max_output_bytes=1 * MiB,
+)
+WELL_BEHAVED = """
+import grpc, l4m
+print("bystander ok", flush=True)
+"""
+
+
+@dataclass(frozen=True)
+class Run:
+    exit: ExitInfo
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> ProgramStore:
+    return ProgramStore(tmp_path / "store")
+
+
+async def run_program(
+    sandbox: Sandbox,
+    store: ProgramStore,
+    source: str,
+    *,
+    limits: Limits = HOSTILE_LIMITS,
+    args: tuple[str, ...] = (),
+    socket_dir: Path | None = None,
+) -> Run:
+    program = store.put(source.encode()).program
+    spec = SandboxSpec(f"t-{uuid.uuid4().hex[:12]}", program.path, args, {}, socket_dir, limits)
+    supervisor = InstanceSupervisor(sandbox, spec)
+    await supervisor.start()
+    streams: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
+    async for event in supervisor.subscribe():
+        if not isinstance(event, ExitEvent):
+            streams[event.stream.value].append(event.data)
+    info = await supervisor.wait()
+    return Run(
+        info,
+        b"".join(streams["stdout"]).decode(errors="replace"),
+        b"".join(streams["stderr"]).decode(errors="replace"),
+    )
+
+
+def assert_bystander_ok(run: Run) -> None:
+    assert run.exit.reason is ExitReason.EXITED, f"{run.exit}\n{run.stderr}"
+    assert "bystander ok" in run.stdout
+
+
+async def run_next_to_bystanders(sandbox: Sandbox, store: ProgramStore, source: str, **kwargs: object) -> Run:
+    """Runs `source` with a well-behaved controller beside it, then another after it."""
+    hostile, bystander = await asyncio.gather(
+        run_program(sandbox, store, source, **kwargs), run_program(sandbox, store, WELL_BEHAVED)
+    )
+    assert_bystander_ok(bystander)
+    assert_bystander_ok(await run_program(sandbox, store, WELL_BEHAVED))
+    return hostile
+
+
+def test_reading_host_and_spawner_files_is_refused(
+    sandbox: Sandbox, store: ProgramStore, tmp_path: Path
+) -> None:
+    secret_dir = tmp_path / "spawner-private"
+    secret_dir.mkdir(mode=0o700)
+    secret = secret_dir / "secret.txt"
+    secret.write_text("TOP-SECRET-7f3a")
+    secret.chmod(0o644)  # even a world-readable file is out of reach: it is not in the sandbox
+    stored = store.put(b"print('another program')\n").program
+    source = """
+import os, sys
+for path in sys.argv[1:]:
+    try:
+        if os.path.isdir(path):
+            print("READ", path, os.listdir(path))
+        else:
+            with open(path, "rb") as f:
+                print("READ", path, f.read(64))
+    except OSError as e:
+        print("REFUSED", path, type(e).__name__)
+for path in ("/opt/l4m/program/main.py", "/usr/lib/l4m-was-here", "/etc/l4m-was-here"):
+    try:
+        open(path, "a").close()
+        print("WROTE", path)
+    except OSError as e:
+        print("REFUSED-WRITE", path, type(e).__name__)
+"""
+    spawner_environ = f"/proc/{os.getpid()}/environ"  # the spawner's pid does not exist in the sandbox
+    targets = (
+        "/etc/shadow",
+        str(secret),
+        str(store.root),
+        str(stored.path),
+        "/proc/1/root/etc/shadow",
+        spawner_environ,
+    )
+    run = asyncio.run(run_next_to_bystanders(sandbox, store, source, args=targets))
+    assert run.exit.reason is ExitReason.EXITED, f"{run.exit}\n{run.stderr}"
+    assert "TOP-SECRET" not in run.stdout + run.stderr
+    assert "READ" not in run.stdout.replace("REFUSED", ""), run.stdout
+    assert "WROTE" not in run.stdout, run.stdout
+    assert run.stdout.count("REFUSED ") == len(targets), run.stdout
+    assert run.stdout.count("REFUSED-WRITE ") == 3, run.stdout
+
+
+def test_network_is_unreachable(sandbox: Sandbox, store: ProgramStore) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    abstract = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    abstract_name = f"\0l4m-escape-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    abstract.bind(abstract_name)
+    abstract.listen()
+    abstract.setblocking(False)
+    port = listener.getsockname()[1]
+    source = """
+import socket, sys
+port, abstract = int(sys.argv[1]), sys.argv[2]
+for host, p in (("127.0.0.1", port), ("10.0.0.1", 80), ("8.8.8.8", 53), ("1.1.1.1", 443)):
+    try:
+        socket.create_connection((host, p), timeout=3).close()
+        print("CONNECTED", host)
+    except OSError as e:
+        print("REFUSED", host, type(e).__name__)
+try:
+    socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", ("8.8.8.8", 53))
+    print("SENT udp")
+except OSError as e:
+    print("REFUSED udp", type(e).__name__)
+try:
+    s = socket.socket(socket.AF_UNIX)
+    s.connect("\\0" + abstract)
+    print("CONNECTED abstract")
+except OSError as e:
+    print("REFUSED abstract", type(e).__name__)
+"""
+    try:
+        run = asyncio.run(run_next_to_bystanders(sandbox, store, source, args=(str(port), abstract_name[1:])))
+        for sock in (listener, abstract):
+            with pytest.raises(BlockingIOError):
+                sock.accept()  # nothing ever connected
+    finally:
+        listener.close()
+        abstract.close()
+    assert run.exit.reason is ExitReason.EXITED, f"{run.exit}\n{run.stderr}"
+    assert "CONNECTED" not in run.stdout and "SENT" not in run.stdout, run.stdout
+    assert run.stdout.count("REFUSED") == 6, run.stdout
+
+
+def test_fork_bomb_hits_the_process_limit(sandbox: Sandbox, store: ProgramStore) -> None:
+    source = """
+import os, time
+for _ in range(10_000):
+    if os.fork() == 0:
+        time.sleep(600)
+        os._exit(0)
+print("forked 10000")
+"""
+    run = asyncio.run(run_next_to_bystanders(sandbox, store, source))
+    assert run.exit.reason is ExitReason.PROCESS_LIMIT, f"{run.exit}\n{run.stderr[-2000:]}"
+    assert "forked 10000" not in run.stdout
+
+
+def test_allocating_4_gb_hits_the_memory_limit(sandbox: Sandbox, store: ProgramStore) -> None:
+    source = """
+block = bytearray(4 * 1024**3)
+block[:: 4096] = b"x" * len(block[:: 4096])
+print("allocated 4 GB")
+"""
+    run = asyncio.run(run_next_to_bystanders(sandbox, store, source))
+    assert run.exit.reason is ExitReason.MEMORY_LIMIT, f"{run.exit}\n{run.stderr[-2000:]}"
+    assert "allocated" not in run.stdout
+
+
+def test_spinning_forever_hits_the_cpu_limit(sandbox: Sandbox, store: ProgramStore) -> None:
+    run = asyncio.run(run_next_to_bystanders(sandbox, store, "while True:\n    pass\n"))
+    assert run.exit.reason is ExitReason.CPU_TIME_LIMIT, f"{run.exit}\n{run.stderr[-2000:]}"
+
+
+def test_printing_1_gb_hits_the_output_limit(sandbox: Sandbox, store: ProgramStore) -> None:
+    source = """
+import sys
+line = b"x" * 1023 + b"\\n"
+for _ in range(1024 * 1024):
+    sys.stdout.buffer.write(line)
+print("printed 1 GB")
+"""
+    run = asyncio.run(run_next_to_bystanders(sandbox, store, source))
+    assert run.exit.reason is ExitReason.OUTPUT_LIMIT, f"{run.exit}\n{run.stderr[-2000:]}"
+    assert len(run.stdout) + len(run.stderr) <= HOSTILE_LIMITS.max_output_bytes
+    assert "printed 1 GB" not in run.stdout
+
+
+def test_sleeping_forever_hits_the_wall_time_limit(sandbox: Sandbox, store: ProgramStore) -> None:
+    limits = Limits(wall_time_s=1.5)
+    run = asyncio.run(run_program(sandbox, store, "import time\ntime.sleep(3600)\n", limits=limits))
+    assert run.exit.reason is ExitReason.WALL_TIME_LIMIT, run.exit
+
+
+def test_terminate_stops_a_running_instance(sandbox: Sandbox, store: ProgramStore) -> None:
+    async def go() -> ExitInfo:
+        program = store.put(b"import time\nprint('ready', flush=True)\ntime.sleep(3600)\n").program
+        supervisor = InstanceSupervisor(sandbox, SandboxSpec(f"t-{uuid.uuid4().hex[:12]}", program.path))
+        await supervisor.start()
+        async for event in supervisor.subscribe():
+            assert not isinstance(event, ExitEvent), event
+            if b"ready" in event.data:
+                break
+        return await supervisor.terminate()
+
+    info = asyncio.run(go())
+    assert info.reason is ExitReason.TERMINATED, info
+
+
+def _accessible_socket_dir(tmp_path: Path) -> Path:
+    # The sandbox uid must be able to enter the directory and connect to (= write) the socket.
+    socket_dir = tmp_path / "sockets"
+    socket_dir.mkdir()
+    socket_dir.chmod(0o755)
+    return socket_dir
+
+
+def test_the_socket_dir_is_reachable(sandbox: Sandbox, store: ProgramStore, tmp_path: Path) -> None:
+    socket_dir = _accessible_socket_dir(tmp_path)
+    source = """
+import socket
+s = socket.socket(socket.AF_UNIX)
+s.connect("/run/l4m/echo.sock")
+s.sendall(b"ping from the sandbox")
+print("ECHO", s.recv(100).decode())
+"""
+
+    async def go() -> Run:
+        async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(await reader.read(100))
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_unix_server(echo, path=str(socket_dir / "echo.sock"))
+        (socket_dir / "echo.sock").chmod(0o666)
+        async with server:
+            return await run_program(sandbox, store, source, socket_dir=socket_dir)
+
+    run = asyncio.run(go())
+    assert run.exit.reason is ExitReason.EXITED, f"{run.exit}\n{run.stderr}"
+    assert "ECHO ping from the sandbox" in run.stdout
+
+
+def test_grpc_over_the_socket_dir(sandbox: Sandbox, store: ProgramStore, tmp_path: Path) -> None:
+    socket_dir = _accessible_socket_dir(tmp_path)
+    source = """
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+with grpc.insecure_channel("unix:///run/l4m/l4m.sock") as channel:
+    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+print("HEALTH", health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+"""
+
+    async def go() -> Run:
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        server.add_insecure_port(f"unix://{socket_dir / 'l4m.sock'}")
+        await server.start()
+        (socket_dir / "l4m.sock").chmod(0o666)
+        try:
+            return await run_program(sandbox, store, source, socket_dir=socket_dir)
+        finally:
+            await server.stop(None)
+
+    run = asyncio.run(go())
+    assert run.exit.reason is ExitReason.EXITED, f"{run.exit}\n{run.stderr}"
+    assert "HEALTH SERVING" in run.stdout

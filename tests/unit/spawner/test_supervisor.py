@@ -1,0 +1,180 @@
+"""The supervisor over a fake sandbox: lines, replay, output and wall-time limits, one exit report."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from l4m.spawner.sandbox import (
+    ExitFacts,
+    ExitInfo,
+    ExitReason,
+    Limits,
+    OutputChunk,
+    OutputStream,
+    Sandbox,
+    SandboxHandle,
+    SandboxSpec,
+    derive_exit_info,
+)
+from l4m.spawner.supervisor import ExitEvent, InstanceState, InstanceSupervisor, OutputEvent
+
+
+class FakeHandle(SandboxHandle):
+    """Emits scripted chunks; then either exits with `exit_code` or runs until killed."""
+
+    def __init__(self, spec: SandboxSpec, chunks: list[OutputChunk], exit_code: int | None) -> None:
+        self.instance_id = spec.instance_id
+        self._limits = spec.limits
+        self._chunks = chunks
+        self._exit_code = exit_code
+        self._killed = asyncio.Event()
+        self._kill_reason: ExitReason | None = None
+        self._kill_message = ""
+        self.num_waits = 0
+
+    async def output(self) -> AsyncIterator[OutputChunk]:
+        for chunk in self._chunks:
+            if self._killed.is_set():
+                return
+            yield chunk
+            await asyncio.sleep(0)
+        if self._exit_code is None:
+            await self._killed.wait()
+
+    async def wait(self) -> ExitInfo:
+        self.num_waits += 1
+        if self._exit_code is None:
+            await self._killed.wait()
+            return derive_exit_info(
+                ExitFacts(
+                    self._limits, signal=9, kill_reason=self._kill_reason, kill_message=self._kill_message
+                )
+            )
+        return derive_exit_info(ExitFacts(self._limits, exit_code=self._exit_code))
+
+    async def kill(self, reason: ExitReason, message: str) -> None:
+        if self._kill_reason is None:
+            self._kill_reason, self._kill_message = reason, message
+        self._killed.set()
+
+
+class FakeSandbox(Sandbox):
+    kind = "fake"
+
+    def __init__(self, chunks: list[OutputChunk], exit_code: int | None = 0) -> None:
+        self.chunks, self.exit_code = chunks, exit_code
+        self.handles: list[FakeHandle] = []
+
+    async def start(self, spec: SandboxSpec) -> SandboxHandle:
+        self.handles.append(FakeHandle(spec, self.chunks, self.exit_code))
+        return self.handles[-1]
+
+    async def cleanup_orphans(self) -> int:
+        return 0
+
+    def enforcement(self) -> dict[str, str]:
+        return {}
+
+
+def out(data: bytes, stream: OutputStream = OutputStream.STDOUT) -> OutputChunk:
+    return OutputChunk(stream, data)
+
+
+def spec(**limits: object) -> SandboxSpec:
+    return SandboxSpec("i-1", Path("/nonexistent"), limits=Limits(**limits))
+
+
+async def collect(supervisor: InstanceSupervisor) -> list[OutputEvent | ExitEvent]:
+    return [event async for event in supervisor.subscribe()]
+
+
+def test_output_is_split_into_lines_per_stream_and_ends_with_one_exit() -> None:
+    async def go() -> None:
+        sandbox = FakeSandbox([out(b"hel"), out(b"oops\n", OutputStream.STDERR), out(b"lo\nwor"), out(b"ld")])
+        supervisor = InstanceSupervisor(sandbox, spec())
+        await supervisor.start()
+        events = await collect(supervisor)
+        assert [(e.stream.value, e.data) for e in events[:-1]] == [
+            ("stderr", b"oops\n"),
+            ("stdout", b"hello\n"),
+            ("stdout", b"world"),
+        ]
+        assert isinstance(events[-1], ExitEvent) and events[-1].info.reason is ExitReason.EXITED
+        assert supervisor.state is InstanceState.EXITED
+        assert sandbox.handles[0].num_waits == 1
+
+    asyncio.run(go())
+
+
+def test_long_lines_are_cut_at_the_line_limit() -> None:
+    async def go() -> None:
+        supervisor = InstanceSupervisor(FakeSandbox([out(b"x" * 25)]), spec(), max_line_bytes=10)
+        await supervisor.start()
+        events = await collect(supervisor)
+        assert [len(e.data) for e in events[:-1]] == [10, 10, 5]
+
+    asyncio.run(go())
+
+
+def test_a_late_subscriber_gets_the_replay_and_the_exit() -> None:
+    async def go() -> None:
+        supervisor = InstanceSupervisor(FakeSandbox([out(b"a\n"), out(b"b\n")]), spec())
+        await supervisor.start()
+        await supervisor.wait()
+        events = await collect(supervisor)
+        assert [e.data for e in events[:-1]] == [b"a\n", b"b\n"]
+        assert isinstance(events[-1], ExitEvent)
+
+    asyncio.run(go())
+
+
+def test_output_past_the_limit_kills_with_output_limit() -> None:
+    async def go() -> None:
+        chunks = [out(b"y" * 99 + b"\n")] * 100
+        supervisor = InstanceSupervisor(FakeSandbox(chunks, exit_code=None), spec(max_output_bytes=250))
+        await supervisor.start()
+        events = await collect(supervisor)
+        assert sum(len(e.data) for e in events[:-1]) == 250
+        assert events[-1].info.reason is ExitReason.OUTPUT_LIMIT
+
+    asyncio.run(go())
+
+
+def test_wall_time_kills_with_wall_time_limit() -> None:
+    async def go() -> None:
+        supervisor = InstanceSupervisor(FakeSandbox([], exit_code=None), spec(wall_time_s=0.05))
+        await supervisor.start()
+        assert (await supervisor.wait()).reason is ExitReason.WALL_TIME_LIMIT
+
+    asyncio.run(go())
+
+
+def test_terminate_reports_the_reason_given_and_callbacks_run_once() -> None:
+    async def go() -> None:
+        reports: list[ExitInfo] = []
+        supervisor = InstanceSupervisor(FakeSandbox([out(b"ready\n")], exit_code=None), spec())
+        supervisor.add_exit_callback(reports.append)
+        await supervisor.start()
+        info = await supervisor.terminate(ExitReason.TRAPPED, "bad page id 7")
+        assert (info.reason, info.message) == (ExitReason.TRAPPED, "bad page id 7")
+        assert await supervisor.terminate() == info  # the first reason stands
+        assert reports == [info]
+
+    asyncio.run(go())
+
+
+def test_cancelling_the_supervisor_kills_and_reaps_the_sandbox() -> None:
+    async def go() -> None:
+        sandbox = FakeSandbox([], exit_code=None)
+        supervisor = InstanceSupervisor(sandbox, spec())
+        await supervisor.start()
+        await asyncio.sleep(0.01)
+        supervisor._run_task.cancel()
+        await asyncio.sleep(0.01)
+        handle = sandbox.handles[0]
+        assert handle._kill_reason is ExitReason.KILLED
+        assert handle.num_waits == 1
+
+    asyncio.run(go())
