@@ -1,4 +1,7 @@
-"""Sandbox launch latency: launch → first output line of a controller that imports grpc and l4m.
+"""Sandbox launch latency: launch → first output line of a controller that has imported what the
+SDK's runner (`python -m l4m.controller`) imports before its first command (grpc, the session, the
+model and context layers, numpy, tokenizers). The first command itself is a round trip to the
+scheduler on top, which this benchmark leaves out so that it needs no scheduler.
 
     .venv/bin/python bench/spawner.py                      # both backends
     .venv/bin/python bench/spawner.py --backends process --launches 50
@@ -27,8 +30,7 @@ from l4m.spawner.sandbox import ExitReason, Limits, Sandbox, SandboxSpec
 from l4m.spawner.supervisor import InstanceSupervisor
 
 CONTROLLER = b"""
-import grpc
-import l4m
+import l4m.controller
 print("ready", flush=True)
 """
 TARGET_PROCESS_P50_MS = 150.0

@@ -124,6 +124,14 @@ class MaskKvPage:
 class EmbedImage:
     slot_ids: tuple[int, ...]
     image: bytes = b""
+    position_offset: int = 0
+
+
+@dataclass(frozen=True)
+class DebugQuery:
+    """ "ping" -> "pong"; "stats" -> JSON counters."""
+
+    query: str
 
 
 @dataclass(frozen=True)
@@ -147,7 +155,16 @@ class ForwardTextResult:
 
 
 Command = (
-    Allocate | Deallocate | EmbedText | Forward | ForwardText | SampleTopK | CopyKvPage | MaskKvPage | EmbedImage
+    Allocate
+    | Deallocate
+    | EmbedText
+    | Forward
+    | ForwardText
+    | SampleTopK
+    | CopyKvPage
+    | MaskKvPage
+    | EmbedImage
+    | DebugQuery
 )
 
 
@@ -176,3 +193,4 @@ class ExecutorInfo:
     eos_token_ids: tuple[int, ...]
     chat_template: str
     capabilities: tuple[str, ...]
+    max_batch_tokens: int

@@ -10,9 +10,10 @@ from __future__ import annotations
 class ExecutorError(Exception):
     """Base class: a command the executor refuses, with a human reason."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, item_index: int = 0) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.item_index = item_index  # the first offending item of the batch
 
 
 class InvalidCommand(ExecutorError):

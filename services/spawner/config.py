@@ -39,3 +39,11 @@ class SpawnerConfig:
     default_max_tokens: int = 0  # per instance; 0 = unlimited
     max_children_per_tree: int = 32
     max_instances: int = 256  # alive at once
+    max_exited_instances: int = 1000  # exited instances kept for ListInstances/Attach, newest first
+    # Controllers run as `python -m <controller_runner> PROGRAM ARGS` (the SDK's runner, which calls
+    # the program's `async def main(ctx)`); empty: `python PROGRAM ARGS`, for plain scripts.
+    controller_runner: str = "l4m.controller"
+    # The OTLP/gRPC endpoint controllers' spans are forwarded to through the runtime socket (the
+    # spawner's own exporter endpoint); empty: controllers are not asked to export spans.
+    controller_spans_endpoint: str = ""
+    controller_spans_headers: tuple[tuple[str, str], ...] = ()  # sent with forwarded spans

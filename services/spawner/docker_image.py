@@ -17,12 +17,22 @@ from pathlib import Path
 import l4m
 
 IMAGE_REPOSITORY = "l4m-controller"
-_BUILD_PACKAGES = {
-    "GRPCIO_VERSION": "grpcio",
-    "PROTOBUF_VERSION": "protobuf",
-    "NUMPY_VERSION": "numpy",
-    "OTEL_API_VERSION": "opentelemetry-api",
-}
+# What `python -m l4m.controller` and the SDK import, installed at the spawner's own versions.
+CONTROLLER_PACKAGES = (
+    "grpcio",
+    "grpcio-health-checking",
+    "protobuf",
+    "numpy",
+    "tokenizers",
+    "jinja2",
+    "llguidance",
+    "jsonschema",
+    "opentelemetry-api",
+    "opentelemetry-sdk",
+    "opentelemetry-proto",
+    "opentelemetry-exporter-otlp-proto-common",
+    "opentelemetry-exporter-otlp-proto-grpc",
+)
 
 
 class ImageBuildError(RuntimeError):
@@ -35,7 +45,8 @@ def repo_root() -> Path:
 
 
 def build_args() -> dict[str, str]:
-    return {arg: importlib.metadata.version(package) for arg, package in _BUILD_PACKAGES.items()}
+    pins = [f"{package}=={importlib.metadata.version(package)}" for package in CONTROLLER_PACKAGES]
+    return {"PACKAGES": " ".join(pins)}
 
 
 def _context_files(root: Path) -> list[tuple[str, Path]]:

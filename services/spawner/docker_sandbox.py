@@ -22,6 +22,7 @@ from typing import Any
 from l4m.spawner.sandbox import (
     SANDBOX_PROGRAM_DIR,
     SANDBOX_SOCKET_DIR,
+    SANDBOX_THREAD_ENV,
     ExitFacts,
     ExitInfo,
     ExitReason,
@@ -33,6 +34,7 @@ from l4m.spawner.sandbox import (
     SandboxHandle,
     SandboxSpec,
     derive_exit_info,
+    program_file_name,
     split_wait_status,
 )
 
@@ -55,15 +57,15 @@ def container_options(config: DockerSandboxConfig, spec: SandboxSpec) -> dict[st
     from docker.types import Mount, Ulimit
 
     limits: Limits = spec.limits
-    program_dest = f"{SANDBOX_PROGRAM_DIR}/main.py"
+    program_dest = f"{SANDBOX_PROGRAM_DIR}/{program_file_name(spec.program_path)}"
     mounts = [Mount(program_dest, str(spec.program_path), type="bind", read_only=True)]
     if spec.socket_dir is not None:
         mounts.append(Mount(SANDBOX_SOCKET_DIR, str(spec.socket_dir), type="bind", read_only=True))
     cpu_soft = max(1, int(limits.cpu_time_s + 0.999))
-    env = {"L4M_INSTANCE_ID": spec.instance_id, "HOME": "/tmp", **spec.env}
+    env = {"L4M_INSTANCE_ID": spec.instance_id, "HOME": "/tmp", **SANDBOX_THREAD_ENV, **spec.env}
     return {
         "image": config.image,
-        "command": ["python3", program_dest, *spec.args],
+        "command": ["python3", *spec.python_argv(program_dest)],
         "name": f"l4m-{config.spawner_id}-{spec.instance_id}",
         "labels": {LABEL_SPAWNER: config.spawner_id, LABEL_INSTANCE: spec.instance_id},
         "environment": env,
@@ -174,6 +176,7 @@ class DockerHandle(SandboxHandle):
         self._queue: asyncio.Queue[OutputChunk | None] = asyncio.Queue()
         self._stderr_tail = bytearray()
         self._reader_done = asyncio.Event()
+        self._stream_error: Exception | None = None
         self._reader = threading.Thread(target=self._read, args=(stream,), daemon=True)
         self._reader.start()
         self._kill_reason: ExitReason | None = None
@@ -189,8 +192,8 @@ class DockerHandle(SandboxHandle):
                     )
                 if stderr:
                     self._loop.call_soon_threadsafe(self._on_stderr, stderr)
-        except Exception:  # the connection dies with the container; the exit is reported by wait()
-            pass
+        except Exception as exc:  # usually the connection dying with the container; see output()
+            self._stream_error = exc
         finally:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
                 self._loop.call_soon_threadsafe(self._queue.put_nowait, None)
@@ -204,6 +207,18 @@ class DockerHandle(SandboxHandle):
     async def output(self) -> AsyncIterator[OutputChunk]:
         while (chunk := await self._queue.get()) is not None:
             yield chunk
+        if self._stream_error is not None and await self._is_running():
+            # Output the spawner cannot read is output it cannot count: the limit would not hold.
+            await self.kill(
+                ExitReason.KILLED, f"the spawner lost the container's output stream: {self._stream_error}"
+            )
+
+    async def _is_running(self) -> bool:
+        try:
+            await asyncio.to_thread(self._container.reload)
+        except Exception:  # noqa: BLE001 - gone already
+            return False
+        return self._container.status == "running"
 
     def cpu_time_s(self) -> float | None:
         try:

@@ -6,23 +6,53 @@ belongs to a launch tree (a user's launch and the children it spawns): the tree 
 token budget) before its sandbox starts, and destroyed there when it ends, whatever the reason, so
 the scheduler frees every page it held. The core never imports grpc: the scheduler is reached
 through the small `InstanceRegistry` interface.
+
+Controllers run through the SDK's runner (`python -m l4m.controller PROGRAM ARGS`, the
+`controller_runner` of the config). The runner exits with `RUNNER_EXIT_TRAPPED` when the scheduler
+trapped the session; such an exit is reported as TRAPPED even when it beats the scheduler's own trap
+event to the spawner.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import dataclasses
+import logging
+import os
 import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
+from opentelemetry import trace
+from opentelemetry.trace import Span
+
+from l4m.spawner import tracing
 from l4m.spawner.config import SpawnerConfig
+from l4m.spawner.metrics import SpawnerMetrics
 from l4m.spawner.programs import ProgramStore
-from l4m.spawner.sandbox import ExitInfo, ExitReason, Limits, Sandbox, SandboxError, SandboxSpec
+from l4m.spawner.sandbox import (
+    SANDBOX_SOCKET_DIR,
+    ExitInfo,
+    ExitReason,
+    Limits,
+    Sandbox,
+    SandboxError,
+    SandboxSpec,
+)
 from l4m.spawner.supervisor import InstanceState, InstanceSupervisor
 from l4m.spawner.variables import VariableStore
+
+log = logging.getLogger(__name__)
+
+# The SDK runner's (l4m.controller) status and stderr line for a trapped session.
+RUNNER_EXIT_TRAPPED = 3
+RUNNER_TRAP_MARKER = "l4m.controller: trapped:"
+CONTROLLER_SERVICE_NAME = "l4m.controller"
 
 
 class InstanceError(Exception):
@@ -39,6 +69,18 @@ class LaunchFailed(InstanceError):
 
 class TooManyInstances(InstanceError):
     pass
+
+
+class TooManyChildren(InstanceError):
+    pass
+
+
+class SchedulerUnavailable(InstanceError):
+    """The scheduler could not be reached to register an instance (nothing was started)."""
+
+
+class RegistrationRefused(InstanceError):
+    """The scheduler answered, but would not register the instance."""
 
 
 class InstanceRegistry(Protocol):
@@ -64,6 +106,7 @@ class NoScheduler:
 @dataclass
 class LaunchTree:
     tree_id: str
+    max_children: int
     variables: VariableStore = field(default_factory=VariableStore)
     num_children: int = 0
 
@@ -81,6 +124,8 @@ class Instance:
     parent_id: str = ""
     child_ids: list[str] = field(default_factory=list)
     inbox: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
+    trap_message: str | None = None  # set when the scheduler reported a trap
+    span: Span | None = None  # spawner.instance, ended at the exit
 
     @property
     def state(self) -> InstanceState:
@@ -104,14 +149,22 @@ def clamp_limits(requested: Limits | None, default: Limits, maximum: Limits) -> 
 
 class InstanceManager:
     def __init__(
-        self, config: SpawnerConfig, store: ProgramStore, sandbox: Sandbox, registry: InstanceRegistry
+        self,
+        config: SpawnerConfig,
+        store: ProgramStore,
+        sandbox: Sandbox,
+        registry: InstanceRegistry,
+        metrics: SpawnerMetrics | None = None,
     ) -> None:
         self.config = config
         self.store = store
         self.sandbox = sandbox
         self.registry = registry
+        self.metrics = metrics or SpawnerMetrics(sandbox.kind)
         self._instances: dict[str, Instance] = {}
         self._by_token: dict[str, Instance] = {}
+        self._exited_ids: collections.deque[str] = collections.deque()
+        self._num_starting = 0
 
     # -- launching -------------------------------------------------------------------------------
 
@@ -121,64 +174,177 @@ class InstanceManager:
         args: tuple[str, ...] = (),
         limits: Limits | None = None,
         max_tokens: int = 0,
-        env: dict[str, str] | None = None,
+        *,
+        traceparent: str = "",
+        max_children: int = 0,
         parent: Instance | None = None,
     ) -> Instance:
-        """Resolves the program, registers the instance with the scheduler and starts its sandbox."""
+        """Resolves the program, registers the instance with the scheduler and starts its sandbox.
+
+        Everything is undone when a step fails: no registration or sandbox outlives a failed launch.
+        `traceparent` is the caller's W3C trace context; `max_children` caps the tree this launch
+        roots (0: the spawner's maximum)."""
         program = self.store.resolve(program_ref)
-        if (
-            sum(i.state is not InstanceState.EXITED for i in self._instances.values())
-            >= self.config.max_instances
-        ):
+        num_alive = self._num_starting + sum(
+            i.state is not InstanceState.EXITED for i in self._instances.values()
+        )
+        if num_alive >= self.config.max_instances:
             raise TooManyInstances(f"the spawner already runs {self.config.max_instances} instances")
         instance_id = f"i-{uuid.uuid4().hex[:16]}"
-        token = secrets.token_urlsafe(24)
-        launched_at_unix_ms = int(time.time() * 1000)
-        limits = clamp_limits(limits, self.config.default_limits, self.config.max_limits)
-        max_tokens = max_tokens or self.config.default_max_tokens
-        tree = parent.tree if parent is not None else LaunchTree(instance_id)
-        spec = SandboxSpec(
-            instance_id,
-            program.path,
-            tuple(args),
-            self._sandbox_env(instance_id, token, env),
-            self.config.socket_dir,
-            limits,
-        )
-        supervisor = InstanceSupervisor(self.sandbox, spec)
-        instance = Instance(
-            instance_id, program.sha256, tuple(args), token, tree, supervisor, max_tokens, launched_at_unix_ms
-        )
+        attributes = {
+            "l4m.instance_id": instance_id,
+            "l4m.program_sha256": program.sha256,
+            "l4m.sandbox": self.sandbox.kind,
+        }
+        if parent is not None:
+            attributes["l4m.parent_instance_id"] = parent.instance_id
+        started_at = time.monotonic()
+        launch_span = tracing.start_launch_span(traceparent, attributes)
+        self._num_starting += 1
+        self.metrics.launch_started()
+        try:
+            with trace.use_span(launch_span, end_on_exit=True):
+                if parent is not None:
+                    tree = parent.tree
+                else:
+                    cap = self.config.max_children_per_tree
+                    tree = LaunchTree(instance_id, min(max_children, cap) if max_children else cap)
+                instance = self._new_instance(
+                    instance_id,
+                    program.sha256,
+                    program.path,
+                    args,
+                    clamp_limits(limits, self.config.default_limits, self.config.max_limits),
+                    max_tokens or self.config.default_max_tokens,
+                    tree,
+                    tracing.traceparent_for_controller(launch_span, traceparent),
+                )
+                instance.span = tracing.start_instance_span(launch_span, attributes)
+                await self._register_and_start(instance)
+        except BaseException as exc:
+            self.metrics.launch_failed(type(exc).__name__)
+            raise
+        finally:
+            self._num_starting -= 1
+        self.metrics.launch_succeeded(time.monotonic() - started_at)
         if parent is not None:
             instance.parent_id = parent.instance_id
             parent.child_ids.append(instance_id)
-        await self.registry.register(instance_id, token, max_tokens, launched_at_unix_ms)
-        try:
-            await supervisor.start()
-        except SandboxError as exc:
-            await self.registry.destroy(instance_id, f"launch failed: {exc}")
-            raise LaunchFailed(str(exc)) from exc
         self._instances[instance_id] = instance
-        self._by_token[token] = instance
-        supervisor.add_exit_callback(lambda info: self._on_exit(instance, info))
+        self._by_token[instance.token] = instance
+        instance.supervisor.add_exit_callback(lambda info: self._on_exit(instance, info))
         return instance
 
-    def _sandbox_env(self, instance_id: str, token: str, extra: dict[str, str] | None) -> dict[str, str]:
+    def _new_instance(
+        self,
+        instance_id: str,
+        program_sha256: str,
+        program_path: Path,
+        args: tuple[str, ...],
+        limits: Limits,
+        max_tokens: int,
+        tree: LaunchTree,
+        traceparent: str,
+    ) -> Instance:
+        token = secrets.token_urlsafe(24)
+        env = self._sandbox_env(instance_id, token, traceparent)
+        spec = SandboxSpec(
+            instance_id,
+            program_path,
+            tuple(args),
+            env,
+            self.config.socket_dir,
+            limits,
+            runner_module=self.config.controller_runner,
+        )
+        instance: Instance | None = None
+        supervisor = InstanceSupervisor(
+            self.sandbox,
+            spec,
+            refine_exit=lambda info: self._refine_exit(instance, info),
+            count_output_bytes=self.metrics.count_output_bytes,
+        )
+        launched_at_unix_ms = int(time.time() * 1000)
+        instance = Instance(
+            instance_id, program_sha256, tuple(args), token, tree, supervisor, max_tokens, launched_at_unix_ms
+        )
+        return instance
+
+    async def _register_and_start(self, instance: Instance) -> None:
+        """Registers the instance with the scheduler, then starts its sandbox; undoes the first when
+        the second fails."""
+        self._open_scheduler_socket()
+        is_registered = False
+        try:
+            await self.registry.register(
+                instance.instance_id, instance.token, instance.max_tokens, instance.launched_at_unix_ms
+            )
+            is_registered = True
+            await instance.supervisor.start()
+        except BaseException as exc:
+            if is_registered:
+                with contextlib.suppress(Exception):
+                    await self.registry.destroy(instance.instance_id, f"launch failed: {exc}")
+            if instance.span is not None:
+                tracing.end_instance_span(instance.span, ExitInfo(ExitReason.LAUNCH_FAILED, str(exc)))
+            if isinstance(exc, SandboxError):
+                raise LaunchFailed(str(exc)) from exc
+            raise
+
+    def _open_scheduler_socket(self) -> None:
+        """Lets sandbox uids connect to the scheduler's socket in the shared directory.
+
+        A server creates its Unix socket with its umask (typically 0755) and connecting needs write
+        permission, so without this only root could reach the scheduler. Safe for the same reason
+        as the runtime socket: every session must present a registered instance token. Checked per
+        launch because the scheduler may have (re)created its socket since the last one."""
+        path = self.config.socket_dir / self.config.scheduler_socket_name
+        with contextlib.suppress(OSError):
+            if path.stat().st_mode & 0o777 != 0o666:
+                os.chmod(path, 0o666)
+
+    def _sandbox_env(self, instance_id: str, token: str, traceparent: str) -> dict[str, str]:
         env = {
             "L4M_INSTANCE_ID": instance_id,
             "L4M_INSTANCE_TOKEN": token,
-            "L4M_SCHEDULER_ADDR": f"unix:///run/l4m/{self.config.scheduler_socket_name}",
-            "L4M_RUNTIME_ADDR": f"unix:///run/l4m/{self.config.runtime_socket_name}",
+            "L4M_SCHEDULER_ADDR": f"unix://{SANDBOX_SOCKET_DIR}/{self.config.scheduler_socket_name}",
+            "L4M_RUNTIME_ADDR": f"unix://{SANDBOX_SOCKET_DIR}/{self.config.runtime_socket_name}",
         }
-        env.update(extra or {})
+        if traceparent:
+            env["TRACEPARENT"] = traceparent
+        if self.config.controller_spans_endpoint:
+            # The sandbox has no network: its spans go to the runtime socket, which forwards them
+            # to the spawner's own OTLP endpoint after checking the token sent as a header.
+            env.update(
+                {
+                    "OTEL_TRACES_EXPORTER": "otlp",
+                    "OTEL_EXPORTER_OTLP_ENDPOINT": env["L4M_RUNTIME_ADDR"],
+                    "OTEL_EXPORTER_OTLP_HEADERS": f"l4m-instance-token={token}",
+                    "OTEL_SERVICE_NAME": CONTROLLER_SERVICE_NAME,
+                }
+            )
         return env
+
+    def _refine_exit(self, instance: Instance | None, info: ExitInfo) -> ExitInfo:
+        """A runner that exited because its session was trapped reports TRAPPED, with the reason."""
+        is_runner_trap = (
+            self.config.controller_runner
+            and info.reason is ExitReason.CRASHED
+            and info.exit_code == RUNNER_EXIT_TRAPPED
+            and RUNNER_TRAP_MARKER in info.message
+        )
+        if not is_runner_trap:
+            return info
+        reason = info.message.split(RUNNER_TRAP_MARKER, 1)[1].strip()
+        if instance is not None and instance.trap_message is not None:
+            reason = instance.trap_message
+        return dataclasses.replace(info, reason=ExitReason.TRAPPED, message=reason, enforced_by="scheduler")
 
     async def _on_exit(self, instance: Instance, info: ExitInfo) -> None:
         self._by_token.pop(instance.token, None)
-        # The scheduler frees the instance's pages and slots; a failure to reach it must not hide
-        # the exit from the user (the scheduler also traps sessions whose instance it cannot see).
-        with contextlib.suppress(Exception):
-            await self.registry.destroy(instance.instance_id, f"{info.reason.value}: {info.message}")
+        self.metrics.instance_exited(info.reason.value)
+        if instance.span is not None:
+            tracing.end_instance_span(instance.span, info)
         for child_id in instance.child_ids:
             child = self._instances.get(child_id)
             if child is not None and child.state is InstanceState.RUNNING:
@@ -187,6 +353,19 @@ class InstanceManager:
                         ExitReason.PARENT_EXITED, f"its parent {instance.instance_id} ended"
                     )
                 )
+        # The scheduler frees the instance's pages and slots; a failure to reach it must not hide
+        # the exit from the user (the scheduler also traps sessions whose instance it cannot see).
+        try:
+            await self.registry.destroy(instance.instance_id, f"{info.reason.value}: {info.message}")
+        except Exception as exc:  # noqa: BLE001 - logged; the exit report must go on
+            log.warning("could not destroy %s in the scheduler: %s", instance.instance_id, exc)
+        self._forget_old_exits(instance.instance_id)
+
+    def _forget_old_exits(self, instance_id: str) -> None:
+        """Keeps the last `max_exited_instances` exits listable; older ones are forgotten."""
+        self._exited_ids.append(instance_id)
+        while len(self._exited_ids) > self.config.max_exited_instances:
+            self._instances.pop(self._exited_ids.popleft(), None)
 
     # -- lookups and control ---------------------------------------------------------------------
 
@@ -214,8 +393,11 @@ class InstanceManager:
 
     async def trap(self, instance_id: str, message: str) -> None:
         """The scheduler trapped the instance: stop its sandbox and report the trap as its exit."""
-        with contextlib.suppress(InstanceNotFound):
-            await self.terminate(instance_id, ExitReason.TRAPPED, message)
+        instance = self._instances.get(instance_id)
+        if instance is None or instance.state is InstanceState.EXITED:
+            return  # another spawner's instance, or one already gone
+        instance.trap_message = message
+        await instance.supervisor.terminate(ExitReason.TRAPPED, message)
 
     def send_to_instance(self, instance_id: str, text: str) -> None:
         instance = self.get(instance_id)
@@ -230,19 +412,35 @@ class InstanceManager:
             return None
 
     async def spawn_child(
-        self, parent: Instance, program_ref: str, args: tuple[str, ...], limits: Limits | None
+        self,
+        parent: Instance,
+        program_ref: str,
+        args: tuple[str, ...],
+        limits: Limits | None,
+        traceparent: str = "",
     ) -> Instance:
-        """A child in the parent's tree; unset limits inherit the parent's."""
-        if parent.tree.num_children >= self.config.max_children_per_tree:
-            raise TooManyInstances(
-                f"the launch tree already spawned its {self.config.max_children_per_tree} children"
+        """A child in the parent's tree; unset limits inherit the parent's (and cannot exceed them)."""
+        tree = parent.tree
+        if tree.num_children >= tree.max_children:
+            raise TooManyChildren(
+                f"the launch tree of {tree.tree_id} may spawn at most {tree.max_children} children "
+                f"and has spawned {tree.num_children}"
             )
-        parent.tree.num_children += 1
+        tree.num_children += 1
         inherited = parent.supervisor.spec.limits
         merged = clamp_limits(limits, inherited, inherited) if limits is not None else inherited
-        return await self.launch(
-            program_ref or parent.program_sha256, args, merged, parent.max_tokens, parent=parent
-        )
+        try:
+            return await self.launch(
+                program_ref or parent.program_sha256,
+                args,
+                merged,
+                parent.max_tokens,
+                traceparent=traceparent,
+                parent=parent,
+            )
+        except BaseException:
+            tree.num_children -= 1  # a child that never ran does not use up the tree's budget
+            raise
 
     async def wait_child(self, parent: Instance, child_id: str, timeout_s: float | None) -> ExitInfo | None:
         if child_id not in parent.child_ids:

@@ -8,7 +8,7 @@ The chain started for one instance, each step exec'ing the next:
             installation, the venv, the SDK, the program and the socket directory, all read-only
     setpriv drops to uid/gid `uid_base + n` (one per live instance), no groups, no capabilities
             (bounding set cleared), no_new_privs
-    python  the program
+    python  `-m l4m.controller PROGRAM ARGS` (the SDK's runner; spec.runner_module), or the program
 
 bwrap runs as root rather than behind setpriv because the Python installation lives under /root
 (mode 0700): an unprivileged bwrap cannot even name it as a bind source. The program itself still
@@ -28,7 +28,6 @@ import re
 import shlex
 import shutil
 import sys
-import zipfile
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -39,6 +38,7 @@ from l4m.spawner.sandbox import (
     SANDBOX_PROGRAM_DIR,
     SANDBOX_SDK_DIR,
     SANDBOX_SOCKET_DIR,
+    SANDBOX_THREAD_ENV,
     ExitFacts,
     ExitInfo,
     ExitReason,
@@ -50,6 +50,7 @@ from l4m.spawner.sandbox import (
     SandboxHandle,
     SandboxSpec,
     derive_exit_info,
+    program_file_name,
     split_wait_status,
 )
 
@@ -92,11 +93,6 @@ class UidPool:
         self._free.append(uid)
 
 
-def _program_name(program_path: Path) -> str:
-    # python runs a zip through its __main__.py whatever the file is called; the suffix is for people.
-    return "main.pyz" if zipfile.is_zipfile(program_path) else "main.py"
-
-
 def _python_layout(config: ProcessSandboxConfig) -> tuple[list[tuple[Path, str]], str]:
     """(host dir, sandbox dir) binds for the interpreter, and the interpreter's path inside."""
     base = config.python_base_prefix
@@ -120,6 +116,7 @@ def build_sandbox_env(spec: SandboxSpec) -> dict[str, str]:
         "PYTHONDONTWRITEBYTECODE": "1",
         "L4M_SOCKET_DIR": SANDBOX_SOCKET_DIR,
         "L4M_INSTANCE_ID": spec.instance_id,
+        **SANDBOX_THREAD_ENV,
     }
     env.update(spec.env)
     return env
@@ -135,7 +132,7 @@ def build_command(
     """The whole sh → prlimit → bwrap → setpriv → python command line for one instance."""
     limits = spec.limits
     python_binds, python_exe = _python_layout(config)
-    program_dest = f"{SANDBOX_PROGRAM_DIR}/{_program_name(spec.program_path)}"
+    program_dest = f"{SANDBOX_PROGRAM_DIR}/{program_file_name(spec.program_path)}"
     ro_binds = [*python_binds, (config.sdk_path, SANDBOX_SDK_DIR), (spec.program_path, program_dest)]
     if spec.socket_dir is not None:
         ro_binds.append((spec.socket_dir, SANDBOX_SOCKET_DIR))
@@ -188,8 +185,7 @@ def build_command(
         "--inh-caps=-all",
         "--",
         python_exe,
-        program_dest,
-        *spec.args,
+        *spec.python_argv(program_dest),
     ]
 
     cpu_soft = max(1, math.ceil(limits.cpu_time_s))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import signal as signal_module
+import zipfile
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -23,6 +24,9 @@ MiB = 1024 * 1024
 SANDBOX_SOCKET_DIR = "/run/l4m"
 SANDBOX_PROGRAM_DIR = "/opt/l4m/program"
 SANDBOX_SDK_DIR = "/opt/l4m/python"
+# Numeric libraries start one thread per host core at import; in a sandbox those count against the
+# process limit (and the CPU share is one core anyway), so they get one.
+SANDBOX_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,20 @@ class SandboxSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     socket_dir: Path | None = None  # mounted at /run/l4m; its sockets must be usable by any uid
     limits: Limits = field(default_factory=Limits)
+    # `python -m <runner_module> <program> <args>` when set (the spawner uses the SDK's runner,
+    # `l4m.controller`, which calls the program's `async def main(ctx)`); empty: `python <program>`.
+    runner_module: str = ""
+
+    def python_argv(self, program_dest: str) -> list[str]:
+        """What follows the interpreter on its command line, for the program mounted at `program_dest`."""
+        runner = ["-m", self.runner_module] if self.runner_module else []
+        return [*runner, program_dest, *self.args]
+
+
+def program_file_name(program_path: Path) -> str:
+    """The program's name inside a sandbox. Python runs a zip through its `__main__.py` whatever the
+    file is called; the suffix is for people reading `ps`."""
+    return "main.pyz" if zipfile.is_zipfile(program_path) else "main.py"
 
 
 class OutputStream(StrEnum):
@@ -200,11 +218,18 @@ def derive_exit_info(facts: ExitFacts) -> ExitInfo:
         return _memory_refused(facts, status)
     if failed and _has_marker(facts.stderr_tail, _PROCESS_MARKERS):
         return _processes_refused(facts, status)
-    if sig is not None:
-        return ExitInfo(ExitReason.CRASHED, status, code, sig)
-    if code == 0:
+    if code == 0 and sig is None:
         return ExitInfo(ExitReason.EXITED, status, code, sig)
-    return ExitInfo(ExitReason.CRASHED, status, code, sig)
+    last_line = last_stderr_line(facts.stderr_tail)
+    return ExitInfo(ExitReason.CRASHED, f"{status}: {last_line}" if last_line else status, code, sig)
+
+
+def last_stderr_line(stderr_tail: bytes, max_chars: int = 500) -> str:
+    """The last non-blank line the program wrote to stderr: for a Python exception, "Error: why"."""
+    for line in reversed(stderr_tail.decode("utf-8", errors="replace").splitlines()):
+        if line.strip():
+            return line.strip()[:max_chars]
+    return ""
 
 
 def _memory_refused(facts: ExitFacts, status: str) -> ExitInfo:

@@ -1,20 +1,27 @@
 """The spawner's gRPC layer: SpawnerService for users, RuntimeService for controllers.
 
 Thin servicers: each RPC converts protobuf to domain values, calls `InstanceManager` / `ProgramStore`,
-and converts back. `_errors_to_status` is the one place typed errors become gRPC status codes. Users
-reach SpawnerService on `config.listen_address`; controllers reach RuntimeService only on the Unix
-socket `<socket_dir>/<runtime_socket_name>` (mounted at /run/l4m) and are identified by their
-`l4m-instance-token` metadata.
+and converts back. `_errors_to_status` is the one place typed errors become gRPC status codes.
+
+Two gRPC servers, so that neither side can reach the other's API: users reach SpawnerService (with
+health and reflection) on `config.listen_address`; controllers reach RuntimeService (and the OTLP
+span forwarder, see span_forwarder.py) only on the Unix socket `<socket_dir>/<runtime_socket_name>`,
+mounted at /run/l4m, identified by their `l4m-instance-token` metadata. `create_server` builds both
+around one `InstanceManager`, for `main()` and the tests alike.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
 from l4m.spawner.config import SpawnerConfig
 from l4m.spawner.instances import (
@@ -24,8 +31,12 @@ from l4m.spawner.instances import (
     InstanceRegistry,
     LaunchFailed,
     NoScheduler,
+    RegistrationRefused,
+    SchedulerUnavailable,
+    TooManyChildren,
     TooManyInstances,
 )
+from l4m.spawner.metrics import SpawnerMetrics
 from l4m.spawner.programs import (
     DigestMismatch,
     InvalidProgram,
@@ -34,13 +45,12 @@ from l4m.spawner.programs import (
     ProgramStore,
     ProgramTooLarge,
 )
+from l4m.spawner.registry_client import GrpcInstanceRegistry
 from l4m.spawner.sandbox import ExitInfo, ExitReason, Limits, OutputStream, Sandbox
+from l4m.spawner.span_forwarder import TOKEN_METADATA_KEY, SpanForwarder
 from l4m.spawner.supervisor import ExitEvent, InstanceState, MessageEvent, OutputEvent
 from l4m.spawner.variables import VariableError
-from l4m.v1 import registry_pb2, registry_pb2_grpc, spawner_pb2, spawner_pb2_grpc
-
-TOKEN_METADATA_KEY = "l4m-instance-token"
-REGISTRY_DEADLINE_S = 10.0
+from l4m.v1 import spawner_pb2, spawner_pb2_grpc
 
 _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (ProgramNotFound, grpc.StatusCode.NOT_FOUND),
@@ -51,6 +61,9 @@ _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (VariableError, grpc.StatusCode.INVALID_ARGUMENT),
     (ProgramTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (TooManyInstances, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (TooManyChildren, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (SchedulerUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (RegistrationRefused, grpc.StatusCode.FAILED_PRECONDITION),
     (LaunchFailed, grpc.StatusCode.UNAVAILABLE),
 )
 _EXIT_REASON_TO_PB = {reason: getattr(spawner_pb2, f"EXIT_REASON_{reason.name}", 0) for reason in ExitReason}
@@ -126,6 +139,10 @@ def _timeout_s(timeout_ms: int) -> float | None:
     return timeout_ms / 1000 if timeout_ms else None
 
 
+def _traceparent(context: grpc.aio.ServicerContext) -> str:
+    return dict(context.invocation_metadata() or ()).get("traceparent", "")
+
+
 # -- SpawnerService -----------------------------------------------------------------------------
 
 
@@ -164,17 +181,16 @@ class SpawnerServicer(spawner_pb2_grpc.SpawnerServiceServicer):
 
     async def Launch(self, request, context):  # noqa: N802
         async with _errors_to_status(context):
-            env = {}
-            traceparent = dict(context.invocation_metadata()).get("traceparent")
-            if traceparent:
-                env["TRACEPARENT"] = traceparent
-            instance = await self.manager.launch(
+            launch = self.manager.launch(
                 request.program,
                 tuple(request.args),
                 limits_from_pb(request.limits),
                 request.limits.max_tokens,
-                env,
+                traceparent=_traceparent(context),
+                max_children=request.limits.max_children,
             )
+            # Shielded: a caller that goes away mid-launch leaves a listed instance, not a half one.
+            instance = await asyncio.shield(asyncio.ensure_future(launch))
             return spawner_pb2.LaunchResponse(instance_id=instance.instance_id)
 
     async def Attach(self, request, context):  # noqa: N802
@@ -264,7 +280,10 @@ class RuntimeServicer(spawner_pb2_grpc.RuntimeServiceServicer):
         parent = await self._caller(context)
         async with _errors_to_status(context):
             limits = limits_from_pb(request.limits) if request.HasField("limits") else None
-            child = await self.manager.spawn_child(parent, request.program, tuple(request.args), limits)
+            spawn = self.manager.spawn_child(
+                parent, request.program, tuple(request.args), limits, _traceparent(context)
+            )
+            child = await asyncio.shield(asyncio.ensure_future(spawn))
             return spawner_pb2.SpawnChildResponse(instance_id=child.instance_id)
 
     async def WaitChild(self, request, context):  # noqa: N802
@@ -274,39 +293,6 @@ class RuntimeServicer(spawner_pb2_grpc.RuntimeServiceServicer):
             if info is None:
                 return spawner_pb2.WaitChildResponse(exited=False)
             return spawner_pb2.WaitChildResponse(exited=True, exit=exit_to_pb(info))
-
-
-# -- the scheduler ------------------------------------------------------------------------------
-
-
-class GrpcInstanceRegistry(InstanceRegistry):
-    """The scheduler's InstanceRegistryService, with a deadline on every call."""
-
-    def __init__(self, address: str) -> None:
-        self._channel = grpc.aio.insecure_channel(address)
-        self._stub = registry_pb2_grpc.InstanceRegistryServiceStub(self._channel)
-
-    async def register(self, instance_id: str, token: str, max_tokens: int, launched_at_unix_ms: int) -> None:
-        request = registry_pb2.RegisterInstanceRequest(
-            instance_id=instance_id,
-            token=token,
-            max_tokens=max_tokens,
-            launched_at_unix_ms=launched_at_unix_ms,
-        )
-        await self._stub.RegisterInstance(request, timeout=REGISTRY_DEADLINE_S)
-
-    async def destroy(self, instance_id: str, reason: str) -> None:
-        request = registry_pb2.DestroyInstanceRequest(instance_id=instance_id, reason=reason)
-        await self._stub.DestroyInstance(request, timeout=REGISTRY_DEADLINE_S)
-
-    async def forward_traps(self, manager: InstanceManager) -> None:
-        """Stops instances the scheduler trapped; runs for the life of the server."""
-        stream = self._stub.WatchInstanceEvents(registry_pb2.WatchInstanceEventsRequest())
-        async for event in stream:
-            await manager.trap(event.instance_id, event.trap.reason)
-
-    async def close(self) -> None:
-        await self._channel.close()
 
 
 # -- assembly -----------------------------------------------------------------------------------
@@ -327,10 +313,65 @@ def make_sandbox(config: SpawnerConfig) -> Sandbox:
     raise ValueError(f"unknown sandbox kind {config.sandbox_kind!r} (expected process or docker)")
 
 
+@dataclass
+class SpawnerServer:
+    """The user-facing server, the runtime server on the Unix socket, and the core behind both."""
+
+    config: SpawnerConfig
+    public: grpc.aio.Server
+    runtime: grpc.aio.Server
+    port: int  # the bound TCP port of `public`
+    manager: InstanceManager
+    health: health.aio.HealthServicer
+    registry: InstanceRegistry
+    span_forwarder: SpanForwarder | None = None
+    _trap_watch: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def runtime_socket(self) -> str:
+        return str(self.config.socket_dir / self.config.runtime_socket_name)
+
+    async def start(self) -> None:
+        await self.runtime.start()
+        # The sandbox uid must reach the runtime socket: it is writable by anyone, which is safe
+        # because every call must carry an instance token. gRPC creates the file only at start.
+        os.chmod(self.runtime_socket, 0o666)
+        await self.public.start()
+        if isinstance(self.registry, GrpcInstanceRegistry):
+            self._trap_watch = asyncio.create_task(self.registry.forward_traps(self.manager))
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(_SPAWNER_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stops taking launches, ends every instance (destroying it in the scheduler), closes all."""
+        await self.health.enter_graceful_shutdown()
+        await self.public.stop(grace_s)
+        await self.manager.shutdown()
+        if self._trap_watch is not None:
+            self._trap_watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._trap_watch
+        await self.runtime.stop(grace_s)
+        if self.span_forwarder is not None:
+            await self.span_forwarder.close()
+        close = getattr(self.registry, "close", None)
+        if close is not None:
+            await close()
+
+    async def wait_for_termination(self) -> None:
+        await self.public.wait_for_termination()
+
+
+_SPAWNER_SERVICE = spawner_pb2.DESCRIPTOR.services_by_name["SpawnerService"].full_name
+
+
 async def create_server(
-    config: SpawnerConfig, sandbox: Sandbox | None = None, registry: InstanceRegistry | None = None
-) -> tuple[grpc.aio.Server, int, InstanceManager]:
-    """Builds (does not start) the server; returns it, the bound TCP port and the core."""
+    config: SpawnerConfig,
+    sandbox: Sandbox | None = None,
+    registry: InstanceRegistry | None = None,
+    metrics: SpawnerMetrics | None = None,
+) -> SpawnerServer:
+    """Builds (does not start) both servers around a new core; the TCP port is bound already."""
     sandbox = sandbox or make_sandbox(config)
     await sandbox.cleanup_orphans()
     if registry is None:
@@ -340,25 +381,38 @@ async def create_server(
             else NoScheduler()
         )
     store = ProgramStore(config.state_dir / "store", config.max_program_bytes)
-    manager = InstanceManager(config, store, sandbox, registry)
+    manager = InstanceManager(config, store, sandbox, registry, metrics or SpawnerMetrics(sandbox.kind))
 
-    server = grpc.aio.server()
-    spawner_pb2_grpc.add_SpawnerServiceServicer_to_server(SpawnerServicer(manager), server)
-    spawner_pb2_grpc.add_RuntimeServiceServicer_to_server(RuntimeServicer(manager), server)
+    public = grpc.aio.server()
+    spawner_pb2_grpc.add_SpawnerServiceServicer_to_server(SpawnerServicer(manager), public)
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    port = server.add_insecure_port(config.listen_address)
-    # The sandbox uid must reach the runtime socket: the directory is traversable and the socket
-    # writable by anyone, which is safe because every call must carry an instance token.
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, public)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection((_SPAWNER_SERVICE, health_name, reflection.SERVICE_NAME), public)
+    port = public.add_insecure_port(config.listen_address)
+    if not port:
+        raise OSError(f"could not listen on {config.listen_address}")
+
+    runtime = grpc.aio.server()
+    spawner_pb2_grpc.add_RuntimeServiceServicer_to_server(RuntimeServicer(manager), runtime)
+    forwarder = None
+    if config.controller_spans_endpoint:
+        forwarder = SpanForwarder(
+            config.controller_spans_endpoint,
+            lambda token: _instance_id_of_token(manager, token),
+            config.controller_spans_headers,
+        )
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(forwarder, runtime)
     config.socket_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(config.socket_dir, 0o755)
     runtime_socket = config.socket_dir / config.runtime_socket_name
     runtime_socket.unlink(missing_ok=True)
-    server.add_insecure_port(f"unix://{runtime_socket}")
-    return server, port, manager
+    runtime.add_insecure_port(f"unix://{runtime_socket}")
+    return SpawnerServer(config, public, runtime, port, manager, health_servicer, registry, forwarder)
 
 
-def make_socket_accessible(config: SpawnerConfig) -> None:
-    """Call after `server.start()`: gRPC creates the socket file only then."""
-    os.chmod(config.socket_dir / config.runtime_socket_name, 0o666)
+def _instance_id_of_token(manager: InstanceManager, token: str) -> str | None:
+    try:
+        return manager.by_token(token).instance_id
+    except InstanceNotFound:
+        return None

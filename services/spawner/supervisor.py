@@ -59,6 +59,10 @@ class ExitEvent:
 
 InstanceEvent = OutputEvent | MessageEvent | ExitEvent
 ExitCallback = Callable[[ExitInfo], Awaitable[None] | None]
+# Rewrites the backend's ExitInfo before anyone sees it (the manager turns a runner's trap exit into
+# TRAPPED); counts output bytes as they are read (metrics).
+ExitRefiner = Callable[[ExitInfo], ExitInfo]
+OutputCounter = Callable[[int], None]
 
 
 class _LineSplitter:
@@ -95,8 +99,12 @@ class InstanceSupervisor:
         cpu_poll_interval_s: float = 0.25,
         max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
         max_replay_bytes: int = DEFAULT_MAX_REPLAY_BYTES,
+        refine_exit: ExitRefiner | None = None,
+        count_output_bytes: OutputCounter | None = None,
     ) -> None:
         self.spec = spec
+        self._refine_exit = refine_exit
+        self._count_output_bytes = count_output_bytes
         self._sandbox = sandbox
         self._cpu_poll_interval_s = cpu_poll_interval_s
         self._splitter = _LineSplitter(max_line_bytes)
@@ -177,6 +185,8 @@ class InstanceSupervisor:
             )
             return False
         self.num_output_bytes += size
+        if self._count_output_bytes is not None:
+            self._count_output_bytes(size)
         self._publish(MessageEvent(text))
         return True
 
@@ -198,6 +208,8 @@ class InstanceSupervisor:
             info = await handle.wait()
             for watcher in watchers:
                 watcher.cancel()
+        if self._refine_exit is not None:
+            info = self._refine_exit(info)
         for event in self._splitter.flush():
             self._publish(event)
         self.state = InstanceState.EXITED
@@ -210,20 +222,25 @@ class InstanceSupervisor:
         return info
 
     async def _pump_output(self, handle: SandboxHandle, max_output_bytes: int) -> None:
+        is_over_limit = False
         async for chunk in handle.output():
             if self.first_output_at_monotonic_s is None:
                 self.first_output_at_monotonic_s = time.monotonic()
             room = max_output_bytes - self.num_output_bytes
             self.num_output_bytes += len(chunk.data)
-            if room <= 0:
-                continue  # already killed; drain what was in flight
-            if len(chunk.data) > room:
-                chunk = OutputChunk(chunk.stream, chunk.data[:room])
+            if self._count_output_bytes is not None:
+                self._count_output_bytes(min(len(chunk.data), max(room, 0)))
+            if len(chunk.data) > room and not is_over_limit:
+                # The first byte past the limit kills, also when the output before it ended exactly
+                # at the limit (room == 0 here).
+                is_over_limit = True
                 await handle.kill(
                     ExitReason.OUTPUT_LIMIT,
                     f"wrote more than its output limit of {max_output_bytes} bytes",
                 )
-            for event in self._splitter.feed(chunk):
+            if room <= 0:
+                continue  # drain what was in flight after the kill
+            for event in self._splitter.feed(OutputChunk(chunk.stream, chunk.data[:room])):
                 self._publish(event)
 
     async def _kill_after_wall_time(self, handle: SandboxHandle, wall_time_s: float) -> None:

@@ -89,7 +89,9 @@ class VariableStore:
 
     async def _write(self, name: str, value: bytes) -> Snapshot:
         if len(value) > MAX_VARIABLE_BYTES:
-            raise VariableError(f"variable {name!r}: value of {len(value)} bytes exceeds {MAX_VARIABLE_BYTES}")
+            raise VariableError(
+                f"variable {name!r}: value of {len(value)} bytes exceeds {MAX_VARIABLE_BYTES}"
+            )
         var = self._variable(name)
         growth = len(value) - len(var.snapshot.value)
         if self._total_bytes + growth > self._max_total_bytes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import getpass
 import signal
 import sys
@@ -108,5 +109,6 @@ async def _demo(config: ClusterConfig, prompt: str, max_tokens: int) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    config = cluster_config(args)
+    # The services' logs go to their files only; the demo shows progress and the controller's output.
+    config = dataclasses.replace(cluster_config(args), echo_logs=False)
     return asyncio.run(_demo(config, args.prompt, args.max_tokens))

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from l4m.spawner.docker_image import ensure_controller_image
 from l4m.spawner.docker_sandbox import DockerSandbox, DockerSandboxConfig
 from l4m.spawner.process_sandbox import ProcessSandbox, ProcessSandboxConfig
 from l4m.spawner.sandbox import Sandbox
+from tests.integration.spawner.harness import ServiceProcess
 
 SHARED_SCRIPTS = Path(os.environ.get("L4M_SHARED_SCRIPTS", "/work/shared/scripts"))
 BASE_IMAGE = "python:3.11-slim"
@@ -81,3 +83,42 @@ def docker_sandbox(spawner_id: str) -> DockerSandbox:
 @pytest.fixture(params=["process", pytest.param("docker", marks=pytest.mark.docker)])
 def sandbox(request: pytest.FixtureRequest) -> Sandbox:
     return request.getfixturevalue(f"{request.param}_sandbox")
+
+
+@dataclass(frozen=True)
+class SchedulerCluster:
+    """A real scheduler (with a simulated executor) whose Unix socket lies in `socket_dir`."""
+
+    socket_dir: Path
+    registry_address: str  # the spawner's --scheduler
+    scheduler_address: str  # TCP, for the test's own (anonymous) sessions
+
+
+@pytest.fixture
+def scheduler_cluster(tmp_path: Path) -> Iterator[SchedulerCluster]:
+    """`python -m l4m.scheduler.simulated` and `python -m l4m.scheduler` as real processes; their
+    logs are printed at teardown (pytest shows them when the test fails)."""
+    socket_dir = tmp_path / "sockets"
+    socket_dir.mkdir()
+    executor = ServiceProcess(
+        "l4m.scheduler.simulated",
+        ["--listen", "127.0.0.1:0", "--num-kv-pages", "256"],
+        tmp_path / "executor.log",
+    )
+    processes = [executor]
+    try:
+        executor_port = executor.wait_listening()
+        scheduler_socket = socket_dir / "scheduler.sock"
+        scheduler = ServiceProcess(
+            "l4m.scheduler",
+            ["--executor", f"127.0.0.1:{executor_port}", "--listen", "127.0.0.1:0",
+             "--listen-unix", str(scheduler_socket), "--allow-anonymous"],
+            tmp_path / "scheduler.log",
+        )  # fmt: skip
+        processes.append(scheduler)
+        scheduler_port = scheduler.wait_listening()
+        yield SchedulerCluster(socket_dir, f"unix:{scheduler_socket}", f"127.0.0.1:{scheduler_port}")
+    finally:
+        for process in reversed(processes):
+            process.stop()
+            print(f"---- {process.log_path.name} ----\n{process.log_tail()}")

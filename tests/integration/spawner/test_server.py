@@ -9,7 +9,7 @@ import grpc
 
 from l4m.spawner.config import SpawnerConfig
 from l4m.spawner.process_sandbox import ProcessSandbox
-from l4m.spawner.server import create_server, make_socket_accessible
+from l4m.spawner.server import create_server
 from l4m.v1 import spawner_pb2, spawner_pb2_grpc
 
 CONTROLLER = b"""
@@ -27,12 +27,13 @@ print("got", got.text)
 def test_upload_launch_message_attach(process_sandbox: ProcessSandbox, tmp_path: Path) -> None:
     async def go() -> list[spawner_pb2.AttachResponse]:
         socket_dir = tmp_path / "sockets"
-        config = SpawnerConfig(state_dir=tmp_path / "state", socket_dir=socket_dir, spawner_id="srv-test")
-        server, port, manager = await create_server(config, sandbox=process_sandbox)
+        config = SpawnerConfig(
+            state_dir=tmp_path / "state", socket_dir=socket_dir, spawner_id="srv-test", controller_runner=""
+        )
+        server = await create_server(config, sandbox=process_sandbox)
         await server.start()
-        make_socket_accessible(config)
         try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
                 spawner = spawner_pb2_grpc.SpawnerServiceStub(channel)
                 requests = [
                     spawner_pb2.UploadProgramRequest(header=spawner_pb2.ProgramHeader(tag="hello:v1")),
@@ -63,7 +64,6 @@ def test_upload_launch_message_attach(process_sandbox: ProcessSandbox, tmp_path:
                     raise AssertionError("launching an unknown tag must fail")
                 return events
         finally:
-            await manager.shutdown()
             await server.stop(None)
 
     events = asyncio.run(go())

@@ -38,7 +38,7 @@ def test_a_clean_exit_is_exited() -> None:
 def test_a_non_zero_status_is_a_crash() -> None:
     info = derive_exit_info(facts(exit_code=3, stderr_tail=b"ValueError: nope\n"))
     assert info.reason is ExitReason.CRASHED
-    assert "status 3" in info.message
+    assert info.message == "exited with status 3: ValueError: nope"  # the traceback's last line
 
 
 def test_a_fatal_signal_is_a_crash_named_after_it() -> None:

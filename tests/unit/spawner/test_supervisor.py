@@ -52,7 +52,8 @@ class FakeHandle(SandboxHandle):
                     self._limits, signal=9, kill_reason=self._kill_reason, kill_message=self._kill_message
                 )
             )
-        return derive_exit_info(ExitFacts(self._limits, exit_code=self._exit_code))
+        stderr_tail = b"".join(c.data for c in self._chunks if c.stream is OutputStream.STDERR)
+        return derive_exit_info(ExitFacts(self._limits, exit_code=self._exit_code, stderr_tail=stderr_tail))
 
     async def kill(self, reason: ExitReason, message: str) -> None:
         if self._kill_reason is None:
@@ -176,5 +177,35 @@ def test_cancelling_the_supervisor_kills_and_reaps_the_sandbox() -> None:
         handle = sandbox.handles[0]
         assert handle._kill_reason is ExitReason.KILLED
         assert handle.num_waits == 1
+
+    asyncio.run(go())
+
+
+def test_output_ending_exactly_at_the_limit_then_more_still_kills() -> None:
+    # Chunks that fill the limit exactly, then one more byte: the next chunk finds no room at all.
+    async def go() -> None:
+        sandbox = FakeSandbox([out(b"x" * 5 + b"\n"), out(b"y" * 6), out(b"z"), out(b"more")], exit_code=None)
+        supervisor = InstanceSupervisor(sandbox, spec(max_output_bytes=12))
+        await supervisor.start()
+        events = await collect(supervisor)
+        assert events[-1].info.reason is ExitReason.OUTPUT_LIMIT
+        assert b"".join(e.data for e in events[:-1]) == b"xxxxx\nyyyyyy"
+
+    asyncio.run(go())
+
+
+def test_refine_exit_and_output_counter_hooks() -> None:
+    async def go() -> None:
+        counted: list[int] = []
+        supervisor = InstanceSupervisor(
+            FakeSandbox([out(b"ab\n"), out(b"cd\n")], exit_code=3),
+            spec(),
+            refine_exit=lambda info: ExitInfo(ExitReason.TRAPPED, "refined", info.exit_code),
+            count_output_bytes=counted.append,
+        )
+        await supervisor.start()
+        events = await collect(supervisor)
+        assert events[-1].info == ExitInfo(ExitReason.TRAPPED, "refined", 3)
+        assert sum(counted) == 6
 
     asyncio.run(go())

@@ -1,0 +1,212 @@
+"""Control-plane benchmark of the scheduler: commands/s, mean batch size, p50/p99 command latency for
+1, 16 and 128 concurrent instances per batching strategy, against the simulated executor.
+
+Each instance runs a closed decode loop: one forward_text with one greedy output per step, the next
+sent when the reply arrives (so commands in flight = instances).
+
+    .venv/bin/python bench/scheduler.py                 # in-process: the scheduler core, no gRPC
+    .venv/bin/python bench/scheduler.py --grpc          # scheduler and executor processes, clients over gRPC
+    taskset -c 0,1 .venv/bin/python bench/scheduler.py  # the 2-core target
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from l4m.scheduler import requests as rq
+from l4m.scheduler.config import SchedulerConfig
+from l4m.scheduler.core import Scheduler
+from l4m.scheduler.simulated import SimulatedExecutor, SimulatedExecutorConfig, SimulatedLink
+from l4m.v1 import l4m_pb2
+
+PAGE_SIZE = 16
+NUM_PAGES_PER_INSTANCE = 4
+STRATEGIES = ("adaptive", "t-only:1", "k-only:{k}", "k-or-t:8:1")
+SIZES = (1, 16, 128)
+
+
+def strategy_for(template: str, num_instances: int) -> str:
+    # k-only never fires below k items: with fewer instances than k it would stall, so k = min(8, n).
+    return template.format(k=min(8, num_instances))
+
+
+def decode_step(step: int, request_id: int) -> l4m_pb2.SessionRequest:
+    """Step `step` of a decode loop over NUM_PAGES_PER_INSTANCE pages (wrapping around)."""
+    position = step % (PAGE_SIZE * NUM_PAGES_PER_INSTANCE)
+    num_pages = position // PAGE_SIZE + 1
+    return rq.forward_text(list(range(num_pages)), position % PAGE_SIZE + 1, [step % 1000], [position], outputs=[0],
+                           request_id=request_id)
+
+
+class LoopClient:
+    """An in-process instance: its sink sends the next step as soon as a reply arrives."""
+
+    def __init__(self, scheduler: Scheduler, instance, latencies: list[float]) -> None:  # type: ignore[no-untyped-def]
+        self.scheduler = scheduler
+        self.instance = instance
+        self.latencies = latencies
+        self.step = 0
+        self.sent_at = 0.0
+        self.running = True
+
+    def send(self, response: l4m_pb2.SessionResponse) -> None:
+        if response.WhichOneof("event") == "trap":
+            raise RuntimeError(response.trap.reason)
+        now = time.perf_counter()
+        self.latencies.append(now - self.sent_at)
+        if self.running:
+            self.next(now)
+
+    def end(self, trap: l4m_pb2.Trap | None) -> None:
+        self.running = False
+
+    def next(self, now: float) -> None:
+        self.step += 1
+        self.sent_at = now
+        self.scheduler.submit(self.instance, decode_step(self.step, self.step))
+
+
+async def run_in_process(strategy: str, num_instances: int, duration_s: float) -> dict[str, float]:
+    sim = SimulatedExecutor(SimulatedExecutorConfig(num_kv_pages=8192, num_embed_slots=64))
+    scheduler = Scheduler(SchedulerConfig(batching=strategy), [SimulatedLink(sim)])  # type: ignore[list-item]
+    scheduler.start()
+    latencies: list[float] = []
+    clients = []
+    for i in range(num_instances):
+        instance = scheduler.register_instance(f"bench-{i}", f"bench-token-{i:08d}", 0, i)
+        client = LoopClient(scheduler, instance, latencies)
+        scheduler.open_session(instance, client)
+        scheduler.submit(instance, rq.allocate(list(range(NUM_PAGES_PER_INSTANCE))))
+        clients.append(client)
+    await asyncio.sleep(0.01)
+    now = time.perf_counter()
+    for client in clients:
+        client.next(now)
+    await asyncio.sleep(0.2)  # warm up
+    latencies.clear()
+    commands_before = scheduler.stats["commands"]
+    items_before = scheduler.stats["items"].get("forward_text", 0)
+    batches_before = scheduler.stats["batches"].get("forward_text", 0)
+    started = time.perf_counter()
+    await asyncio.sleep(duration_s)
+    elapsed = time.perf_counter() - started
+    num_commands = scheduler.stats["commands"] - commands_before
+    num_items = scheduler.stats["items"].get("forward_text", 0) - items_before
+    num_batches = scheduler.stats["batches"].get("forward_text", 0) - batches_before
+    for client in clients:
+        client.running = False
+    await asyncio.sleep(0.05)
+    return summarize(num_commands, elapsed, num_items, num_batches, latencies)
+
+
+def summarize(num_commands: int, elapsed: float, num_items: int, num_batches: int, latencies: list[float]) -> dict[str, float]:
+    quantiles = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else [0.0] * 99
+    return {
+        "commands_per_s": num_commands / elapsed,
+        "mean_batch": num_items / max(num_batches, 1),
+        "p50_ms": quantiles[49] * 1000,
+        "p99_ms": quantiles[98] * 1000,
+    }
+
+
+async def run_grpc(address: str, strategy: str, num_instances: int, duration_s: float) -> dict[str, float]:
+    import grpc
+
+    from l4m.v1 import l4m_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = l4m_pb2_grpc.L4MServiceStub(channel)
+        control = stub.Session()
+        await control.write(rq.debug_query(f"batching:{strategy}", request_id=1))
+        await control.read()
+        latencies: list[float] = []
+        counters = {"commands": 0}
+        stop = asyncio.Event()
+
+        async def instance() -> None:
+            call = stub.Session()
+            await call.write(rq.allocate(list(range(NUM_PAGES_PER_INSTANCE))))
+            step = 0
+            while not stop.is_set():
+                step += 1
+                sent_at = time.perf_counter()
+                await call.write(decode_step(step, step))
+                await call.read()
+                latencies.append(time.perf_counter() - sent_at)
+                counters["commands"] += 1
+            await call.done_writing()
+
+        async def stats() -> dict:  # type: ignore[type-arg]
+            await control.write(rq.debug_query("stats", request_id=2))
+            return json.loads((await control.read()).debug_query.response)
+
+        tasks = [asyncio.create_task(instance()) for _ in range(num_instances)]
+        await asyncio.sleep(0.3)
+        latencies.clear()
+        before, commands_before = await stats(), counters["commands"]
+        started = time.perf_counter()
+        await asyncio.sleep(duration_s)
+        elapsed = time.perf_counter() - started
+        after, commands_after = await stats(), counters["commands"]
+        stop.set()
+        await asyncio.gather(*tasks)
+        await control.done_writing()
+    num_items = after["items"].get("forward_text", 0) - before["items"].get("forward_text", 0)
+    num_batches = after["batches"].get("forward_text", 0) - before["batches"].get("forward_text", 0)
+    return summarize(commands_after - commands_before, elapsed, num_items, num_batches, latencies)
+
+
+def start_processes() -> tuple[list[subprocess.Popen], str]:  # type: ignore[type-arg]
+    import socket
+
+    def port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    executor_address, scheduler_address = f"127.0.0.1:{port()}", f"127.0.0.1:{port()}"
+    env = {**os.environ}
+    executor = subprocess.Popen([sys.executable, "-m", "l4m.scheduler.simulated", "--listen", executor_address,
+                                 "--num-kv-pages", "8192"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    scheduler = subprocess.Popen([sys.executable, "-m", "l4m.scheduler", "--listen", scheduler_address, "--executor",
+                                  executor_address, "--allow-anonymous", "--log-level", "WARNING"], env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(2.0)
+    return [executor, scheduler], scheduler_address
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--grpc", action="store_true", help="through gRPC: scheduler and executor as processes")
+    parser.add_argument("--duration-s", type=float, default=1.5)
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    processes, address = start_processes() if args.grpc else ([], "")
+    mode = "gRPC (scheduler + simulated executor processes)" if args.grpc else "in-process core + simulated executor"
+    print(f"scheduler benchmark, {mode}, cpus={len(os.sched_getaffinity(0))}")
+    print(f"{'strategy':<12} {'instances':>9} {'commands/s':>11} {'mean batch':>10} {'p50 ms':>8} {'p99 ms':>8}")
+    try:
+        for template in STRATEGIES:
+            for num_instances in sizes:
+                strategy = strategy_for(template, num_instances)
+                if args.grpc:
+                    row = asyncio.run(run_grpc(address, strategy, num_instances, args.duration_s))
+                else:
+                    row = asyncio.run(run_in_process(strategy, num_instances, args.duration_s))
+                print(f"{strategy:<12} {num_instances:>9} {row['commands_per_s']:>11,.0f} {row['mean_batch']:>10.1f} "
+                      f"{row['p50_ms']:>8.3f} {row['p99_ms']:>8.3f}", flush=True)
+    finally:
+        for process in processes:
+            process.terminate()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Run a controller program: `python -m l4m.controller PROGRAM [--] [ARGS...]`.
+
+PROGRAM is a `.py` file or a zip with `__main__.py` defining `async def main(ctx)`. The environment
+(set by the spawner) says where to connect:
+
+  L4M_SCHEDULER_ADDR   the scheduler (`unix:///run/l4m/scheduler.sock` or `host:port`), required
+  L4M_RUNTIME_ADDR     the spawner's RuntimeService; unset = local development (stdout/stdin)
+  L4M_INSTANCE_TOKEN   the instance's token (absent with an anonymous scheduler)
+  L4M_INSTANCE_ID      the instance's id
+  TRACEPARENT          W3C trace context of the launch, sent with every call
+
+Exit status: 0 success (or the int `main` returned), 1 the program raised, 2 the program could not be
+loaded, 3 the scheduler trapped the instance, 4 the scheduler could not be reached or the session broke.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import runpy
+import sys
+import traceback
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from l4m.errors import ProgramError, SessionClosed, Trapped
+from l4m.instance import Instance
+from l4m.model import Model
+from l4m.runtime import ChildExit, LocalRuntime, Runtime, RuntimeClient
+from l4m.session import Session
+
+EXIT_OK = 0
+EXIT_PROGRAM_ERROR = 1
+EXIT_LOAD_ERROR = 2
+EXIT_TRAPPED = 3
+EXIT_SESSION_ERROR = 4
+
+Main = Callable[[Instance], Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """Where a controller connects, from the environment the spawner sets."""
+
+    scheduler_address: str
+    runtime_address: str | None
+    instance_token: str | None
+    instance_id: str
+    traceparent: str | None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> ControllerConfig:
+        address = environ.get("L4M_SCHEDULER_ADDR")
+        if not address:
+            raise ProgramError("L4M_SCHEDULER_ADDR is not set: point it at the scheduler, e.g. 127.0.0.1:50051")
+        return cls(address, environ.get("L4M_RUNTIME_ADDR") or None, environ.get("L4M_INSTANCE_TOKEN") or None,
+                   environ.get("L4M_INSTANCE_ID", "local"), environ.get("TRACEPARENT") or None)
+
+
+def load_program(path: str | Path) -> Main:
+    """`main` of a `.py` file or of a zip's `__main__.py`."""
+    path = Path(path)
+    if not path.exists():
+        raise ProgramError(f"no program at {path}")
+    try:
+        namespace = runpy.run_path(str(path), run_name="l4m_program")
+    except Exception as error:
+        raise ProgramError(f"{path} failed while loading: {type(error).__name__}: {error}") from error
+    main = namespace.get("main")
+    if main is None or not asyncio.iscoroutinefunction(main):
+        raise ProgramError(f"{path} must define `async def main(ctx)`")
+    return main
+
+
+async def run_main(main: Main, args: Sequence[str], session: Session, runtime: Runtime, instance_id: str) -> Any:
+    """Connect the model, call `main(ctx)`, close the session (freeing everything the instance held)."""
+    try:
+        model = await Model.load(session)
+        return await main(Instance(args, model, runtime, instance_id))
+    finally:
+        failure = session.failure
+        await session.close()
+        if isinstance(failure, Trapped):
+            raise failure
+
+
+async def run_program(program: str, args: Sequence[str], config: ControllerConfig) -> Any:
+    main = load_program(program)
+    if config.runtime_address:
+        runtime: Runtime = RuntimeClient(config.runtime_address, config.instance_token, config.traceparent)
+    else:
+        runtime = LocalRuntime(launch_child=_local_child_launcher(program, config))
+    session = await Session.connect(config.scheduler_address, config.instance_token, config.traceparent)
+    try:
+        return await run_main(main, args, session, runtime, config.instance_id)
+    finally:
+        await runtime.close()
+
+
+def _local_child_launcher(parent_program: str, config: ControllerConfig) -> Callable[..., Awaitable[ChildExit]]:
+    """Development: a child runs in this process, with its own session to the same scheduler."""
+
+    async def launch(program: str, args: Sequence[str], runtime: LocalRuntime) -> ChildExit:
+        try:
+            main = load_program(program or parent_program)
+            session = await Session.connect(config.scheduler_address, config.instance_token, config.traceparent)
+            result = await run_main(main, args, session, runtime, runtime.instance_id)
+        except Trapped as trap:
+            return ChildExit("EXIT_REASON_TRAPPED", EXIT_TRAPPED, str(trap))
+        except Exception as error:  # a child's failure is its parent's information, not its crash
+            traceback.print_exc()
+            return ChildExit("EXIT_REASON_EXITED", EXIT_PROGRAM_ERROR, f"{type(error).__name__}: {error}")
+        return ChildExit("EXIT_REASON_EXITED", result if isinstance(result, int) else EXIT_OK, "")
+
+    return launch
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__, file=sys.stderr)
+        return EXIT_LOAD_ERROR
+    program, args = argv[0], argv[1:]
+    if args[:1] == ["--"]:
+        args = args[1:]
+    try:
+        config = ControllerConfig.from_env(os.environ if environ is None else environ)
+        result = asyncio.run(run_program(program, args, config))
+    except ProgramError as error:
+        print(f"l4m.controller: {error}", file=sys.stderr)
+        return EXIT_LOAD_ERROR
+    except Trapped as trap:
+        print(f"l4m.controller: trapped: {trap}", file=sys.stderr)
+        return EXIT_TRAPPED
+    except SessionClosed as error:
+        print(f"l4m.controller: {error}", file=sys.stderr)
+        return EXIT_SESSION_ERROR
+    except KeyboardInterrupt:
+        return 130
+    except Exception:
+        traceback.print_exc()
+        return EXIT_PROGRAM_ERROR
+    return result if isinstance(result, int) and not isinstance(result, bool) else EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

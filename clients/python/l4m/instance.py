@@ -1,0 +1,90 @@
+"""The handle a controller's `main(ctx)` receives: its arguments, the model, the user, shared
+variables and child controllers."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from l4m.context import Context
+from l4m.model import Model
+from l4m.runtime import ChildExit, Runtime, SwapResult, Variable
+from l4m.tokenizer import Tokenizer
+
+
+class SharedVariables:
+    """Variables shared by the whole launch tree (the root and every child), with versions."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+
+    async def get(self, name: str) -> Variable:
+        return await self._runtime.get(name)
+
+    async def set(self, name: str, value: bytes | str) -> int:
+        return await self._runtime.set(name, value)
+
+    async def compare_and_set(self, name: str, expected_version: int, value: bytes | str) -> SwapResult:
+        """Write only if the version is still `expected_version` (0: only if it does not exist yet)."""
+        return await self._runtime.compare_and_set(name, expected_version, value)
+
+    async def append(self, name: str, value: bytes | str) -> int:
+        return await self._runtime.append(name, value)
+
+    def watch(self, name: str) -> AsyncIterator[Variable]:
+        """The current state, then every change."""
+        return self._runtime.watch(name)
+
+    async def wait_for(self, name: str) -> Variable:
+        """Block (no polling) until `name` exists; its state then."""
+        async for variable in self._runtime.watch(name):
+            if variable.exists:
+                return variable
+        raise RuntimeError(f"the watch on {name!r} ended")
+
+
+@dataclass
+class Child:
+    """A child controller this instance spawned."""
+
+    instance_id: str
+    _runtime: Runtime
+
+    async def wait(self, timeout_s: float | None = None) -> ChildExit | None:
+        """How it ended, or None when `timeout_s` passed first."""
+        return await self._runtime.wait_child(self.instance_id, timeout_s)
+
+
+class Instance:
+    """`ctx` in `async def main(ctx)`."""
+
+    def __init__(self, args: Sequence[str], model: Model, runtime: Runtime, instance_id: str) -> None:
+        self.args = list(args)
+        self.model = model
+        self.runtime = runtime
+        self.instance_id = instance_id
+        self.vars = SharedVariables(runtime)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.model.tokenizer
+
+    def new_context(self) -> Context:
+        return self.model.new_context()
+
+    async def send(self, text: str) -> None:
+        """A message to the user (attached clients; stdout when run locally)."""
+        await self.runtime.send(text)
+
+    async def receive(self, timeout_s: float | None = None) -> str | None:
+        """The next message from the user, or None on timeout / end of input."""
+        return await self.runtime.receive(timeout_s)
+
+    async def spawn(self, program: str = "", args: Sequence[str] = ()) -> Child:
+        """Start a child controller (empty `program`: this same program) that shares `vars`."""
+        return Child(await self.runtime.spawn_child(program, args), self.runtime)
+
+    def log(self, *parts: object) -> None:
+        """A log line (stderr; the spawner streams it to attached users)."""
+        print(*parts, file=sys.stderr, flush=True)

@@ -1,0 +1,121 @@
+"""The model handle: what the scheduler serves, its tokenizer, and the id pools of this instance.
+
+One `Model` per L4M session. It owns the virtual id pools (KV pages, streams), so every Context of
+the instance draws from the same pools, and it counts the forward passes and tokens this instance sent
+(examples report them to show what prefix caching or speculative decoding saves).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from l4m.errors import L4MError
+from l4m.pool import IdPool
+from l4m.session import Session
+from l4m.tokenizer import Tokenizer
+from l4m.v1 import common_pb2, l4m_pb2
+
+if TYPE_CHECKING:
+    from l4m.context import Context
+
+MAX_STREAMS = 1 << 16
+
+
+@dataclass
+class ForwardStats:
+    """What this instance fed through forward passes (counted on the controller's side)."""
+
+    num_forward_passes: int = 0
+    num_forward_tokens: int = 0
+
+
+class Model:
+    """The served model, as a controller sees it."""
+
+    def __init__(self, session: Session, info: l4m_pb2.GetInfoResponse) -> None:
+        self.session = session
+        self.info = info.model
+        self.kv_page_size = info.kv_page_size
+        self.max_kv_pages = info.max_kv_pages_per_instance
+        self.name = info.model.name
+        self.vocab_size = info.model.vocab_size
+        self.max_context_tokens = info.model.max_context_tokens
+        self.stop_token_ids = tuple(info.model.stop_token_ids)
+        self.kv_pages = IdPool(info.max_kv_pages_per_instance or 1 << 20)
+        self.streams = IdPool(MAX_STREAMS)
+        # Pages other holders may read outside this instance's refcounts (exported or imported): read-only.
+        self.frozen_kv_pages: set[int] = set()
+        self.stats = ForwardStats()
+        self._tokenizer: Tokenizer | None = None
+        session.add_sync_listener(self.kv_pages.unquarantine)
+
+    @classmethod
+    async def load(cls, session: Session) -> Model:
+        return cls(session, await session.get_info())
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = Tokenizer(self.info.tokenizer_json, self.info.chat_template, self.info.special_token_ids)
+        return self._tokenizer
+
+    def new_context(self) -> Context:
+        """An empty Context on a stream of its own."""
+        from l4m.context import Context
+
+        return Context(self)
+
+    async def import_context(self, name: str) -> Context:
+        """A Context that continues from an export (see `Context.export`)."""
+        from l4m.context import Context
+
+        return await Context.import_(self, name)
+
+    async def list_exports(self) -> list[l4m_pb2.ExportInfo]:
+        response = await self.session.request("list_exports", l4m_pb2.ListExportsCommand())
+        return list(response.list_exports.exports)
+
+    async def has_export(self, name: str) -> bool:
+        return any(e.name == name for e in await self.list_exports())
+
+    def unexport(self, name: str) -> None:
+        self.session.send("unexport_kv_pages", l4m_pb2.UnexportKvPagesCommand(name=name))
+
+    async def debug_query(self, query: str) -> str:
+        response = await self.session.request("debug_query", l4m_pb2.DebugQueryCommand(query=query))
+        return response.debug_query.response
+
+    async def scheduler_stats(self) -> dict:
+        """The scheduler's counters (`debug_query("stats")`), parsed from JSON."""
+        return json.loads(await self.debug_query("stats"))
+
+    def allocate_kv_pages(self, count: int, stream_id: int) -> list[int]:
+        """Take `count` page ids and allocate them on the wire."""
+        if not self.kv_pages.can_acquire(count, stream_id):
+            raise L4MError(
+                f"this instance would hold more than {self.kv_pages.capacity} KV pages "
+                f"({self.kv_pages.num_in_use} in use, {self.kv_pages.num_quarantined} being deallocated, "
+                f"{count} more asked): free contexts you no longer need, "
+                "or keep a window (`c.set_window(...)`) so old pages are dropped"
+            )
+        page_ids = self.kv_pages.acquire(count, stream_id)
+        item = common_pb2.AllocateItem(kind=common_pb2.RESOURCE_KIND_KV_PAGE, ids=page_ids)
+        self.session.send("allocate", item, stream_id)
+        return page_ids
+
+    def release_kv_pages(self, page_ids: list[int], stream_id: int) -> bool:
+        """Drop one holder from each page; deallocate the pages nobody in this instance holds any more.
+        Returns whether a deallocate was sent (its ids stay quarantined to `stream_id` until it ran)."""
+        if not page_ids:
+            return False
+        freed = self.kv_pages.release(page_ids, quarantine=stream_id)
+        if freed:
+            self.frozen_kv_pages.difference_update(freed)
+            item = common_pb2.DeallocateItem(kind=common_pb2.RESOURCE_KIND_KV_PAGE, ids=freed)
+            self.session.send("deallocate", item, stream_id)
+        return bool(freed)
+
+    def is_page_shared(self, page_id: int) -> bool:
+        return self.kv_pages.refcount(page_id) > 1 or page_id in self.frozen_kv_pages

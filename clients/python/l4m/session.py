@@ -1,0 +1,231 @@
+"""One L4M session: a bidirectional command stream to the scheduler, over `grpc.aio`.
+
+Commands go through one send queue (grpc.aio allows one writer at a time, and a queue lets
+synchronous code such as `Context.fork()` send fire-and-forget commands); a reader task answers the
+futures of replied commands by `request_id`. A `Trap` fails every pending future, and every later
+command, with `Trapped`.
+
+The session only needs an object with the `L4MServiceStub` methods (`GetInfo`, `Session`), so the
+unit tests and `l4m.fake` put an in-process backend behind the very same code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+
+from l4m.errors import SessionClosed, Trapped
+from l4m.v1 import l4m_pb2, l4m_pb2_grpc
+
+TOKEN_METADATA_KEY = "l4m-instance-token"
+DEFAULT_CALL_TIMEOUT_S = 30.0
+
+# Commands answered by an event; every other command is fire-and-forget.
+REPLIED_COMMANDS = frozenset(
+    {"get_info", "forward_text", "forward", "sample_top_k", "import_kv_pages", "list_exports", "synchronize",
+     "debug_query"}
+)
+
+
+def is_replied(command: str, message: Any) -> bool:
+    """Whether the scheduler answers this command (a forward_text without outputs has no answer)."""
+    if command == "forward_text":
+        return bool(message.output_indices)
+    return command in REPLIED_COMMANDS
+
+
+def call_metadata(token: str | None = None, traceparent: str | None = None) -> tuple[tuple[str, str], ...]:
+    """gRPC metadata for L4M/runtime calls: the instance token and the W3C trace parent, when known."""
+    metadata = []
+    if token:
+        metadata.append((TOKEN_METADATA_KEY, token))
+    if traceparent:
+        metadata.append(("traceparent", traceparent))
+    return tuple(metadata)
+
+
+def grpc_target(address: str) -> str:
+    """`unix:///path` stays as is; `host:port` too (gRPC's own syntax)."""
+    return address
+
+
+class Session:
+    """An open L4M command stream plus the unary `GetInfo` call."""
+
+    def __init__(
+        self,
+        stub: Any,
+        metadata: Sequence[tuple[str, str]] = (),
+        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+        channel: grpc.aio.Channel | None = None,
+    ) -> None:
+        self._stub = stub
+        self._metadata = tuple(metadata)
+        self._call_timeout_s = call_timeout_s
+        self._channel = channel
+        self._call: Any = None
+        self._send_queue: asyncio.Queue[l4m_pb2.SessionRequest | None] = asyncio.Queue()
+        self._pending: dict[int, asyncio.Future[l4m_pb2.SessionResponse]] = {}
+        self._request_ids = itertools.count(1)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._failure: Exception | None = None
+        self._write_error: Exception | None = None
+        # stream id -> request id of its latest fire-and-forget command not yet followed by a reply.
+        self._unsynced_streams: dict[int, int] = {}
+        self.num_commands_sent = 0
+        self._sync_listeners: list[Callable[[int], None]] = []
+
+    @classmethod
+    async def connect(
+        cls,
+        address: str,
+        token: str | None = None,
+        traceparent: str | None = None,
+        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+    ) -> Session:
+        """Open a channel to the scheduler at `address` (e.g. `unix:///run/l4m/scheduler.sock`)."""
+        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        channel = grpc.aio.insecure_channel(grpc_target(address), options=options)
+        session = cls(l4m_pb2_grpc.L4MServiceStub(channel), call_metadata(token, traceparent), call_timeout_s, channel)
+        return session
+
+    async def get_info(self) -> l4m_pb2.GetInfoResponse:
+        """Model and capacities (a unary call with a deadline; needs no open stream)."""
+        try:
+            return await self._stub.GetInfo(
+                l4m_pb2.GetInfoRequest(), timeout=self._call_timeout_s, metadata=self._metadata
+            )
+        except grpc.aio.AioRpcError as error:
+            raise SessionClosed(
+                f"GetInfo failed ({error.code().name}): {error.details()} -- is the scheduler running at the "
+                "address in L4M_SCHEDULER_ADDR?"
+            ) from error
+
+    def open(self) -> None:
+        """Open the command stream and start the writer and reader tasks."""
+        if self._call is not None:
+            return
+        self._call = self._stub.Session(metadata=self._metadata)
+        self._tasks = [asyncio.create_task(self._write_loop()), asyncio.create_task(self._read_loop())]
+
+    def send(self, command: str, message: Any, stream_id: int = 0) -> asyncio.Future[l4m_pb2.SessionResponse] | None:
+        """Queue one command; returns the future of its reply, or None for fire-and-forget commands."""
+        if self._failure is not None:
+            raise self._failure
+        self.open()
+        request_id = next(self._request_ids)
+        request = l4m_pb2.SessionRequest(stream_id=stream_id, request_id=request_id)
+        getattr(request, command).CopyFrom(message)
+        future = None
+        if is_replied(command, message):
+            future = asyncio.get_running_loop().create_future()
+            self._pending[request_id] = future
+        else:
+            self._unsynced_streams[stream_id] = request_id
+        self._send_queue.put_nowait(request)
+        self.num_commands_sent += 1
+        return future
+
+    async def request(self, command: str, message: Any, stream_id: int = 0) -> l4m_pb2.SessionResponse:
+        """Send a replied command and wait for its reply."""
+        future = self.send(command, message, stream_id)
+        assert future is not None, f"{command} has no reply"
+        return await future
+
+    def add_sync_listener(self, listener: Callable[[int], None]) -> None:
+        """Call `listener(stream_id)` whenever a reply shows that a stream's fire-and-forget commands ran."""
+        self._sync_listeners.append(listener)
+
+    def is_stream_synced(self, stream_id: int) -> bool:
+        """True when every command sent on `stream_id` was followed by a replied one that came back."""
+        return stream_id not in self._unsynced_streams
+
+    async def synchronize(self, stream_id: int = 0) -> None:
+        await self.request("synchronize", l4m_pb2.SynchronizeCommand(), stream_id)
+
+    def check(self) -> None:
+        """Raise the session's failure (a trap, a lost stream), if any."""
+        if self._failure is not None:
+            raise self._failure
+
+    @property
+    def failure(self) -> Exception | None:
+        return self._failure
+
+    async def close(self) -> None:
+        """End the stream (the scheduler frees what the instance held) and the channel."""
+        if self._call is not None and self._failure is None:
+            self._send_queue.put_nowait(None)
+            with contextlib.suppress(Exception):  # a writer that cannot finish is cancelled below
+                await asyncio.wait_for(asyncio.shield(self._tasks[0]), timeout=5)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._call is not None:
+            self._call.cancel()
+        if self._failure is None:
+            self._failure = SessionClosed("the session was closed; open a new one to send more commands")
+        self._fail_pending(self._failure)
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def _write_loop(self) -> None:
+        while True:
+            request = await self._send_queue.get()
+            if request is None:
+                await self._call.done_writing()
+                return
+            try:
+                await self._call.write(request)
+            except Exception as error:
+                # The stream is over; the read loop reports why (a trap, a status) to every waiter.
+                self._write_error = error
+                return
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                response = await self._call.read()
+                if response is grpc.aio.EOF:
+                    detail = f" (sending failed: {self._write_error})" if self._write_error else ""
+                    self._fail(SessionClosed(f"the scheduler ended the L4M stream{detail}"))
+                    return
+                self._dispatch(response)
+        except grpc.aio.AioRpcError as error:
+            self._fail(SessionClosed(
+                f"the L4M stream ended ({error.code().name}): {error.details()} -- is the scheduler still running?"
+            ))
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            self._fail(SessionClosed(f"the L4M stream failed: {type(error).__name__}: {error}"))
+
+    def _dispatch(self, response: l4m_pb2.SessionResponse) -> None:
+        if response.WhichOneof("event") == "trap":
+            trap = response.trap
+            self._fail(Trapped(trap.kind, trap.reason, trap.offending_request_id))
+            return
+        # Streams run in order: a reply means every earlier command of its stream is done.
+        if self._unsynced_streams.get(response.stream_id, 1 << 64) < response.request_id:
+            del self._unsynced_streams[response.stream_id]
+            for listener in self._sync_listeners:
+                listener(response.stream_id)
+        future = self._pending.pop(response.request_id, None)
+        if future is not None and not future.done():
+            future.set_result(response)
+
+    def _fail(self, error: Exception) -> None:
+        if self._failure is None or (isinstance(error, Trapped) and not isinstance(self._failure, Trapped)):
+            self._failure = error
+        self._fail_pending(self._failure)
+
+    def _fail_pending(self, error: Exception) -> None:
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(error)

@@ -1,0 +1,92 @@
+"""The model's tokenizer as a controller uses it: encode/decode, streaming decode, chat template.
+
+Built from `ModelInfo.tokenizer_json` with `tokenizers`. The chat template is rendered with jinja2
+(sandboxed) when it is installed; otherwise a ChatML renderer is used, which produces the same text
+as SmolLM2's template (the default model) and any other plain ChatML template.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from tokenizers import Tokenizer as HfTokenizer
+
+Message = Mapping[str, str]
+
+# SmolLM2's template adds this system turn when the conversation has none.
+SMOLLM_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+class Tokenizer:
+    """Text <-> token ids for one model."""
+
+    def __init__(self, tokenizer_json: str, chat_template: str = "", special_token_ids: Mapping[str, int] | None = None) -> None:
+        self._tokenizer = HfTokenizer.from_str(tokenizer_json)
+        self.tokenizer_json = tokenizer_json
+        self.chat_template = chat_template
+        self.special_token_ids = dict(special_token_ids or {})
+        self._jinja_template = _compile_jinja(chat_template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special tokens written in the text (e.g. `<|im_end|>`) become their ids."""
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_str(self, token_id: int) -> str:
+        return self.decode([token_id], skip_special_tokens=False)
+
+    def apply_chat_template(self, messages: Iterable[Message], add_generation_prompt: bool = True) -> str:
+        """The prompt text for a conversation, as the model was trained to read it."""
+        messages = [dict(m) for m in messages]
+        if self._jinja_template is not None:
+            return self._jinja_template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+        return render_chatml(messages, add_generation_prompt, self._default_system())
+
+    def _default_system(self) -> str | None:
+        return SMOLLM_DEFAULT_SYSTEM if SMOLLM_DEFAULT_SYSTEM in self.chat_template else None
+
+
+class StreamDecoder:
+    """Decodes a growing list of tokens into text deltas without splitting a UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.text = ""
+
+    def push(self, token_id: int) -> str:
+        """Add a token; returns the new text it completes (possibly empty)."""
+        self.token_ids.append(token_id)
+        text = self._tokenizer.decode(self.token_ids)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
+            return ""
+        delta, self.text = text[len(self.text):], text
+        return delta
+
+
+def render_chatml(messages: Sequence[Message], add_generation_prompt: bool, default_system: str | None) -> str:
+    """ChatML: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message, then the assistant header."""
+    parts = []
+    if default_system is not None and (not messages or messages[0]["role"] != "system"):
+        parts.append(f"<|im_start|>system\n{default_system}<|im_end|>\n")
+    parts.extend(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    if add_generation_prompt:
+        parts.append("<|im_start|>assistant\n")
+    return "".join(parts)
+
+
+def _compile_jinja(chat_template: str) -> object | None:
+    if not chat_template:
+        return None
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        return None
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return environment.from_string(chat_template)

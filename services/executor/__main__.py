@@ -1,0 +1,73 @@
+"""`python -m l4m.executor`: serve one model on one device over gRPC; prints the bound address."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import time
+
+from l4m.executor.engine import EngineConfig
+from l4m.executor.metrics import executor_registry
+from l4m.executor.server import ExecutorConfig, create_server
+from l4m.executor.weights import default_model_path
+from l4m.telemetry import configure_tracing, shutdown_tracing, start_metrics_server
+
+
+def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, int]:
+    parser = argparse.ArgumentParser(prog="python -m l4m.executor", description=__doc__)
+    parser.add_argument("--listen", default="127.0.0.1:50061", help="host:port (port 0 = any) or unix:/path")
+    parser.add_argument(
+        "--model", default=None, help="a .gguf file or an HF safetensors directory (default: SmolLM2)"
+    )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+        help="auto: bfloat16 on CUDA, float32 on CPU (bf16 is emulated, hence slow, on CPUs without AMX/AVX512-BF16)",
+    )
+    parser.add_argument("--page-size", type=int, default=16, help="token slots per KV page")
+    parser.add_argument("--num-pages", type=int, default=0, help="KV pages; 0 = size from free memory")
+    parser.add_argument("--num-embed-slots", type=int, default=1024)
+    parser.add_argument("--max-batch-tokens", type=int, default=8192)
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on 127.0.0.1; 0 = off")
+    args = parser.parse_args(argv)
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
+    engine = EngineConfig(
+        device=args.device,
+        dtype=dtype,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        num_embed_slots=args.num_embed_slots,
+        max_batch_tokens=args.max_batch_tokens,
+    )
+    config = ExecutorConfig(listen=args.listen, model_path=str(args.model or default_model_path()), engine=engine)
+    return config, args.metrics_port
+
+
+async def serve(config: ExecutorConfig, metrics_port: int = 0) -> None:
+    print(f"l4m executor: loading {config.model_path} on {config.engine.device} ({config.engine.dtype}) ...", flush=True)
+    started = time.monotonic()
+    server, port = await create_server(config)
+    print(f"l4m executor: model ready in {time.monotonic() - started:.1f} s", flush=True)
+    start_metrics_server(metrics_port, executor_registry(server.engine))
+    address = (
+        config.listen if config.listen.startswith("unix:") else f"{config.listen.rsplit(':', 1)[0]}:{port}"
+    )
+    print(f"l4m executor listening on {address}", flush=True)
+    await server.wait_for_termination()
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_tracing("l4m.executor")
+    config, metrics_port = parse_config(argv)
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve(config, metrics_port))
+    finally:
+        shutdown_tracing()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Protobuf <-> executor dataclasses (`from_pb` / `to_pb`); the only module of the core that knows pb.
+
+Conversion errors (an unspecified enum, a batch with no kind) are `InvalidCommand`s, answered as that
+batch's error like any validation failure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from l4m.executor import commands as c
+from l4m.executor.errors import ExecutorError, InvalidCommand
+from l4m.v1 import common_pb2, executor_pb2
+
+_RESOURCE_KINDS = {
+    common_pb2.RESOURCE_KIND_KV_PAGE: c.ResourceKind.KV_PAGE,
+    common_pb2.RESOURCE_KIND_EMBED_SLOT: c.ResourceKind.EMBED_SLOT,
+}
+_SAMPLER_KINDS = {
+    common_pb2.SAMPLER_KIND_DISTRIBUTION: c.SamplerKind.DISTRIBUTION,
+    common_pb2.SAMPLER_KIND_GREEDY: c.SamplerKind.GREEDY,
+    common_pb2.SAMPLER_KIND_SAMPLE: c.SamplerKind.SAMPLE,
+}
+
+
+def _resource_kind(kind: int, index: int) -> c.ResourceKind:
+    if kind not in _RESOURCE_KINDS:
+        raise InvalidCommand(f"item {index}: resource kind {kind} is unspecified or unknown", index)
+    return _RESOURCE_KINDS[kind]
+
+
+def sampler_from_pb(spec: common_pb2.SamplerSpec, index: int) -> c.SamplerSpec:
+    if spec.kind not in _SAMPLER_KINDS:
+        raise InvalidCommand(f"item {index}: sampler kind {spec.kind} is unspecified or unknown", index)
+    mask = tuple(spec.vocabulary_mask.run_lengths) if spec.HasField("vocabulary_mask") else ()
+    return c.SamplerSpec(
+        kind=_SAMPLER_KINDS[spec.kind],
+        temperature=spec.temperature,
+        top_k=spec.top_k,
+        top_p=spec.top_p,
+        min_p=spec.min_p,
+        seed=spec.seed if spec.HasField("seed") else None,
+        distribution_top_k=spec.distribution_top_k,
+        vocab_mask=mask or None,
+    )
+
+
+def _forward_text_from_pb(item: common_pb2.ForwardTextItem, index: int) -> c.ForwardText:
+    return c.ForwardText(
+        kv_page_ids=tuple(item.kv_page_ids),
+        kv_last_page_length=item.kv_last_page_length,
+        token_ids=tuple(item.token_ids),
+        position_ids=tuple(item.position_ids),
+        attention_mask=tuple(tuple(row.run_lengths) for row in item.attention_masks),
+        output_indices=tuple(item.output_indices),
+        samplers=tuple(sampler_from_pb(s, index) for s in item.samplers),
+    )
+
+
+def batch_from_pb(request: executor_pb2.ExecuteRequest) -> list[c.Command]:
+    """The batch's items as executor commands."""
+    kind = request.WhichOneof("batch")
+    if kind is None:
+        raise InvalidCommand("the request carries no batch")
+    items = getattr(request, kind).queries if kind == "debug_query" else getattr(request, kind).items
+    converters = {
+        "allocate": lambda it, i: c.Allocate(_resource_kind(it.kind, i), tuple(it.ids)),
+        "deallocate": lambda it, i: c.Deallocate(_resource_kind(it.kind, i), tuple(it.ids)),
+        "embed_text": lambda it, i: c.EmbedText(
+            tuple(it.embed_slot_ids), tuple(it.token_ids), tuple(it.position_ids)
+        ),
+        "forward": lambda it, i: c.Forward(
+            tuple(it.kv_page_ids),
+            it.kv_last_page_length,
+            tuple(it.input_embed_slot_ids),
+            tuple(it.output_indices),
+            tuple(it.output_embed_slot_ids),
+        ),
+        "forward_text": _forward_text_from_pb,
+        "sample_top_k": lambda it, i: c.SampleTopK(it.embed_slot_id, it.k),
+        "copy_kv_page": lambda it, i: c.CopyKvPage(
+            it.source_kv_page_id,
+            it.destination_kv_page_id,
+            it.source_offset_tokens,
+            it.destination_offset_tokens,
+            it.length_tokens,
+        ),
+        "mask_kv_page": lambda it, i: c.MaskKvPage(it.kv_page_id, tuple(it.visibility.run_lengths)),
+        "embed_image": lambda it, i: c.EmbedImage(
+            tuple(it.embed_slot_ids), it.image_bytes, it.position_offset
+        ),
+        "debug_query": lambda it, i: c.DebugQuery(it),
+    }
+    return [converters[kind](item, i) for i, item in enumerate(items)]
+
+
+def output_to_pb(result: c.SamplerResult) -> common_pb2.OutputResult:
+    if isinstance(result, c.Distribution):
+        return common_pb2.OutputResult(distribution=distribution_to_pb(result))
+    return common_pb2.OutputResult(
+        token=common_pb2.SampledToken(token_id=result.token_id, logprob=result.logprob)
+    )
+
+
+def distribution_to_pb(result: c.Distribution) -> common_pb2.Distribution:
+    return common_pb2.Distribution(token_ids=result.token_ids, probabilities=result.probs)
+
+
+def reply_to_pb(
+    correlation_id: int, batch: Sequence[c.Command], result: object
+) -> executor_pb2.ExecuteResponse | None:
+    """The batch's reply, or None for batches that have no results (fire-and-forget)."""
+    first = batch[0]
+    reply = executor_pb2.ExecuteResponse(correlation_id=correlation_id)
+    if isinstance(first, c.ForwardText):
+        if not any(item.output_indices for item in batch):
+            return None
+        items = [common_pb2.ForwardTextResult(outputs=[output_to_pb(o) for o in r.outputs]) for r in result]
+        reply.forward_text.items.extend(items)
+    elif isinstance(first, c.Forward):
+        reply.forward.num_items = len(batch)
+    elif isinstance(first, c.SampleTopK):
+        reply.sample_top_k.items.extend(distribution_to_pb(d) for d in result)
+    elif isinstance(first, c.DebugQuery):
+        reply.debug_query.responses.extend(result)
+    else:
+        return None
+    return reply
+
+
+def error_to_pb(
+    correlation_id: int, error: ExecutorError, is_unsupported: bool
+) -> executor_pb2.ExecuteResponse:
+    return executor_pb2.ExecuteResponse(
+        correlation_id=correlation_id,
+        error=executor_pb2.BatchError(
+            item_index=error.item_index, reason=error.reason, is_unsupported=is_unsupported
+        ),
+    )
+
+
+def info_to_pb(info: c.ExecutorInfo) -> executor_pb2.ExecutorServiceGetInfoResponse:
+    model = common_pb2.ModelInfo(
+        name=info.model_name,
+        architecture=info.architecture,
+        vocab_size=info.vocab_size,
+        num_layers=info.num_layers,
+        hidden_size=info.hidden_size,
+        num_attention_heads=info.num_heads,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+        max_context_tokens=info.max_context,
+        tokenizer_json=info.tokenizer_json,
+        chat_template=info.chat_template,
+        stop_token_ids=info.eos_token_ids,
+        special_token_ids=info.special_tokens,
+        capabilities=info.capabilities,
+    )
+    return executor_pb2.ExecutorServiceGetInfoResponse(
+        model=model,
+        device=info.device,
+        dtype=info.dtype,
+        kv_page_size=info.page_size,
+        num_kv_pages=info.num_kv_pages,
+        num_embed_slots=info.num_embed_slots,
+        max_batch_tokens=info.max_batch_tokens,
+    )

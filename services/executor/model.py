@@ -1,0 +1,110 @@
+"""A Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU, tied or untied head) over the paged KV cache.
+
+Tokens of all items of a batch are concatenated (`[N, hidden]`) through every linear layer; only
+attention looks at items separately, via the batch's `AttentionPlan`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from l4m.executor.attention import AttentionPlan, paged_attention
+from l4m.executor.kv_cache import KvCache
+from l4m.executor.weights import LoadedModel, ModelConfig
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(H + 2 * KVH) * D, hidden], q, k, v fused
+    o: torch.Tensor  # [hidden, H * D]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * ffn, hidden], gate, up fused
+    down: torch.Tensor  # [hidden, ffn]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaModel:
+    def __init__(self, loaded: LoadedModel, dtype: torch.dtype, device: torch.device) -> None:
+        self.config: ModelConfig = loaded.config
+        self.dtype = dtype
+        self.device = device
+        t = loaded.tensors
+
+        def w(name: str) -> torch.Tensor:
+            return t[name].to(device=device, dtype=dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")  # [V, hidden]
+        self.head = self.embed if "lm_head.weight" not in t else w("lm_head.weight")
+        self.final_norm = w("model.norm.weight")
+        self.layers = []
+        for i in range(self.config.num_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(
+                LayerWeights(
+                    input_norm=w(p + "input_layernorm.weight"),
+                    qkv=torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous(),
+                    o=w(p + "self_attn.o_proj.weight"),
+                    post_norm=w(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat(
+                        [w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]
+                    ).contiguous(),
+                    down=w(p + "mlp.down_proj.weight"),
+                )
+            )
+        cfg = self.config
+        inv_freq = 1.0 / (
+            cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+        )
+        if "rope_freq_factors" in t:
+            inv_freq = inv_freq / t["rope_freq_factors"].double()
+        angles = torch.outer(torch.arange(cfg.max_context, dtype=torch.float64), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)  # [max_context, D], rotate-half layout
+        self.rope_cos = angles.cos().float().to(device)
+        self.rope_sin = angles.sin().float().to(device)
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.embed)  # [N, hidden]
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        plan: AttentionPlan,
+        cache: KvCache,
+        output_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run all layers on `hidden` `[N, hidden]`, writing K/V into the cache.
+
+        Returns the final-normed hidden states of `output_rows` (`[M, hidden]`), the LM head's input.
+        """
+        cfg = self.config
+        num_tokens = hidden.shape[0]
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        cos = self.rope_cos[positions].to(self.dtype)[:, None, :]  # [N, 1, D]
+        sin = self.rope_sin[positions].to(self.dtype)[:, None, :]
+        for layer, kv in zip(self.layers, cache.layers, strict=True):
+            h = F.rms_norm(hidden, (cfg.hidden_size,), layer.input_norm, cfg.rms_norm_eps)
+            q, k, v = F.linear(h, layer.qkv).split([q_dim, kv_dim, kv_dim], dim=-1)
+            q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
+            k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            kv[plan.write_pages, :, plan.write_offsets] = torch.stack((k, v.view_as(k)), dim=1)
+            attn = paged_attention(q, kv, plan)  # [N, H * D]
+            hidden = hidden + F.linear(attn, layer.o)
+            h = F.rms_norm(hidden, (cfg.hidden_size,), layer.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+        return F.rms_norm(hidden[output_rows], (cfg.hidden_size,), self.final_norm, cfg.rms_norm_eps)
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """`[M, hidden]` -> float32 logits `[M, vocab]`."""
+        return F.linear(normed, self.head).float()

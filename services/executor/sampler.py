@@ -1,0 +1,137 @@
+"""Samplers applied on the device to a batch of logits, vectorized across outputs.
+
+Order per output: vocabulary mask (-inf outside it) -> logprobs at temperature 1 (returned with each
+sampled token) -> the sampler: DISTRIBUTION (top-k ids + probabilities, sorted descending), GREEDY
+(argmax), SAMPLE (temperature, then top-k, top-p and min-p truncations, each renormalized, then a
+draw). A seeded output draws its noise from its own `torch.Generator`, so it is reproducible
+whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from l4m.brle import BrleError, decode_rows
+from l4m.executor.commands import Distribution, SampledToken, SamplerKind, SamplerResult, SamplerSpec
+from l4m.executor.errors import InvalidCommand
+
+MAX_SEED = 2**63 - 1
+
+
+def validate_sampler(spec: SamplerSpec, vocab_size: int, where: str) -> None:
+    """Raise `InvalidCommand` naming `where` for any parameter outside its domain."""
+    if not isinstance(spec.kind, SamplerKind):
+        raise InvalidCommand(f"{where}: unknown sampler kind {spec.kind!r}")
+    if spec.kind is SamplerKind.DISTRIBUTION and not 0 < spec.distribution_top_k <= vocab_size:
+        raise InvalidCommand(
+            f"{where}: distribution_top_k must be in 1..{vocab_size}, got {spec.distribution_top_k}"
+        )
+    if spec.kind is SamplerKind.SAMPLE:
+        if not (math.isfinite(spec.temperature) and spec.temperature > 0):
+            raise InvalidCommand(f"{where}: temperature must be a finite number > 0, got {spec.temperature}")
+        if spec.top_k < 0:
+            raise InvalidCommand(f"{where}: top_k must be >= 0 (0 = off), got {spec.top_k}")
+        if not 0.0 <= spec.top_p <= 1.0:
+            raise InvalidCommand(f"{where}: top_p must be in [0, 1] (0 or 1 = off), got {spec.top_p}")
+        if not 0.0 <= spec.min_p < 1.0:
+            raise InvalidCommand(f"{where}: min_p must be in [0, 1) (0 = off), got {spec.min_p}")
+    if spec.seed is not None and not 0 <= spec.seed <= MAX_SEED:
+        raise InvalidCommand(f"{where}: seed must be in 0..{MAX_SEED}, got {spec.seed}")
+
+
+def decode_vocab_masks(
+    specs: Sequence[SamplerSpec], vocab_size: int, wheres: Sequence[str]
+) -> np.ndarray | None:
+    """`[M, vocab]` allowed-token matrix (True = allowed), or None when no output has a mask."""
+    with_mask = [i for i, s in enumerate(specs) if s.vocab_mask is not None]
+    if not with_mask:
+        return None
+    for i in with_mask:
+        runs = specs[i].vocab_mask
+        if any(r < 0 for r in runs) or sum(runs) != vocab_size:
+            raise InvalidCommand(
+                f"{wheres[i]}: vocab_mask must decode to exactly {vocab_size} values (non-negative runs), got {sum(runs)}"
+            )
+    try:
+        decoded = decode_rows([specs[i].vocab_mask for i in with_mask], vocab_size)
+    except BrleError as exc:
+        raise InvalidCommand(f"vocab_mask: {exc}") from exc
+    for row, i in enumerate(with_mask):
+        if not decoded[row].any():
+            raise InvalidCommand(f"{wheres[i]}: vocab_mask allows no token")
+    allowed = np.ones((len(specs), vocab_size), dtype=bool)
+    allowed[with_mask] = decoded
+    return allowed
+
+
+def _noise(num_rows: int, vocab_size: int, seeds: Sequence[int | None], device: torch.device) -> torch.Tensor:
+    """Exponential(1) noise `[R, V]`; argmax(p / noise) is a draw from p (the exponential race)."""
+    noise = torch.empty((num_rows, vocab_size), device=device).exponential_()
+    for r, seed in enumerate(seeds):
+        if seed is not None:
+            gen = torch.Generator(device=device).manual_seed(seed)
+            noise[r] = torch.empty(vocab_size, device=device).exponential_(generator=gen)
+    return noise.clamp_min_(1e-30)
+
+
+def _draw(logits: torch.Tensor, specs: Sequence[SamplerSpec]) -> torch.Tensor:
+    """Token ids `[R]` drawn from `logits` `[R, V]` (already vocab-masked) under SAMPLE specs."""
+    device = logits.device
+    num_rows, vocab_size = logits.shape
+    temps = torch.tensor([s.temperature for s in specs], device=device)[:, None]
+    scaled = logits / temps
+    noise = _noise(num_rows, vocab_size, [s.seed for s in specs], device)
+    if all(s.top_k == 0 and s.top_p in (0.0, 1.0) and s.min_p == 0.0 for s in specs):
+        return (torch.softmax(scaled, dim=-1) / noise).argmax(dim=-1)
+    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab_size, device=device)[None, :]
+    top_k = torch.tensor([s.top_k or vocab_size for s in specs], device=device)[:, None]
+    keep = rank < top_k
+    probs = torch.softmax(sorted_logits.masked_fill(~keep, -math.inf), dim=-1)
+    top_p = torch.tensor([s.top_p if 0.0 < s.top_p < 1.0 else 1.0 for s in specs], device=device)[:, None]
+    keep &= (probs.cumsum(dim=-1) - probs) < top_p  # the most likely token always survives
+    probs = torch.softmax(sorted_logits.masked_fill(~keep, -math.inf), dim=-1)
+    min_p = torch.tensor([s.min_p for s in specs], device=device)[:, None]
+    keep &= probs >= min_p * probs[:, :1]
+    probs = torch.softmax(sorted_logits.masked_fill(~keep, -math.inf), dim=-1)
+    choice = (probs / noise).argmax(dim=-1, keepdim=True)
+    return sorted_ids.gather(-1, choice)[:, 0]
+
+
+def apply_samplers(
+    logits: torch.Tensor, specs: Sequence[SamplerSpec], allowed: np.ndarray | None
+) -> list[SamplerResult]:
+    """One result per row of `logits` `[M, V]` (float32), in order."""
+    device = logits.device
+    if allowed is not None:
+        logits = logits.masked_fill(~torch.from_numpy(allowed).to(device), -math.inf)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    results: list[SamplerResult | None] = [None] * len(specs)
+    kinds = [s.kind for s in specs]
+
+    dist_rows = [i for i, k in enumerate(kinds) if k is SamplerKind.DISTRIBUTION]
+    if dist_rows:
+        max_k = max(specs[i].distribution_top_k for i in dist_rows)
+        probs, ids = logprobs[dist_rows].exp().topk(max_k, dim=-1, sorted=True)
+        probs, ids = probs.cpu().tolist(), ids.cpu().tolist()
+        for r, i in enumerate(dist_rows):
+            k = specs[i].distribution_top_k
+            results[i] = Distribution(tuple(ids[r][:k]), tuple(probs[r][:k]))
+
+    token_rows = [i for i, k in enumerate(kinds) if k is not SamplerKind.DISTRIBUTION]
+    if token_rows:
+        tokens = logits[token_rows].argmax(dim=-1)
+        sample_rows = [r for r, i in enumerate(token_rows) if kinds[i] is SamplerKind.SAMPLE]
+        if sample_rows:
+            drawn = _draw(
+                logits[[token_rows[r] for r in sample_rows]], [specs[token_rows[r]] for r in sample_rows]
+            )
+            tokens[sample_rows] = drawn
+        chosen = logprobs[token_rows].gather(-1, tokens[:, None])[:, 0]
+        for i, token, logprob in zip(token_rows, tokens.cpu().tolist(), chosen.cpu().tolist(), strict=True):
+            results[i] = SampledToken(token, logprob)
+    return results  # type: ignore[return-value]

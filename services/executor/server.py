@@ -1,0 +1,113 @@
+"""Thin grpc.aio servicer for `ExecutorService`: protobuf -> engine -> protobuf.
+
+Batches run on ONE worker thread, in arrival order across all streams, so the event loop stays free
+and fire-and-forget batches keep their order. A stream pipelines: requests are read and queued while
+earlier batches compute; replies go out in the same order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from l4m.executor.convert import batch_from_pb, error_to_pb, info_to_pb, reply_to_pb
+from l4m.executor.engine import Engine, EngineConfig
+from l4m.executor.errors import CapabilityError, ExecutorError
+from l4m.executor.weights import load_model
+from l4m.v1 import executor_pb2, executor_pb2_grpc
+
+log = logging.getLogger(__name__)
+_propagator = TraceContextTextMapPropagator()
+SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["ExecutorService"].full_name
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """Everything `python -m l4m.executor` needs; built once in `main()`."""
+
+    listen: str  # "127.0.0.1:0", "[::]:50061" or "unix:/path/executor.sock"
+    model_path: str
+    engine: EngineConfig
+
+
+class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-batches")
+
+    def _run_batch(self, request: executor_pb2.ExecuteRequest) -> executor_pb2.ExecuteResponse | None:
+        """Runs on the worker thread; every failure becomes this batch's error reply."""
+        cid = request.correlation_id
+        try:
+            batch = batch_from_pb(request)
+            carrier = {"traceparent": request.trace_context.traceparent}
+            if request.trace_context.tracestate:
+                carrier["tracestate"] = request.trace_context.tracestate
+            parent = _propagator.extract(carrier) if carrier["traceparent"] else None
+            return reply_to_pb(cid, batch, self.engine.execute(batch, parent))
+        except CapabilityError as exc:
+            return error_to_pb(cid, exc, is_unsupported=True)
+        except ExecutorError as exc:
+            return error_to_pb(cid, exc, is_unsupported=False)
+        except Exception as exc:  # a bug must not kill the stream; report it on this batch
+            log.exception("batch %d failed", cid)
+            return error_to_pb(cid, ExecutorError(f"internal error: {type(exc).__name__}: {exc}"), False)
+
+    async def GetInfo(
+        self, request: executor_pb2.ExecutorServiceGetInfoRequest, context: grpc.aio.ServicerContext
+    ) -> executor_pb2.ExecutorServiceGetInfoResponse:
+        info = await asyncio.get_running_loop().run_in_executor(self._worker, self.engine.get_info)
+        return info_to_pb(info)
+
+    async def Execute(
+        self, request_iterator: AsyncIterator[executor_pb2.ExecuteRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[executor_pb2.ExecuteResponse]:
+        loop = asyncio.get_running_loop()
+        pending: asyncio.Queue[asyncio.Future | None] = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    await pending.put(loop.run_in_executor(self._worker, self._run_batch, request))
+            finally:
+                await pending.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (future := await pending.get()) is not None:
+                reply = await future
+                if reply is not None:
+                    yield reply
+        finally:
+            reader.cancel()
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True, cancel_futures=True)
+
+
+async def create_server(config: ExecutorConfig, engine: Engine | None = None) -> tuple[grpc.aio.Server, int]:
+    """Build and start the server; returns it and the bound TCP port (0 for unix sockets)."""
+    engine = engine or Engine(load_model(config.model_path), config.engine)
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    )
+    executor_pb2_grpc.add_ExecutorServiceServicer_to_server(ExecutorServicer(engine), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(config.listen)
+    if port == 0 and not config.listen.startswith("unix:"):
+        raise RuntimeError(f"could not bind {config.listen}")
+    await server.start()
+    server.engine = engine  # type: ignore[attr-defined]
+    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server, port

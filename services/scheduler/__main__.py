@@ -1,0 +1,76 @@
+"""`python -m l4m.scheduler`: the L4M scheduler service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Sequence
+
+from l4m.scheduler.batcher import parse_strategy
+from l4m.scheduler.config import SchedulerConfig
+from l4m.scheduler.server import create_server
+from l4m.telemetry import configure_tracing, shutdown_tracing, start_metrics_server
+
+
+def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, int]:
+    parser = argparse.ArgumentParser(prog="python -m l4m.scheduler", description="The l4m scheduler (L4M service).")
+    parser.add_argument("--listen", default="127.0.0.1:50051", help="host:port for gRPC (port 0 picks one)")
+    parser.add_argument("--listen-unix", default=None, help="also listen on this Unix socket path")
+    parser.add_argument("--executor", action="append", default=[], help="executor address host:port (repeatable)")
+    parser.add_argument("--batching", default="adaptive",
+                        help="adaptive | t-only:<t_ms> | k-only:<k> | k-or-t:<k>:<t_ms> (forward batches)")
+    parser.add_argument("--page-budget", type=int, default=0, help="max KV pages per instance (0: executor capacity)")
+    parser.add_argument("--slot-budget", type=int, default=0, help="max embed slots per instance (0: executor capacity)")
+    parser.add_argument("--allow-anonymous", action="store_true", help="dev only: accept sessions without a token")
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on 127.0.0.1; 0 = off")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    try:
+        parse_strategy(args.batching)
+    except ValueError as error:
+        parser.error(str(error))
+    if not args.executor:
+        parser.error("at least one --executor is needed")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = SchedulerConfig(
+        listen=args.listen, listen_unix=args.listen_unix, executor_addresses=tuple(args.executor),
+        batching=args.batching, max_kv_pages_per_instance=args.page_budget,
+        max_embed_slots_per_instance=args.slot_budget, allow_anonymous=args.allow_anonymous,
+    )
+    return config, args.metrics_port
+
+
+async def serve(config: SchedulerConfig, metrics_port: int = 0) -> None:
+    server, port = await create_server(config)
+    if config.listen_unix:
+        # Controllers connect from sandboxes as their own unprivileged uids; the instance token, not the
+        # file mode, is what authenticates them.
+        os.chmod(config.listen_unix, 0o666)
+    start_metrics_server(metrics_port, server.scheduler.metrics.registry)  # type: ignore[attr-defined]
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    print(f"l4m scheduler listening on {config.listen.rsplit(':', 1)[0]}:{port}"
+          + (f" and unix:{config.listen_unix}" if config.listen_unix else ""), flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop(grace=2.0)
+        await server.scheduler.close()  # type: ignore[attr-defined]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    # The provider must exist before the scheduler is built: it creates no spans without one.
+    configure_tracing("l4m.scheduler")
+    config, metrics_port = parse_config(argv)
+    try:
+        asyncio.run(serve(config, metrics_port))
+    finally:
+        shutdown_tracing()
+
+
+if __name__ == "__main__":
+    main()

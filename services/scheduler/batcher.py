@@ -1,0 +1,334 @@
+"""Per-stream FIFOs, per-kind batch queues and the strategies that fire them.
+
+Vertical batching: a stream's consecutive commands of one kind move together into that kind's batch
+queue (one queue per executor and kind). While any of them is still queued the stream does not move
+on, so a stream's commands reach its executor in the order it sent them, across kinds.
+Horizontal batching: a queue's strategy decides when and how many items (from any instances) fire
+as one batch. HIGH streams' items fire before NORMAL, NORMAL before LOW.
+
+Forward kinds (forward, forward_text) use the configured strategy; every other kind fires eagerly.
+Commands that never reach an executor (exports, synchronize, ...) run as soon as they are at the head
+of their stream: everything the stream sent before them has been sent by then.
+
+This module is a synchronous state machine driven by a clock value; no asyncio, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+FORWARD_KINDS = frozenset({"forward", "forward_text"})
+EXECUTOR_KINDS = (
+    "allocate",
+    "deallocate",
+    "embed_text",
+    "forward",
+    "forward_text",
+    "sample_top_k",
+    "copy_kv_page",
+    "mask_kv_page",
+    "embed_image",
+)
+# StreamPriority value -> level index; level 0 fires first.
+PRIORITY_LEVEL = {3: 0, 2: 1, 0: 1, 1: 2}
+NUM_LEVELS = 3
+
+
+class Command:
+    """One L4M command on its way through the scheduler (the item is the protobuf message)."""
+
+    __slots__ = ("stream", "request_id", "kind", "item", "arrived_at", "num_tokens", "has_reply", "span")
+
+    def __init__(self, stream: Stream, request_id: int, kind: str, item: Any, arrived_at: float, num_tokens: int) -> None:
+        self.stream = stream
+        self.request_id = request_id
+        self.kind = kind
+        self.item = item
+        self.arrived_at = arrived_at
+        self.num_tokens = num_tokens
+        self.has_reply = False
+        self.span: Any = None
+
+
+class Stream:
+    """One FIFO of one instance. `num_queued` counts its items still in a batch queue (it may not
+    move on while > 0); `num_replies_sent/done` resolve synchronize."""
+
+    __slots__ = (
+        "instance",
+        "stream_id",
+        "level",
+        "pending",
+        "num_queued",
+        "is_ready",
+        "num_replies_sent",
+        "num_replies_done",
+        "sync_waiters",
+    )
+
+    def __init__(self, instance: Any, stream_id: int) -> None:
+        self.instance = instance
+        self.stream_id = stream_id
+        self.level = PRIORITY_LEVEL[2]
+        self.pending: deque[Command] = deque()
+        self.num_queued = 0
+        self.is_ready = False
+        self.num_replies_sent = 0
+        self.num_replies_done = 0
+        self.sync_waiters: deque[tuple[int, Command]] = deque()
+
+
+class FireTarget(Protocol):
+    """What a batch queue fires into (an executor): the adaptive strategy reads its in-flight count."""
+
+    num_forward_in_flight: int
+
+
+class BatchQueue:
+    """Queued items of one kind for one executor, one deque per priority level."""
+
+    __slots__ = ("kind", "target", "levels", "num_items", "is_forward", "max_batch_tokens")
+
+    def __init__(self, kind: str, target: FireTarget, max_batch_tokens: int) -> None:
+        self.kind = kind
+        self.target = target
+        self.levels: tuple[deque[Command], ...] = tuple(deque() for _ in range(NUM_LEVELS))
+        self.num_items = 0
+        self.is_forward = kind in FORWARD_KINDS
+        self.max_batch_tokens = max_batch_tokens if self.is_forward else 1 << 62
+
+    def push(self, command: Command, level: int) -> None:
+        self.levels[level].append(command)
+        self.num_items += 1
+
+    def oldest_arrival(self) -> float:
+        return min(level[0].arrived_at for level in self.levels if level)
+
+    def pop(self, max_items: int) -> list[Command]:
+        """Up to `max_items` items, highest priority first, within `max_batch_tokens` (at least one)."""
+        taken: list[Command] = []
+        budget = self.max_batch_tokens
+        for level in self.levels:
+            while level and len(taken) < max_items:
+                command = level[0]
+                if taken and command.num_tokens > budget:
+                    return self._count_out(taken)
+                budget -= command.num_tokens
+                taken.append(level.popleft())
+        return self._count_out(taken)
+
+    def _count_out(self, taken: list[Command]) -> list[Command]:
+        self.num_items -= len(taken)
+        return taken
+
+    def remove_instance(self, instance: Any) -> None:
+        for level in self.levels:
+            kept = [c for c in level if c.stream.instance is not instance]
+            if len(kept) != len(level):
+                self.num_items -= len(level) - len(kept)
+                level.clear()
+                level.extend(kept)
+
+
+# ---- strategies: how many items of a queue to fire now (0 = wait) ----
+
+
+class Eager:
+    name = "eager"
+
+    def take(self, queue: BatchQueue, now: float) -> int:
+        return queue.num_items
+
+    def deadline(self, queue: BatchQueue) -> float | None:
+        return None
+
+
+class TOnly:
+    """Fire everything once the oldest item has waited `t_s`."""
+
+    def __init__(self, t_s: float) -> None:
+        self.t_s = t_s
+        self.name = f"t-only:{t_s * 1000:g}"
+
+    def take(self, queue: BatchQueue, now: float) -> int:
+        return queue.num_items if now - queue.oldest_arrival() >= self.t_s else 0
+
+    def deadline(self, queue: BatchQueue) -> float | None:
+        return queue.oldest_arrival() + self.t_s
+
+
+class KOnly:
+    """Fire `k` items at a time, once `k` are queued (fewer never fire: a pure count rule)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.name = f"k-only:{k}"
+
+    def take(self, queue: BatchQueue, now: float) -> int:
+        return self.k if queue.num_items >= self.k else 0
+
+    def deadline(self, queue: BatchQueue) -> float | None:
+        return None
+
+
+class KOrT:
+    """Fire `k` items once `k` are queued, or everything once the oldest has waited `t_s`."""
+
+    def __init__(self, k: int, t_s: float) -> None:
+        self.k = k
+        self.t_s = t_s
+        self.name = f"k-or-t:{k}:{t_s * 1000:g}"
+
+    def take(self, queue: BatchQueue, now: float) -> int:
+        if queue.num_items >= self.k:
+            return self.k
+        return queue.num_items if now - queue.oldest_arrival() >= self.t_s else 0
+
+    def deadline(self, queue: BatchQueue) -> float | None:
+        return queue.oldest_arrival() + self.t_s
+
+
+class Adaptive:
+    """One forward batch in flight per executor; when it returns, everything queued fires."""
+
+    name = "adaptive"
+
+    def take(self, queue: BatchQueue, now: float) -> int:
+        return queue.num_items if queue.target.num_forward_in_flight == 0 else 0
+
+    def deadline(self, queue: BatchQueue) -> float | None:
+        return None
+
+
+Strategy = Eager | TOnly | KOnly | KOrT | Adaptive
+EAGER = Eager()
+
+
+def parse_strategy(spec: str) -> Strategy:
+    """"adaptive" | "t-only:<t_ms>" | "k-only:<k>" | "k-or-t:<k>:<t_ms>"; ValueError when malformed."""
+    name, *args = spec.split(":")
+    try:
+        if name == "adaptive" and not args:
+            return Adaptive()
+        if name == "eager" and not args:
+            return Eager()
+        if name == "t-only" and len(args) == 1:
+            t_ms = float(args[0])
+            if t_ms >= 0:
+                return TOnly(t_ms / 1000)
+        if name == "k-only" and len(args) == 1 and int(args[0]) > 0:
+            return KOnly(int(args[0]))
+        if name == "k-or-t" and len(args) == 2 and int(args[0]) > 0 and float(args[1]) >= 0:
+            return KOrT(int(args[0]), float(args[1]) / 1000)
+    except ValueError:
+        pass
+    raise ValueError(f"bad batching strategy {spec!r}; use adaptive, t-only:<t_ms>, k-only:<k> or k-or-t:<k>:<t_ms>")
+
+
+# Route a command at the head of its stream: its executor's batch queue, or None when it was
+# consumed on the spot (a scheduler-local command ran, or the instance was trapped).
+Router = Callable[[Command], "BatchQueue | None"]
+Fire = Callable[[BatchQueue, list[Command]], None]
+
+
+class Batcher:
+    """Moves commands from stream FIFOs into batch queues and fires the queues by strategy."""
+
+    def __init__(self, forward_strategy: Strategy) -> None:
+        self.forward_strategy: Strategy = forward_strategy
+        self.queues: list[BatchQueue] = []
+        self._ready: tuple[dict[Stream, None], ...] = tuple({} for _ in range(NUM_LEVELS))
+
+    @property
+    def num_queued(self) -> int:
+        return sum(q.num_items for q in self.queues)
+
+    def add_queues(self, queues: list[BatchQueue]) -> None:
+        self.queues.extend(queues)
+
+    def remove_queues(self, queues: list[BatchQueue]) -> None:
+        self.queues = [q for q in self.queues if q not in queues]
+
+    def submit(self, command: Command) -> None:
+        stream = command.stream
+        stream.pending.append(command)
+        if stream.num_queued == 0 and not stream.is_ready:
+            self._mark_ready(stream)
+
+    def has_ready(self) -> bool:
+        return any(self._ready)
+
+    def _mark_ready(self, stream: Stream) -> None:
+        stream.is_ready = True
+        self._ready[stream.level][stream] = None
+
+    def drop_stream(self, stream: Stream) -> None:
+        """Forget a stream's pending commands (its instance ended); queued items are removed by
+        `remove_instance` on the queues."""
+        stream.pending.clear()
+        if stream.is_ready:
+            self._ready[stream.level].pop(stream, None)
+            stream.is_ready = False
+
+    def set_priority(self, stream: Stream, priority: int) -> None:
+        level = PRIORITY_LEVEL[priority]
+        if stream.is_ready:
+            self._ready[stream.level].pop(stream, None)
+            self._ready[level][stream] = None
+        stream.level = level
+
+    def pump(self, route: Router) -> None:
+        """Move each ready stream's head group into its batch queue, HIGH streams first."""
+        for ready in self._ready:
+            while ready:
+                stream = next(iter(ready))
+                del ready[stream]
+                stream.is_ready = False
+                self._advance(stream, route)
+
+    def _advance(self, stream: Stream, route: Router) -> None:
+        pending = stream.pending
+        while pending:
+            command = pending[0]
+            queue = route(command)
+            if queue is None:
+                if pending and pending[0] is command:
+                    pending.popleft()
+                continue
+            kind, level, num_moved = command.kind, stream.level, 0
+            while pending and pending[0].kind == kind:
+                queue.push(pending.popleft(), level)
+                num_moved += 1
+            stream.num_queued = num_moved
+            return
+
+    def fire_due(self, now: float, fire: Fire) -> int:
+        """Fire every queue whose strategy says so; returns the number of batches fired."""
+        num_fired = 0
+        for queue in self.queues:
+            if not queue.num_items:
+                continue
+            strategy = self.forward_strategy if queue.is_forward else EAGER
+            while queue.num_items:
+                max_items = strategy.take(queue, now)
+                if max_items == 0:
+                    break
+                commands = queue.pop(max_items)
+                for command in commands:
+                    stream = command.stream
+                    stream.num_queued -= 1
+                    if stream.num_queued == 0 and stream.pending and not stream.is_ready:
+                        self._mark_ready(stream)
+                fire(queue, commands)
+                num_fired += 1
+        return num_fired
+
+    def next_deadline(self) -> float | None:
+        deadlines = [
+            d
+            for q in self.queues
+            if q.num_items and q.is_forward and (d := self.forward_strategy.deadline(q)) is not None
+        ]
+        return min(deadlines) if deadlines else None

@@ -1,0 +1,32 @@
+"""The scheduler's configuration: one frozen dataclass, built once in `main()` from flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Everything the scheduler process is told at start.
+
+    `batching` is the forward/forward_text strategy: "adaptive", "t-only:<t_ms>", "k-only:<k>" or
+    "k-or-t:<k>:<t_ms>" (switchable live with debug_query "batching:...").
+    """
+
+    listen: str = "127.0.0.1:0"
+    listen_unix: str | None = None
+    executor_addresses: tuple[str, ...] = ()
+    batching: str = "adaptive"
+    # KV pages one instance may hold at most; 0 = one executor's whole capacity.
+    max_kv_pages_per_instance: int = 0
+    # Embedding slots one instance may hold at most; 0 = one executor's whole capacity.
+    max_embed_slots_per_instance: int = 0
+    allow_anonymous: bool = False
+    max_export_name_bytes: int = 256
+    max_export_metadata_bytes: int = 1 << 20
+    # Executor reconnect backoff: first delay, doubled per failure up to the max.
+    reconnect_initial_s: float = 0.1
+    reconnect_max_s: float = 5.0
+    # Deadline of the executor GetInfo call made on (re)connect.
+    executor_rpc_timeout_s: float = 10.0
+    extra_labels: dict[str, str] = field(default_factory=dict)

@@ -1,0 +1,812 @@
+"""The scheduler core: instances, their commands, batching and executors, tied together.
+
+A command's life: `submit` checks its shape (validation.check_command) and queues it on its stream;
+the batcher moves it into its executor's batch queue when it reaches the head of the stream; when the
+queue fires, `_fire` translates virtual ids to physical ones *in send order* (so the tables always
+describe exactly what the executor has been told), sends one `ExecuteRequest`, and the reply, if the
+batch has one, is dispatched back to the commands by position. Scheduler-local commands (exports,
+synchronize, get_info, ...) run when they reach the head of their stream, after everything the
+stream sent before them was sent.
+
+Freeing: a deallocate returns physical ids to the pool when it is sent; any later allocate that
+reuses them is sent after it, and the executor runs batches in order. A trapped or closed instance
+loses its queued commands (never sent) and everything it held; the executor is told to deallocate
+the ids nobody holds any more.
+
+Synchronize resolves when it reaches the head of its stream (all earlier commands are sent) and every
+earlier command of the stream that has a reply was answered; the executor runs in order, so
+fire-and-forget commands sent before those replies are done too.
+
+Everything here runs on one asyncio loop thread; nothing blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from l4m.scheduler import contention
+from l4m.scheduler.batcher import Batcher, BatchQueue, Command, Stream, parse_strategy
+from l4m.scheduler.config import SchedulerConfig
+from l4m.scheduler.errors import (
+    Destroyed,
+    Evicted,
+    ExecutorLost,
+    InvalidCommand,
+    NoExecutor,
+    ResourceExhausted,
+    TokenBudgetExceeded,
+    TrapError,
+    Unsupported,
+)
+from l4m.scheduler.executors import Executor, ExecutorLink, InflightBatch
+from l4m.scheduler.exports import Export, ExportTable
+from l4m.scheduler.instances import EventSink, Instance, InstanceRegistry, InstanceState
+from l4m.scheduler.metrics import SchedulerMetrics
+from l4m.scheduler.tracing import SchedulerTracer
+from l4m.scheduler.validation import (
+    EMBED_SLOT,
+    KV_PAGE,
+    ModelLimits,
+    check_command,
+    check_forward_text,
+    resource_name,
+    translate_ids,
+    translate_one,
+)
+from l4m.v1 import common_pb2, executor_pb2, l4m_pb2
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = "l4m.v1"
+_REPLIED_KINDS = frozenset({"forward", "sample_top_k"})
+
+Watcher = Callable[[str, l4m_pb2.Trap], None]
+
+
+class Scheduler:
+    """The L4M service core (no gRPC): see the module docstring."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        links: list[ExecutorLink],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        tracer: SchedulerTracer | None = None,
+        metrics: SchedulerMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.instances = InstanceRegistry()
+        self.exports = ExportTable()
+        self.executors = [Executor(index, link) for index, link in enumerate(links)]
+        self.batcher = Batcher(parse_strategy(config.batching))
+        self.tracer = tracer or SchedulerTracer()
+        self.metrics = metrics or SchedulerMetrics()
+        self.metrics.bind_gauges(
+            lambda: self.batcher.num_queued,
+            lambda: sum(e.resources.kv_pages.num_used for e in self.executors if e.resources),
+            self.instances.num_active,
+        )
+        self.limits: ModelLimits | None = None
+        self.model: common_pb2.ModelInfo | None = None
+        self.watchers: list[Watcher] = []
+        self.stats: dict[str, Any] = {"commands": 0, "batches": {}, "items": {}, "max_instances_per_batch": {},
+                                      "multi_instance_batches": {}, "traps": {}, "batch_errors": 0}
+        self._anonymous_seq = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._step_scheduled = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_deadline: float | None = None
+        self._num_traps = 0
+
+    # ---- lifecycle ----
+
+    def start(self) -> None:
+        """Bind to the running loop and start connecting to every executor."""
+        self._loop = asyncio.get_running_loop()
+        for executor in self.executors:
+            executor.link.start(
+                lambda info, e=executor: self._on_executor_connected(e, info),
+                lambda response, e=executor: self._on_batch_reply(e, response),
+                lambda reason, e=executor: self._on_executor_lost(e, reason),
+            )
+
+    async def close(self) -> None:
+        for instance in self.instances:
+            if instance.is_alive:
+                self.trap(instance, ExecutorLost("the scheduler is shutting down"))
+        for executor in self.executors:
+            await executor.link.close()
+
+    @property
+    def is_ready(self) -> bool:
+        return self.limits is not None
+
+    # ---- instances ----
+
+    def register_instance(self, instance_id: str, token: str, max_tokens: int, launched_at_unix_ms: int) -> Instance:
+        return self.instances.register(instance_id, token, max_tokens, launched_at_unix_ms)
+
+    def register_anonymous(self) -> Instance:
+        self._anonymous_seq += 1
+        name = f"anonymous-{self._anonymous_seq}"
+        instance = self.instances.register(name, f"{name}-token", 0, int(time.time() * 1000))
+        instance.is_anonymous = True
+        return instance
+
+    def open_session(self, instance: Instance, sink: EventSink, traceparent: str | None = None) -> None:
+        """The instance's session starts; raises ValueError when it cannot (already open or ended)."""
+        if instance.state is not InstanceState.REGISTERED:
+            raise ValueError(f"instance {instance.instance_id!r} is {instance.state.value}; one session per instance")
+        instance.state = InstanceState.ACTIVE
+        instance.sink = sink
+        instance.trace_context = self.tracer.extract(traceparent) if self.tracer.enabled else None
+
+    def close_session(self, instance: Instance) -> None:
+        """The controller closed its stream: free everything, no trap."""
+        if instance.is_alive:
+            self._end_instance(instance)
+            if instance.sink is not None:
+                instance.sink.end(None)
+        if instance.is_anonymous:
+            self.instances.remove(instance.instance_id)
+
+    def finish_session(self, instance: Instance) -> None:
+        """The controller half-closed its stream: run what it sent (traps included), then close."""
+        if not instance.is_alive:
+            return
+        streams = list(instance.streams.values())
+        if not streams:
+            self.close_session(instance)
+            return
+        instance.num_streams_closing = len(streams)
+        now = self.clock()
+        for stream in streams:  # a synchronize per stream, with no request id: answered by closing
+            self.batcher.submit(Command(stream, None, "synchronize", None, now, 0))  # type: ignore[arg-type]
+        self._schedule_step()
+
+    def destroy_instance(self, instance_id: str, reason: str) -> tuple[int, int]:
+        """The spawner forgets an instance; returns (kv pages, embed slots) freed. Idempotent."""
+        instance = self.instances.remove(instance_id)
+        if instance is None or instance.state is InstanceState.ENDED:
+            return 0, 0
+        if instance.state is InstanceState.REGISTERED:
+            instance.state = InstanceState.ENDED
+            return 0, 0
+        return self.trap(instance, Destroyed(reason or "destroyed by the spawner"))
+
+    # ---- commands ----
+
+    def submit(self, instance: Instance, request: l4m_pb2.SessionRequest) -> None:
+        """Accept one command of an instance's session (the hot path)."""
+        if not instance.is_alive:
+            return
+        kind = request.WhichOneof("command")
+        item = getattr(request, kind) if kind is not None else None
+        self.stats["commands"] += 1
+        self.metrics.count_command(kind or "none")
+        try:
+            if kind == "forward_text":
+                check_forward_text(item, self.limits)  # type: ignore[arg-type]
+                num_tokens = len(item.token_ids)  # type: ignore[union-attr]
+            else:
+                check_command(kind, item, self.limits)  # type: ignore[arg-type]
+                num_tokens = len(item.input_embed_slot_ids) if kind == "forward" else 0  # type: ignore[union-attr]
+        except TrapError as error:
+            self.trap(instance, error, request.request_id, kind)
+            return
+        stream = instance.streams.get(request.stream_id) or instance.stream(request.stream_id)
+        command = Command(stream, request.request_id, kind, item, self.clock(), num_tokens)  # type: ignore[arg-type]
+        if self.tracer.enabled:
+            command.span = self.tracer.command_span(
+                kind,  # type: ignore[arg-type]
+                instance.trace_context,
+                {"l4m.instance_id": instance.instance_id, "l4m.command": kind, "l4m.request_id": request.request_id,
+                 "l4m.stream_id": request.stream_id, "l4m.tokens": num_tokens},
+            )
+        self.batcher.submit(command)
+        self._schedule_step()
+
+    def _schedule_step(self) -> None:
+        if not self._step_scheduled and self._loop is not None:
+            self._step_scheduled = True
+            self._loop.call_soon(self.step)
+
+    def step(self) -> None:
+        """Move ready streams into queues and fire due batches, until nothing more can move."""
+        self._step_scheduled = False
+        batcher = self.batcher
+        now = self.clock()
+        while True:
+            batcher.pump(self._route)
+            batcher.fire_due(now, self._fire)
+            if not batcher.has_ready():
+                break
+        self._arm_timer(batcher.next_deadline())
+
+    def _arm_timer(self, deadline: float | None) -> None:
+        if deadline == self._timer_deadline or self._loop is None:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_deadline = deadline
+        if deadline is not None:
+            self._timer = self._loop.call_later(max(0.0, deadline - self.clock()), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_deadline = None
+        self.step()
+
+    def _route(self, command: Command) -> BatchQueue | None:
+        """Where the command at the head of its stream goes; local commands run here."""
+        instance = command.stream.instance
+        kind = command.kind
+        local = _LOCAL_HANDLERS.get(kind)
+        try:
+            if local is not None:
+                local(self, command)
+                return None
+            executor = instance.executor
+            if executor is None:
+                if kind != "allocate":
+                    self._translate(None, command)  # owns nothing yet: raises, naming the first id
+                executor = self._bind(instance)
+            return executor.queues[kind]
+        except TrapError as error:
+            self.trap(instance, error, command.request_id, kind)
+            return None
+
+    def _bind(self, instance: Instance) -> Executor:
+        """Bind an instance to the connected executor with the most free pages (fewest instances on ties)."""
+        candidates = [e for e in self.executors if e.is_connected]
+        if not candidates:
+            raise NoExecutor("no executor is connected")
+        executor = max(candidates, key=lambda e: (e.resources.kv_pages.num_free, -len(e.instances)))  # type: ignore[union-attr]
+        instance.executor = executor
+        executor.instances.add(instance)
+        return executor
+
+    def _fire(self, queue: BatchQueue, commands: list[Command]) -> None:
+        """Translate and send one batch."""
+        executor: Executor = queue.target  # type: ignore[assignment]
+        kind = queue.kind
+        traps_before = self._num_traps
+        items, sent = [], []
+        for command in commands:
+            instance = command.stream.instance
+            if not instance.is_alive:
+                continue
+            try:
+                item = self._translate(executor, command)
+            except TrapError as error:
+                self.trap(instance, error, command.request_id, kind)
+                continue
+            if item is not None:
+                items.append(item)
+                sent.append(command)
+            elif command.span is not None:
+                command.span.end()
+        executor.unsent_kv_pages.clear()
+        executor.unsent_embed_slots.clear()
+        if self._num_traps != traps_before:  # an eviction may have hit an instance already in this batch
+            kept = [i for i, c in enumerate(sent) if c.stream.instance.is_alive]
+            items, sent = [items[i] for i in kept], [sent[i] for i in kept]
+        if not sent:
+            return
+        self._send_batch(executor, kind, items, sent)
+
+    def _send_batch(self, executor: Executor, kind: str, items: list[Any], commands: list[Command]) -> None:
+        correlation_id = executor.next_correlation_id()
+        request = executor_pb2.ExecuteRequest(correlation_id=correlation_id)
+        getattr(request, kind).items.extend(items)
+        batch_span = None
+        if self.tracer.enabled:
+            batch_span, carrier = self.tracer.batch_span(kind, executor.index, [c.span for c in commands])
+            request.trace_context.traceparent = carrier.get("traceparent", "")
+            request.trace_context.tracestate = carrier.get("tracestate", "")
+        self._count_batch(kind, commands)
+        if kind in _REPLIED_KINDS or (kind == "forward_text" and any(c.has_reply for c in commands)):
+            if kind != "forward_text":
+                for command in commands:
+                    command.has_reply = True
+            for command in commands:
+                if command.has_reply:
+                    command.stream.num_replies_sent += 1
+            executor.inflight[correlation_id] = InflightBatch(kind, commands, batch_span, self.clock())
+            if queue_is_forward(kind):
+                executor.num_forward_in_flight += 1
+        elif batch_span is not None:
+            batch_span.end()
+        if self.tracer.enabled:
+            for command in commands:
+                if not command.has_reply and command.span is not None:
+                    command.span.end()
+        executor.link.send(request)
+
+    def _count_batch(self, kind: str, commands: list[Command]) -> None:
+        stats = self.stats
+        stats["batches"][kind] = stats["batches"].get(kind, 0) + 1
+        stats["items"][kind] = stats["items"].get(kind, 0) + len(commands)
+        num_instances = len({id(c.stream.instance) for c in commands}) if len(commands) > 1 else 1
+        if num_instances > stats["max_instances_per_batch"].get(kind, 0):
+            stats["max_instances_per_batch"][kind] = num_instances
+        if num_instances > 1:
+            stats["multi_instance_batches"][kind] = stats["multi_instance_batches"].get(kind, 0) + 1
+        self.metrics.observe_batch(kind, len(commands))
+
+    # ---- translation (virtual -> physical), in send order ----
+
+    def _translate(self, executor: Executor | None, command: Command) -> Any:
+        """Rewrite the command's item to physical ids in place; None when nothing must be sent."""
+        instance = command.stream.instance
+        item = command.item
+        table = instance.table
+        kind = command.kind
+        if kind == "forward_text":
+            physical = translate_ids(table.kv_pages, item.kv_page_ids, "kv page")
+            self._spend_tokens(instance, command.num_tokens)
+            item.kv_page_ids[:] = physical
+            command.has_reply = len(item.output_indices) > 0
+            return item
+        if kind == "forward":
+            pages = translate_ids(table.kv_pages, item.kv_page_ids, "kv page")
+            inputs = translate_ids(table.embed_slots, item.input_embed_slot_ids, "embed slot")
+            outputs = translate_ids(table.embed_slots, item.output_embed_slot_ids, "embed slot")
+            self._spend_tokens(instance, command.num_tokens)
+            item.kv_page_ids[:] = pages
+            item.input_embed_slot_ids[:] = inputs
+            item.output_embed_slot_ids[:] = outputs
+            return item
+        if kind == "allocate":
+            return self._allocate(executor, instance, item)  # type: ignore[arg-type]
+        if kind == "deallocate":
+            return self._deallocate(executor, instance, item)  # type: ignore[arg-type]
+        if kind == "embed_text":
+            item.embed_slot_ids[:] = translate_ids(table.embed_slots, item.embed_slot_ids, "embed slot")
+            return item
+        if kind == "sample_top_k":
+            item.embed_slot_id = translate_one(table.embed_slots, item.embed_slot_id, "embed slot")
+            return item
+        if kind == "copy_kv_page":
+            source = translate_one(table.kv_pages, item.source_kv_page_id, "kv page")
+            item.destination_kv_page_id = translate_one(table.kv_pages, item.destination_kv_page_id, "kv page")
+            item.source_kv_page_id = source
+            return item
+        if kind == "mask_kv_page":
+            item.kv_page_id = translate_one(table.kv_pages, item.kv_page_id, "kv page")
+            return item
+        if kind == "embed_image":
+            item.embed_slot_ids[:] = translate_ids(table.embed_slots, item.embed_slot_ids, "embed slot")
+            return item
+        raise InvalidCommand(f"command kind {kind} cannot be sent to an executor")
+
+    def _spend_tokens(self, instance: Instance, num_tokens: int) -> None:
+        used = instance.num_tokens_used + num_tokens
+        if instance.max_tokens and used > instance.max_tokens:
+            raise TokenBudgetExceeded(
+                f"feeding {num_tokens} more tokens would use {used} of the instance's budget of {instance.max_tokens}"
+            )
+        instance.num_tokens_used = used
+
+    def _allocate(self, executor: Executor | None, instance: Instance, item: common_pb2.AllocateItem) -> Any:
+        if executor is None:
+            raise NoExecutor("no executor is connected")
+        is_kv = item.kind == KV_PAGE
+        what = resource_name(item.kind)
+        table = instance.table.kv_pages if is_kv else instance.table.embed_slots
+        for virtual_id in item.ids:
+            if virtual_id in table:
+                raise InvalidCommand(f"{what} id {virtual_id} is already allocated by this instance")
+        num_ids = len(item.ids)
+        limit = self.limits.max_kv_pages_per_instance if is_kv else self.limits.max_embed_slots_per_instance  # type: ignore[union-attr]
+        if len(table) + num_ids > limit:
+            raise ResourceExhausted(
+                f"allocating {num_ids} {what}s would hold {len(table) + num_ids}, more than the {limit} one instance may hold"
+            )
+        self._make_room(executor, instance, is_kv, num_ids)
+        resources = executor.resources
+        pool = resources.kv_pages if is_kv else resources.embed_slots  # type: ignore[union-attr]
+        physical = pool.allocate(num_ids)
+        (executor.unsent_kv_pages if is_kv else executor.unsent_embed_slots).update(physical)
+        table.update(zip(item.ids, physical, strict=True))
+        item.ids[:] = physical
+        return item
+
+    def _make_room(self, executor: Executor, requester: Instance, is_kv: bool, num_ids: int) -> None:
+        """Contention policy (contention.py): evict newer instances until `num_ids` are free."""
+        what = "kv pages" if is_kv else "embed slots"
+        while True:
+            pool = executor.resources.kv_pages if is_kv else executor.resources.embed_slots  # type: ignore[union-attr]
+            if pool.can_allocate(num_ids):
+                return
+            victim = contention.choose_victim(requester, executor.instances, kind_is_kv_page=is_kv)
+            if victim is None:
+                raise ResourceExhausted(
+                    f"needs {num_ids} {what}, {pool.num_free} of {pool.capacity} are free on executor "
+                    f"{executor.index} and no instance launched after this one holds any to evict"
+                )
+            self.trap(
+                victim,
+                Evicted(
+                    f"evicted to make room: instance {requester.instance_id!r}, launched before this one, "
+                    f"needed {num_ids} {what} on executor {executor.index}"
+                ),
+            )
+
+    def _deallocate(self, executor: Executor | None, instance: Instance, item: common_pb2.DeallocateItem) -> Any:
+        is_kv = item.kind == KV_PAGE
+        what = resource_name(item.kind)
+        table = instance.table.kv_pages if is_kv else instance.table.embed_slots
+        physical = translate_ids(table, item.ids, what)
+        for virtual_id in item.ids:
+            del table[virtual_id]
+        pool = executor.resources.kv_pages if is_kv else executor.resources.embed_slots  # type: ignore[union-attr]
+        freed = pool.release(physical)
+        if not freed:  # every page is still shared: the executor keeps it
+            return None
+        item.ids[:] = freed
+        return item
+
+    # ---- replies ----
+
+    def _on_batch_reply(self, executor: Executor, response: executor_pb2.ExecuteResponse) -> None:
+        batch = executor.inflight.pop(response.correlation_id, None)
+        if batch is None:
+            log.warning("executor %d answered unknown correlation id %d", executor.index, response.correlation_id)
+            return
+        if queue_is_forward(batch.kind):
+            executor.num_forward_in_flight -= 1
+        result = response.WhichOneof("result")
+        commands = batch.commands
+        if result == "error":
+            self._on_batch_error(executor, batch, response.error)
+        elif result == "forward_text":
+            answered = [c for c in commands if c.has_reply]
+            results = response.forward_text.items
+            if len(results) == len(commands):
+                pairs = [(c, r) for c, r in zip(commands, results, strict=True) if c.has_reply]
+            elif len(results) == len(answered):
+                pairs = list(zip(answered, results, strict=True))
+            else:
+                self._fail_batch(executor, batch, f"executor answered {len(results)} results for {len(commands)} items")
+                pairs = []
+            for command, item_result in pairs:
+                self._reply(command, forward_text=item_result)
+        elif result == "forward":
+            for command in commands:
+                self._reply(command, forward=l4m_pb2.ForwardDone())
+        elif result == "sample_top_k":
+            results = response.sample_top_k.items
+            if len(results) != len(commands):
+                self._fail_batch(executor, batch, f"executor answered {len(results)} results for {len(commands)} items")
+            else:
+                for command, distribution in zip(commands, results, strict=True):
+                    self._reply(command, sample_top_k=distribution)
+        else:
+            self._fail_batch(executor, batch, f"executor answered a {batch.kind} batch with {result!r}")
+        if batch.span is not None:
+            batch.span.end()
+        self._schedule_step()
+
+    def _reply(self, command: Command, **event: Any) -> None:
+        stream = command.stream
+        instance = stream.instance
+        if not instance.is_alive:
+            return
+        instance.sink.send(  # type: ignore[union-attr]
+            l4m_pb2.SessionResponse(stream_id=stream.stream_id, request_id=command.request_id, **event)
+        )
+        if command.span is not None:
+            command.span.end()
+        stream.num_replies_done += 1
+        waiters = stream.sync_waiters
+        while waiters and waiters[0][0] <= stream.num_replies_done:
+            self._resolve_sync(waiters.popleft()[1])
+
+    def _on_batch_error(self, executor: Executor, batch: InflightBatch, error: executor_pb2.BatchError) -> None:
+        """The executor rejected a whole batch (it should not: we validate what it checks). The
+        offender is trapped with the executor's reason; the other instances in the batch lost a
+        command that later commands of theirs (already sent) may depend on, so they are trapped too
+        (EXECUTOR_LOST, naming the batch) rather than left with silently inconsistent state."""
+        self.stats["batch_errors"] += 1
+        commands = batch.commands
+        offender = commands[error.item_index].stream.instance if error.item_index < len(commands) else None
+        if offender is not None:
+            cause = Unsupported(error.reason) if error.is_unsupported else InvalidCommand(error.reason)
+            self.trap(offender, cause, commands[error.item_index].request_id, batch.kind)
+        self._fail_batch(executor, batch, f"the executor rejected the {batch.kind} batch: {error.reason}")
+
+    def _fail_batch(self, executor: Executor, batch: InflightBatch, reason: str) -> None:
+        for command in batch.commands:
+            self.trap(command.stream.instance, ExecutorLost(reason), command.request_id, batch.kind)
+
+    # ---- scheduler-local commands (run at the head of their stream) ----
+
+    def _local_get_info(self, command: Command) -> None:
+        self._reply_local(command, info=self.get_info())
+
+    def _local_export(self, command: Command) -> None:
+        item: l4m_pb2.ExportKvPagesCommand = command.item
+        instance = command.stream.instance
+        if not self.exports.can_add(item.name):
+            raise InvalidCommand(f"name {item.name!r} is already exported")
+        physical = translate_ids(instance.table.kv_pages, item.kv_page_ids, "kv page")
+        executor: Executor = instance.executor
+        executor.resources.kv_pages.retain(physical)  # type: ignore[union-attr]
+        self.exports.add(
+            Export(item.name, executor.index, tuple(physical), item.persistent, bytes(item.metadata), instance.instance_id)
+        )
+        self._done_local(command)
+
+    def _local_unexport(self, command: Command) -> None:
+        name = command.item.name
+        export = self.exports.get(name)
+        if export is None:
+            raise InvalidCommand(f"no export is named {name!r}")
+        self._drop_export(self.exports.remove(name))
+        self._done_local(command)
+
+    def _drop_export(self, export: Export) -> int:
+        executor = self.executors[export.executor_index]
+        if not executor.is_connected:
+            return 0
+        return len(self._release(executor, list(export.physical_page_ids), []))
+
+    def _local_import(self, command: Command) -> None:
+        item: l4m_pb2.ImportKvPagesCommand = command.item
+        instance = command.stream.instance
+        export = self.exports.get(item.name)
+        if export is None:
+            raise InvalidCommand(f"no export is named {item.name!r}")
+        if len(item.kv_page_ids) != len(export.physical_page_ids):
+            raise InvalidCommand(
+                f"export {item.name!r} has {len(export.physical_page_ids)} pages; kv_page_ids lists {len(item.kv_page_ids)}"
+            )
+        table = instance.table.kv_pages
+        for virtual_id in item.kv_page_ids:
+            if virtual_id in table:
+                raise InvalidCommand(f"kv page id {virtual_id} is already allocated by this instance")
+        limit = self.limits.max_kv_pages_per_instance  # type: ignore[union-attr]
+        if len(table) + len(item.kv_page_ids) > limit:
+            raise ResourceExhausted(f"importing {item.name!r} would hold more than the {limit} kv pages one instance may hold")
+        executor = self.executors[export.executor_index]
+        if instance.executor is None:
+            instance.executor = executor
+            executor.instances.add(instance)
+        elif instance.executor is not executor:
+            raise InvalidCommand(
+                f"export {item.name!r} lives on executor {executor.index}; this instance is bound to executor "
+                f"{instance.executor.index}"
+            )
+        executor.resources.kv_pages.retain(export.physical_page_ids)  # type: ignore[union-attr]
+        table.update(zip(item.kv_page_ids, export.physical_page_ids, strict=True))
+        self._reply_local(
+            command,
+            import_kv_pages=l4m_pb2.ImportKvPagesResult(num_kv_pages=len(export.physical_page_ids), metadata=export.metadata),
+        )
+
+    def _local_list_exports(self, command: Command) -> None:
+        infos = [
+            l4m_pb2.ExportInfo(name=e.name, num_kv_pages=len(e.physical_page_ids), persistent=e.is_persistent,
+                               metadata_bytes=len(e.metadata))
+            for e in self.exports.all()
+        ]
+        self._reply_local(command, list_exports=l4m_pb2.ListExportsResult(exports=infos))
+
+    def _local_synchronize(self, command: Command) -> None:
+        stream = command.stream
+        if stream.num_replies_done >= stream.num_replies_sent:
+            self._resolve_sync(command)
+        else:
+            stream.sync_waiters.append((stream.num_replies_sent, command))
+
+    def _resolve_sync(self, command: Command) -> None:
+        if command.request_id is None:  # the closing marker of finish_session
+            instance = command.stream.instance
+            instance.num_streams_closing -= 1
+            if instance.num_streams_closing == 0:
+                self.close_session(instance)
+            return
+        self._reply_local(command, synchronize=l4m_pb2.SynchronizeDone())
+
+    def _local_set_stream_priority(self, command: Command) -> None:
+        self.batcher.set_priority(command.stream, command.item.priority)
+        self._done_local(command)
+
+    def _local_debug_query(self, command: Command) -> None:
+        query = command.item.query
+        if query == "ping":
+            answer = "pong"
+        elif query == "stats":
+            answer = json.dumps(self.stats_snapshot(), sort_keys=True)
+        elif query == "batching":
+            answer = self.batcher.forward_strategy.name
+        else:
+            self.batcher.forward_strategy = parse_strategy(query.removeprefix("batching:"))
+            answer = self.batcher.forward_strategy.name
+            self._schedule_step()
+        self._reply_local(command, debug_query=l4m_pb2.DebugQueryResult(response=answer))
+
+    def _reply_local(self, command: Command, **event: Any) -> None:
+        stream = command.stream
+        stream.instance.sink.send(
+            l4m_pb2.SessionResponse(stream_id=stream.stream_id, request_id=command.request_id, **event)
+        )
+        self._done_local(command)
+
+    def _done_local(self, command: Command) -> None:
+        if command.span is not None:
+            command.span.end()
+
+    # ---- traps and freeing ----
+
+    def trap(
+        self, instance: Instance, error: TrapError, request_id: int = 0, command_kind: str | None = None
+    ) -> tuple[int, int]:
+        """Stop an instance: Trap event, free everything, end its session; returns (pages, slots) freed."""
+        if not instance.is_alive:
+            return 0, 0
+        self._num_traps += 1
+        prefix = f"{command_kind} (request {request_id}): " if command_kind else ""
+        trap = l4m_pb2.Trap(kind=error.trap_kind, reason=prefix + error.reason, offending_request_id=request_id)
+        instance.trap = trap
+        kind_name = l4m_pb2.TrapKind.Name(error.trap_kind)
+        self.stats["traps"][kind_name] = self.stats["traps"].get(kind_name, 0) + 1
+        self.metrics.traps.labels(kind_name).inc()
+        freed = self._end_instance(instance, trap.reason)
+        if instance.sink is not None:
+            instance.sink.send(l4m_pb2.SessionResponse(request_id=request_id, trap=trap))
+            instance.sink.end(trap)
+        if error.trap_kind != l4m_pb2.TRAP_KIND_DESTROYED:
+            for watcher in list(self.watchers):
+                watcher(instance.instance_id, trap)
+        return freed
+
+    def _end_instance(self, instance: Instance, reason: str = "session closed") -> tuple[int, int]:
+        instance.state = InstanceState.ENDED
+        for stream in instance.streams.values():
+            if self.tracer.enabled:
+                for command in stream.pending:
+                    self.tracer.end_with_error(command.span, reason)
+                for _, command in stream.sync_waiters:
+                    self.tracer.end_with_error(command.span, reason)
+            self.batcher.drop_stream(stream)
+            stream.sync_waiters.clear()
+        executor: Executor | None = instance.executor
+        if executor is None or not executor.is_connected:
+            instance.table.clear()
+            return 0, 0
+        for queue in executor.queues.values():
+            if queue.num_items:
+                queue.remove_instance(instance)
+        executor.instances.discard(instance)
+        pages, slots = instance.table.clear()
+        num_pages_freed = len(self._release(executor, pages, []))
+        num_slots_freed = len(self._release(executor, [], slots))
+        for export in self.exports.owned_by(instance.instance_id, is_persistent=False):
+            num_pages_freed += self._drop_export(self.exports.remove(export.name))
+        return num_pages_freed, num_slots_freed
+
+    def _release(self, executor: Executor, pages: list[int], slots: list[int]) -> list[int]:
+        """Drop one reference from each id; tell the executor to deallocate those nobody holds."""
+        resources = executor.resources
+        freed: list[int] = []
+        for ids, pool, unsent, kind in (
+            (pages, resources.kv_pages, executor.unsent_kv_pages, KV_PAGE),  # type: ignore[union-attr]
+            (slots, resources.embed_slots, executor.unsent_embed_slots, EMBED_SLOT),  # type: ignore[union-attr]
+        ):
+            if not ids:
+                continue
+            now_free = pool.release(ids)
+            freed.extend(now_free)
+            told = [i for i in now_free if i not in unsent] if unsent else now_free
+            if told:
+                request = executor_pb2.ExecuteRequest(correlation_id=executor.next_correlation_id())
+                request.deallocate.items.add(kind=kind, ids=told)
+                executor.link.send(request)
+        return freed
+
+    # ---- executors ----
+
+    def _on_executor_connected(self, executor: Executor, info: executor_pb2.ExecutorServiceGetInfoResponse) -> None:
+        if self.model is not None and info.model.name != self.model.name:
+            log.error("executor %s serves %r, not %r; ignored", executor.link.address, info.model.name, self.model.name)
+            return
+        self.batcher.add_queues(executor.connect(info))
+        if self.model is None:
+            self.model = info.model
+        self._update_limits()
+        log.info("executor %d (%s) connected: %d pages", executor.index, executor.link.address, info.num_kv_pages)
+        self._schedule_step()
+
+    def _on_executor_lost(self, executor: Executor, reason: str) -> None:
+        if not executor.is_connected:
+            return
+        for instance in list(executor.instances):
+            self.trap(instance, ExecutorLost(f"executor {executor.index} ({executor.link.address}) was lost: {reason}"))
+        for export in self.exports.on_executor(executor.index):
+            self.exports.remove(export.name)
+        self.batcher.remove_queues(executor.disconnect())
+        log.warning("executor %d (%s) lost: %s", executor.index, executor.link.address, reason)
+
+    def _update_limits(self) -> None:
+        infos = [e.info for e in self.executors if e.is_connected and e.info is not None]
+        if not infos:
+            return
+        model = self.model
+        max_pages = min(i.num_kv_pages for i in infos)
+        max_slots = min(i.num_embed_slots for i in infos)
+        config = self.config
+        self.limits = ModelLimits(
+            vocab_size=model.vocab_size,  # type: ignore[union-attr]
+            kv_page_size=infos[0].kv_page_size,
+            max_context_tokens=model.max_context_tokens,  # type: ignore[union-attr]
+            max_batch_tokens=min(i.max_batch_tokens or (1 << 30) for i in infos),
+            max_kv_pages_per_instance=min(max_pages, config.max_kv_pages_per_instance or max_pages),
+            max_embed_slots_per_instance=min(max_slots, config.max_embed_slots_per_instance or max_slots),
+            capabilities=frozenset(model.capabilities),  # type: ignore[union-attr]
+            max_export_name_bytes=config.max_export_name_bytes,
+            max_export_metadata_bytes=config.max_export_metadata_bytes,
+        )
+
+    def get_info(self) -> l4m_pb2.GetInfoResponse:
+        limits = self.limits
+        if limits is None:
+            raise NoExecutor("no executor is connected yet")
+        return l4m_pb2.GetInfoResponse(
+            protocol_version=PROTOCOL_VERSION,
+            model=self.model,
+            kv_page_size=limits.kv_page_size,
+            max_kv_pages_per_instance=limits.max_kv_pages_per_instance,
+            max_embed_slots_per_instance=limits.max_embed_slots_per_instance,
+            num_free_kv_pages=sum(e.resources.kv_pages.num_free for e in self.executors if e.resources),
+            num_executors=sum(1 for e in self.executors if e.is_connected),
+        )
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        return {
+            **self.stats,
+            "batching": self.batcher.forward_strategy.name,
+            "queued": self.batcher.num_queued,
+            "instances_active": self.instances.num_active(),
+            "instances_registered": len(self.instances),
+            "exports": len(self.exports),
+            "executors": [
+                {
+                    "address": e.link.address,
+                    "connected": e.is_connected,
+                    "kv_pages_free": e.resources.kv_pages.num_free if e.resources else 0,
+                    "kv_pages_total": e.resources.kv_pages.capacity if e.resources else 0,
+                    "embed_slots_free": e.resources.embed_slots.num_free if e.resources else 0,
+                    "embed_slots_total": e.resources.embed_slots.capacity if e.resources else 0,
+                    "batches_in_flight": len(e.inflight),
+                }
+                for e in self.executors
+            ],
+        }
+
+
+def queue_is_forward(kind: str) -> bool:
+    return kind == "forward_text" or kind == "forward"
+
+
+_LOCAL_HANDLERS: dict[str, Callable[[Scheduler, Command], None]] = {
+    "get_info": Scheduler._local_get_info,
+    "export_kv_pages": Scheduler._local_export,
+    "unexport_kv_pages": Scheduler._local_unexport,
+    "import_kv_pages": Scheduler._local_import,
+    "list_exports": Scheduler._local_list_exports,
+    "synchronize": Scheduler._local_synchronize,
+    "set_stream_priority": Scheduler._local_set_stream_priority,
+    "debug_query": Scheduler._local_debug_query,
+}
+
+__all__ = ["Scheduler", "Stream", "PROTOCOL_VERSION"]

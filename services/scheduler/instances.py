@@ -1,0 +1,123 @@
+"""Registered instances: identity, token, launch order, token budget, lifecycle and resource table."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Protocol
+
+from l4m.scheduler.batcher import Stream
+from l4m.scheduler.resources import ResourceTable
+from l4m.v1 import l4m_pb2
+
+
+class InstanceState(enum.StrEnum):
+    REGISTERED = "registered"  # known, no session yet
+    ACTIVE = "active"  # its session is open
+    ENDED = "ended"  # session closed, trapped or destroyed; holds nothing
+
+
+class EventSink(Protocol):
+    """Where an instance's events go (the server's session writer; a list in tests)."""
+
+    def send(self, response: l4m_pb2.SessionResponse) -> None: ...
+
+    def end(self, trap: l4m_pb2.Trap | None) -> None: ...
+
+
+class Instance:
+    """One controller instance. Invariant: while ACTIVE, every physical id in `table` is held (one
+    reference) on `executor`; once ENDED, `table` is empty and no command of it is queued."""
+
+    __slots__ = (
+        "instance_id",
+        "token",
+        "max_tokens",
+        "launched_at_unix_ms",
+        "launch_seq",
+        "state",
+        "num_tokens_used",
+        "streams",
+        "executor",
+        "table",
+        "sink",
+        "trace_context",
+        "is_anonymous",
+        "trap",
+        "num_streams_closing",
+    )
+
+    def __init__(
+        self, instance_id: str, token: str, max_tokens: int, launched_at_unix_ms: int, launch_seq: int
+    ) -> None:
+        self.instance_id = instance_id
+        self.token = token
+        self.max_tokens = max_tokens
+        self.launched_at_unix_ms = launched_at_unix_ms
+        self.launch_seq = launch_seq
+        self.state = InstanceState.REGISTERED
+        self.num_tokens_used = 0
+        self.streams: dict[int, Stream] = {}
+        self.executor: Any = None
+        self.table = ResourceTable()
+        self.sink: EventSink | None = None
+        self.trace_context: Any = None
+        self.is_anonymous = False
+        self.trap: l4m_pb2.Trap | None = None
+        self.num_streams_closing = 0
+
+    @property
+    def is_alive(self) -> bool:
+        return self.state is InstanceState.ACTIVE
+
+    @property
+    def launch_key(self) -> tuple[int, int]:
+        """Orders instances by launch; the contention policy evicts the largest key first."""
+        return (self.launched_at_unix_ms, self.launch_seq)
+
+    def stream(self, stream_id: int) -> Stream:
+        stream = self.streams.get(stream_id)
+        if stream is None:
+            stream = self.streams[stream_id] = Stream(self, stream_id)
+        return stream
+
+
+class InstanceRegistry:
+    """Instances by id and by token."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, Instance] = {}
+        self._by_token: dict[str, Instance] = {}
+        self._next_seq = 0
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(list(self._by_id.values()))
+
+    def can_register(self, instance_id: str, token: str) -> bool:
+        return instance_id not in self._by_id and token not in self._by_token
+
+    def register(self, instance_id: str, token: str, max_tokens: int, launched_at_unix_ms: int) -> Instance:
+        if not self.can_register(instance_id, token):
+            raise ValueError(f"instance {instance_id!r} or its token is already registered")
+        self._next_seq += 1
+        instance = Instance(instance_id, token, max_tokens, launched_at_unix_ms, self._next_seq)
+        self._by_id[instance_id] = instance
+        self._by_token[token] = instance
+        return instance
+
+    def get(self, instance_id: str) -> Instance | None:
+        return self._by_id.get(instance_id)
+
+    def by_token(self, token: str) -> Instance | None:
+        return self._by_token.get(token)
+
+    def remove(self, instance_id: str) -> Instance | None:
+        instance = self._by_id.pop(instance_id, None)
+        if instance is not None:
+            self._by_token.pop(instance.token, None)
+        return instance
+
+    def num_active(self) -> int:
+        return sum(1 for i in self._by_id.values() if i.is_alive)

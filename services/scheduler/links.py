@@ -1,0 +1,81 @@
+"""`GrpcExecutorLink`: the scheduler's side of one executor's `Execute` stream, with reconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+
+from l4m.scheduler.executors import OnConnected, OnLost, OnResponse
+from l4m.v1 import executor_pb2, executor_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 256 << 20),
+    ("grpc.max_receive_message_length", 256 << 20),
+]
+
+
+class GrpcExecutorLink:
+    """One executor address. While connected, batches go out on one `Execute` stream in `send` order.
+    When the stream breaks the link reports the loss, then retries (GetInfo, then a new stream) with
+    exponential backoff until `close`."""
+
+    def __init__(self, address: str, *, initial_backoff_s: float = 0.1, max_backoff_s: float = 5.0,
+                 rpc_timeout_s: float = 10.0) -> None:
+        self.address = address
+        self._initial_backoff_s = initial_backoff_s
+        self._max_backoff_s = max_backoff_s
+        self._rpc_timeout_s = rpc_timeout_s
+        self._outbox: asyncio.Queue[executor_pb2.ExecuteRequest | None] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self, on_connected: OnConnected, on_response: OnResponse, on_lost: OnLost) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(on_connected, on_response, on_lost))
+
+    def send(self, request: executor_pb2.ExecuteRequest) -> None:
+        if self._outbox is not None:
+            self._outbox.put_nowait(request)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _requests(self, outbox: asyncio.Queue[executor_pb2.ExecuteRequest | None]):  # type: ignore[no-untyped-def]
+        while (request := await outbox.get()) is not None:
+            yield request
+
+    async def _run(self, on_connected: OnConnected, on_response: OnResponse, on_lost: OnLost) -> None:
+        backoff_s = self._initial_backoff_s
+        while True:
+            reason = "the executor ended the stream"
+            is_connected = False
+            async with grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS) as channel:
+                stub = executor_pb2_grpc.ExecutorServiceStub(channel)
+                try:
+                    info = await stub.GetInfo(
+                        executor_pb2.ExecutorServiceGetInfoRequest(), timeout=self._rpc_timeout_s, wait_for_ready=True
+                    )
+                    outbox: asyncio.Queue[executor_pb2.ExecuteRequest | None] = asyncio.Queue()
+                    call = stub.Execute(self._requests(outbox))
+                    self._outbox = outbox
+                    is_connected = True
+                    backoff_s = self._initial_backoff_s
+                    on_connected(info)
+                    async for response in call:
+                        on_response(response)
+                except grpc.aio.AioRpcError as error:
+                    reason = f"{error.code().name}: {error.details()}"
+                finally:
+                    self._outbox = None
+            if is_connected:
+                on_lost(reason)
+            else:
+                log.info("executor %s not reachable (%s); retrying in %.1fs", self.address, reason, backoff_s)
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, self._max_backoff_s)

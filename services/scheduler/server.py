@@ -1,0 +1,188 @@
+"""gRPC servicers of the scheduler: L4MService (controllers) and InstanceRegistryService (spawner).
+
+Thin: each RPC authenticates, hands protobuf to the core (`core.Scheduler`) and maps traps to status
+codes (`TRAP_STATUS`, the one place that does). Health (grpc.health.v1) turns SERVING once an executor
+is connected; server reflection is on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from l4m.scheduler.config import SchedulerConfig
+from l4m.scheduler.core import Scheduler
+from l4m.scheduler.errors import TrapError
+from l4m.scheduler.links import GrpcExecutorLink
+from l4m.v1 import l4m_pb2, l4m_pb2_grpc, registry_pb2, registry_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+TOKEN_METADATA_KEY = "l4m-instance-token"
+MIN_TOKEN_BYTES = 16
+TRAP_STATUS = {
+    l4m_pb2.TRAP_KIND_INVALID_COMMAND: grpc.StatusCode.INVALID_ARGUMENT,
+    l4m_pb2.TRAP_KIND_RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    l4m_pb2.TRAP_KIND_EVICTED: grpc.StatusCode.ABORTED,
+    l4m_pb2.TRAP_KIND_EXECUTOR_LOST: grpc.StatusCode.UNAVAILABLE,
+    l4m_pb2.TRAP_KIND_DESTROYED: grpc.StatusCode.ABORTED,
+    l4m_pb2.TRAP_KIND_TOKEN_BUDGET: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    l4m_pb2.TRAP_KIND_UNSUPPORTED: grpc.StatusCode.FAILED_PRECONDITION,
+}
+_END = object()
+
+
+class _QueueSink:
+    """An instance's events, for the session's writer."""
+
+    __slots__ = ("queue",)
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[object] = asyncio.Queue()
+
+    def send(self, response: l4m_pb2.SessionResponse) -> None:
+        self.queue.put_nowait(response)
+
+    def end(self, trap: l4m_pb2.Trap | None) -> None:
+        self.queue.put_nowait(_END)
+
+
+class L4MServicer(l4m_pb2_grpc.L4MServiceServicer):
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    async def GetInfo(self, request: l4m_pb2.GetInfoRequest, context: grpc.aio.ServicerContext) -> l4m_pb2.GetInfoResponse:
+        try:
+            return self.scheduler.get_info()
+        except TrapError as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, error.reason)
+            raise
+
+    async def Session(self, request_iterator: AsyncIterator[l4m_pb2.SessionRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[l4m_pb2.SessionResponse]:
+        scheduler = self.scheduler
+        metadata = {key: value for key, value in context.invocation_metadata() or ()}
+        if not scheduler.is_ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no executor is connected yet")
+        token = metadata.get(TOKEN_METADATA_KEY)
+        if token:
+            instance = scheduler.instances.by_token(token)
+            if instance is None:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"unknown {TOKEN_METADATA_KEY}")
+        elif scheduler.config.allow_anonymous:
+            instance = scheduler.register_anonymous()
+        else:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"missing {TOKEN_METADATA_KEY} metadata")
+        sink = _QueueSink()
+        try:
+            scheduler.open_session(instance, sink, metadata.get("traceparent"))
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        reader = asyncio.create_task(self._read(request_iterator, instance))
+        try:
+            queue = sink.queue
+            while (event := await queue.get()) is not _END:
+                yield event
+        finally:
+            reader.cancel()
+            scheduler.close_session(instance)
+        if instance.trap is not None:
+            await context.abort(TRAP_STATUS.get(instance.trap.kind, grpc.StatusCode.ABORTED), instance.trap.reason)
+
+    async def _read(self, request_iterator: AsyncIterator[l4m_pb2.SessionRequest], instance: object) -> None:
+        submit = self.scheduler.submit
+        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+            async for request in request_iterator:
+                submit(instance, request)  # type: ignore[arg-type]
+        # The controller closed its side: what it sent still runs, then the session ends.
+        self.scheduler.finish_session(instance)  # type: ignore[arg-type]
+
+
+class RegistryServicer(registry_pb2_grpc.InstanceRegistryServiceServicer):
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    async def RegisterInstance(self, request: registry_pb2.RegisterInstanceRequest,
+                               context: grpc.aio.ServicerContext) -> registry_pb2.RegisterInstanceResponse:
+        if not request.instance_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "instance_id is empty")
+        if len(request.token.encode()) < MIN_TOKEN_BYTES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token is shorter than {MIN_TOKEN_BYTES} bytes")
+        if not self.scheduler.instances.can_register(request.instance_id, request.token):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"instance {request.instance_id!r} (or its token) is registered")
+        self.scheduler.register_instance(request.instance_id, request.token, request.max_tokens,
+                                         request.launched_at_unix_ms)
+        return registry_pb2.RegisterInstanceResponse()
+
+    async def DestroyInstance(self, request: registry_pb2.DestroyInstanceRequest,
+                              context: grpc.aio.ServicerContext) -> registry_pb2.DestroyInstanceResponse:
+        pages, slots = self.scheduler.destroy_instance(request.instance_id, request.reason)
+        return registry_pb2.DestroyInstanceResponse(num_kv_pages_freed=pages, num_embed_slots_freed=slots)
+
+    async def WatchInstanceEvents(self, request: registry_pb2.WatchInstanceEventsRequest,
+                                  context: grpc.aio.ServicerContext) -> AsyncIterator[registry_pb2.WatchInstanceEventsResponse]:
+        queue: asyncio.Queue[registry_pb2.WatchInstanceEventsResponse] = asyncio.Queue()
+
+        def watch(instance_id: str, trap: l4m_pb2.Trap) -> None:
+            queue.put_nowait(registry_pb2.WatchInstanceEventsResponse(instance_id=instance_id, trap=trap))
+
+        self.scheduler.watchers.append(watch)
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            self.scheduler.watchers.remove(watch)
+
+
+def build_scheduler(config: SchedulerConfig) -> Scheduler:
+    links = [
+        GrpcExecutorLink(address, initial_backoff_s=config.reconnect_initial_s, max_backoff_s=config.reconnect_max_s,
+                         rpc_timeout_s=config.executor_rpc_timeout_s)
+        for address in config.executor_addresses
+    ]
+    return Scheduler(config, links)  # type: ignore[arg-type]
+
+
+async def create_server(config: SchedulerConfig, scheduler: Scheduler | None = None) -> tuple[grpc.aio.Server, int]:
+    """Start the scheduler core and a gRPC server on `config.listen` (and `config.listen_unix`);
+    returns (server, TCP port). The core is reachable as `server.scheduler` for tests and metrics."""
+    scheduler = scheduler or build_scheduler(config)
+    scheduler.start()
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+                                      ("grpc.max_send_message_length", 64 << 20)])
+    l4m_pb2_grpc.add_L4MServiceServicer_to_server(L4MServicer(scheduler), server)
+    registry_pb2_grpc.add_InstanceRegistryServiceServicer_to_server(RegistryServicer(scheduler), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    service_names = (
+        l4m_pb2.DESCRIPTOR.services_by_name["L4MService"].full_name,
+        registry_pb2.DESCRIPTOR.services_by_name["InstanceRegistryService"].full_name,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(service_names, server)
+    port = server.add_insecure_port(config.listen)
+    if config.listen_unix:
+        server.add_insecure_port(f"unix:{config.listen_unix}")
+    await server.start()
+    server.scheduler = scheduler  # type: ignore[attr-defined]
+    server.health_task = asyncio.create_task(_report_health(scheduler, health_servicer, service_names))  # type: ignore[attr-defined]
+    return server, port
+
+
+async def _report_health(scheduler: Scheduler, servicer: health.aio.HealthServicer, names: tuple[str, ...]) -> None:
+    """NOT_SERVING until an executor is connected, SERVING while one is."""
+    last = None
+    while True:
+        status = health_pb2.HealthCheckResponse.SERVING if scheduler.is_ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        if status != last:
+            for name in ("", *names):
+                await servicer.set(name, status)
+            last = status
+        await asyncio.sleep(0.05 if status != health_pb2.HealthCheckResponse.SERVING else 1.0)

@@ -1,0 +1,299 @@
+"""A simulated executor (like Pie's simulator): the ExecutorService interface with no model.
+
+`SimulatedExecutor` runs batches in order against its own allocation state (it rejects, with a
+BatchError, any physical id that is not allocated, or allocated twice: a scheduler bug would show)
+and answers with deterministic fake results: the token after input `j` is a function of that token
+and its position only, so an instance gets the same tokens whatever else is in its batch.
+Latency per batch = base latency of its kind + per-token latency x tokens.
+
+Three ways to use it: `SimulatedLink` (in-process, the same interface as the gRPC link: unit tests
+and the benchmark), `SimulatedExecutorServicer` (grpc.aio), and
+`python -m l4m.scheduler.simulated --listen 127.0.0.1:50061` (integration tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from l4m.scheduler.executors import OnConnected, OnLost, OnResponse
+from l4m.v1 import common_pb2, executor_pb2, executor_pb2_grpc
+
+KV_PAGE = common_pb2.RESOURCE_KIND_KV_PAGE
+
+
+@dataclass(frozen=True)
+class SimulatedExecutorConfig:
+    num_kv_pages: int = 1024
+    num_embed_slots: int = 1024
+    kv_page_size: int = 16
+    vocab_size: int = 1000
+    max_context_tokens: int = 4096
+    max_batch_tokens: int = 8192
+    # Base latency of one batch, per kind (seconds); kinds not listed take `default_latency_s`.
+    latency_s: dict[str, float] = field(default_factory=dict)
+    default_latency_s: float = 0.0
+    per_token_latency_s: float = 0.0
+    capabilities: tuple[str, ...] = ("text",)
+
+
+class BatchRejected(Exception):
+    def __init__(self, item_index: int, reason: str) -> None:
+        super().__init__(reason)
+        self.item_index = item_index
+        self.reason = reason
+
+
+def next_token(token_id: int, position_id: int, vocab_size: int) -> int:
+    """The simulator's "model": a fixed function of the last token and its position."""
+    return (token_id * 31 + position_id * 17 + 7) % vocab_size
+
+
+def _first_allowed(runs: Sequence[int], preferred: int) -> int:
+    """`preferred` if the vocabulary mask allows it, else the lowest allowed id."""
+    start, first_allowed = 0, None
+    for index, run in enumerate(runs):
+        if index % 2 == 0 and run:
+            if start <= preferred < start + run:
+                return preferred
+            if first_allowed is None:
+                first_allowed = start
+        start += run
+    return preferred if first_allowed is None else first_allowed
+
+
+class SimulatedExecutor:
+    """The executor's state machine without a model (see the module docstring)."""
+
+    def __init__(self, config: SimulatedExecutorConfig | None = None) -> None:
+        self.config = config or SimulatedExecutorConfig()
+        self.allocated_pages: set[int] = set()
+        self.allocated_slots: set[int] = set()
+        self.slot_values: dict[int, int] = {}
+        self.num_batches = 0
+        self.num_errors = 0
+        self.batch_sizes: list[tuple[str, int]] = []
+
+    def info(self) -> executor_pb2.ExecutorServiceGetInfoResponse:
+        c = self.config
+        model = common_pb2.ModelInfo(
+            name="simulated", architecture="none", vocab_size=c.vocab_size, num_layers=1, hidden_size=8,
+            num_attention_heads=1, num_kv_heads=1, head_dim=8, max_context_tokens=c.max_context_tokens,
+            stop_token_ids=[0], capabilities=list(c.capabilities),
+        )
+        return executor_pb2.ExecutorServiceGetInfoResponse(
+            model=model, device="simulated", dtype="float32", kv_page_size=c.kv_page_size,
+            num_kv_pages=c.num_kv_pages, num_embed_slots=c.num_embed_slots, max_batch_tokens=c.max_batch_tokens,
+        )
+
+    def latency_s(self, request: executor_pb2.ExecuteRequest) -> float:
+        kind = request.WhichOneof("batch")
+        c = self.config
+        latency = c.latency_s.get(kind, c.default_latency_s)  # type: ignore[arg-type]
+        if c.per_token_latency_s and kind == "forward_text":
+            latency += c.per_token_latency_s * sum(len(i.token_ids) for i in request.forward_text.items)
+        return latency
+
+    def execute(self, request: executor_pb2.ExecuteRequest) -> executor_pb2.ExecuteResponse | None:
+        """Run one batch; the response, or None for a fire-and-forget batch that succeeded."""
+        kind = request.WhichOneof("batch")
+        items = getattr(request, kind).items if kind else ()  # type: ignore[arg-type]
+        self.num_batches += 1
+        self.batch_sizes.append((kind or "", len(items)))
+        response = executor_pb2.ExecuteResponse(correlation_id=request.correlation_id)
+        try:
+            for index, item in enumerate(items):
+                self._check(kind, index, item)  # type: ignore[arg-type]
+            return self._apply(kind, items, response)  # type: ignore[arg-type]
+        except BatchRejected as rejected:
+            self.num_errors += 1
+            response.error.item_index = rejected.item_index
+            response.error.reason = rejected.reason
+            return response
+
+    def _need(self, index: int, ids: Sequence[int], held: set[int], what: str) -> None:
+        for physical_id in ids:
+            if physical_id not in held:
+                raise BatchRejected(index, f"{what} {physical_id} is not allocated")
+
+    def _check(self, kind: str, index: int, item: object) -> None:
+        pages, slots = self.allocated_pages, self.allocated_slots
+        if kind in ("allocate", "deallocate"):
+            is_kv = item.kind == KV_PAGE  # type: ignore[attr-defined]
+            held = pages if is_kv else slots
+            capacity = self.config.num_kv_pages if is_kv else self.config.num_embed_slots
+            for physical_id in item.ids:  # type: ignore[attr-defined]
+                if physical_id >= capacity:
+                    raise BatchRejected(index, f"id {physical_id} out of range")
+                if (physical_id in held) == (kind == "allocate"):
+                    raise BatchRejected(index, f"{kind} of id {physical_id}: wrong state")
+        elif kind == "forward_text":
+            self._need(index, item.kv_page_ids, pages, "page")  # type: ignore[attr-defined]
+        elif kind == "forward":
+            self._need(index, item.kv_page_ids, pages, "page")  # type: ignore[attr-defined]
+            self._need(index, item.input_embed_slot_ids, slots, "slot")  # type: ignore[attr-defined]
+            self._need(index, item.output_embed_slot_ids, slots, "slot")  # type: ignore[attr-defined]
+        elif kind in ("embed_text", "embed_image"):
+            self._need(index, item.embed_slot_ids, slots, "slot")  # type: ignore[attr-defined]
+        elif kind == "sample_top_k":
+            self._need(index, [item.embed_slot_id], slots, "slot")  # type: ignore[attr-defined]
+        elif kind == "copy_kv_page":
+            self._need(index, [item.source_kv_page_id, item.destination_kv_page_id], pages, "page")  # type: ignore[attr-defined]
+        elif kind == "mask_kv_page":
+            self._need(index, [item.kv_page_id], pages, "page")  # type: ignore[attr-defined]
+
+    def _apply(self, kind: str, items: Sequence, response: executor_pb2.ExecuteResponse) -> executor_pb2.ExecuteResponse | None:  # type: ignore[type-arg]
+        vocab_size = self.config.vocab_size
+        if kind in ("allocate", "deallocate"):
+            for item in items:
+                held = self.allocated_pages if item.kind == KV_PAGE else self.allocated_slots
+                (held.update if kind == "allocate" else held.difference_update)(item.ids)
+            return None
+        if kind == "embed_text":
+            for item in items:
+                for slot, token, position in zip(item.embed_slot_ids, item.token_ids, item.position_ids, strict=True):
+                    self.slot_values[slot] = next_token(token, position, vocab_size)
+            return None
+        if kind == "forward_text":
+            has_outputs = False
+            for item in items:
+                result = response.forward_text.items.add()
+                for index, sampler in zip(item.output_indices, item.samplers, strict=True):
+                    has_outputs = True
+                    token = next_token(item.token_ids[index], item.position_ids[index], vocab_size)
+                    if sampler.vocabulary_mask.run_lengths:
+                        token = _first_allowed(sampler.vocabulary_mask.run_lengths, token)
+                    output = result.outputs.add()
+                    if sampler.kind == common_pb2.SAMPLER_KIND_DISTRIBUTION:
+                        k = sampler.distribution_top_k
+                        output.distribution.token_ids.extend((token + i) % vocab_size for i in range(k))
+                        output.distribution.probabilities.extend(0.5 ** (i + 1) for i in range(k))
+                    else:
+                        output.token.token_id = token
+                        output.token.logprob = -0.5
+            return response if has_outputs else None
+        if kind == "forward":
+            for item in items:
+                for index, slot in zip(item.output_indices, item.output_embed_slot_ids, strict=True):
+                    self.slot_values[slot] = self.slot_values.get(item.input_embed_slot_ids[index], 0)
+            response.forward.num_items = len(items)
+            return response
+        if kind == "sample_top_k":
+            for item in items:
+                base = self.slot_values.get(item.embed_slot_id, 0)
+                distribution = response.sample_top_k.items.add()
+                distribution.token_ids.extend((base + i) % vocab_size for i in range(item.k))
+                distribution.probabilities.extend(0.5 ** (i + 1) for i in range(item.k))
+            return response
+        return None  # copy, mask, embed_image: nothing to compute
+
+
+class SimulatedLink:
+    """In-process link to a `SimulatedExecutor`: same interface as `GrpcExecutorLink`. Batches run in
+    order, each finishing `latency_s` after the previous one (or at once, latency 0)."""
+
+    def __init__(self, executor: SimulatedExecutor | None = None, address: str = "simulated") -> None:
+        self.executor = executor or SimulatedExecutor()
+        self.address = address
+        self._on_response: OnResponse | None = None
+        self._on_lost: OnLost | None = None
+        self._on_connected: OnConnected | None = None
+        self._busy_until = 0.0
+        self.is_connected = False
+        self.sent: list[executor_pb2.ExecuteRequest] = []
+        self.keep_sent = False
+
+    def start(self, on_connected: OnConnected, on_response: OnResponse, on_lost: OnLost) -> None:
+        self._on_connected, self._on_response, self._on_lost = on_connected, on_response, on_lost
+        self.reconnect()
+
+    def reconnect(self) -> None:
+        """(Re)connect with a fresh executor state, as a restarted executor would."""
+        self.executor = SimulatedExecutor(self.executor.config)
+        self.is_connected = True
+        self._on_connected(self.executor.info())  # type: ignore[misc]
+
+    def lose(self, reason: str = "simulated loss") -> None:
+        self.is_connected = False
+        self._on_lost(reason)  # type: ignore[misc]
+
+    def send(self, request: executor_pb2.ExecuteRequest) -> None:
+        if not self.is_connected:
+            return
+        if self.keep_sent:
+            self.sent.append(request)
+        response = self.executor.execute(request)
+        if response is None:
+            return
+        loop = asyncio.get_running_loop()
+        latency = self.executor.latency_s(request)
+        if latency <= 0:
+            loop.call_soon(self._deliver, response)
+        else:
+            self._busy_until = max(loop.time(), self._busy_until) + latency
+            loop.call_at(self._busy_until, self._deliver, response)
+
+    def _deliver(self, response: executor_pb2.ExecuteResponse) -> None:
+        if self.is_connected:
+            self._on_response(response)  # type: ignore[misc]
+
+    async def close(self) -> None:
+        self.is_connected = False
+
+
+class SimulatedExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
+    """ExecutorService over gRPC, backed by one `SimulatedExecutor` per Execute stream."""
+
+    def __init__(self, config: SimulatedExecutorConfig) -> None:
+        self.config = config
+
+    async def GetInfo(self, request, context):  # type: ignore[no-untyped-def]
+        return SimulatedExecutor(self.config).info()
+
+    async def Execute(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        executor = SimulatedExecutor(self.config)
+        async for request in request_iterator:
+            latency = executor.latency_s(request)
+            if latency > 0:
+                await asyncio.sleep(latency)
+            response = executor.execute(request)
+            if response is not None:
+                yield response
+
+
+async def serve(listen: str, config: SimulatedExecutorConfig) -> None:
+    server = grpc.aio.server()
+    executor_pb2_grpc.add_ExecutorServiceServicer_to_server(SimulatedExecutorServicer(config), server)
+    port = server.add_insecure_port(listen)
+    await server.start()
+    print(f"simulated executor listening on {listen.rsplit(':', 1)[0]}:{port}", flush=True)
+    await server.wait_for_termination()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m l4m.scheduler.simulated", description=__doc__.split("\n")[0])
+    parser.add_argument("--listen", default="127.0.0.1:0", help="host:port (port 0 picks one)")
+    parser.add_argument("--num-kv-pages", type=int, default=1024)
+    parser.add_argument("--num-embed-slots", type=int, default=1024)
+    parser.add_argument("--kv-page-size", type=int, default=16)
+    parser.add_argument("--vocab-size", type=int, default=1000)
+    parser.add_argument("--forward-latency-ms", type=float, default=0.0, help="base latency of a forward batch")
+    parser.add_argument("--per-token-latency-us", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    config = SimulatedExecutorConfig(
+        num_kv_pages=args.num_kv_pages, num_embed_slots=args.num_embed_slots, kv_page_size=args.kv_page_size,
+        vocab_size=args.vocab_size,
+        latency_s={"forward_text": args.forward_latency_ms / 1000, "forward": args.forward_latency_ms / 1000},
+        per_token_latency_s=args.per_token_latency_us / 1e6,
+    )
+    logging.basicConfig(level=logging.INFO)
+    asyncio.run(serve(args.listen, config))
+
+
+if __name__ == "__main__":
+    main()

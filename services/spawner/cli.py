@@ -1,0 +1,172 @@
+"""`python -m l4m.spawner`: flags and environment → one `SpawnerConfig`, then serve until a signal.
+
+Tracing is configured by the standard OTEL_* variables only (`l4m.telemetry`); when it is on with an
+OTLP exporter, controllers are told to export their spans through the runtime socket and the spawner
+forwards them to the same endpoint. SIGTERM or SIGINT stops the spawner cleanly: every running
+instance is ended and destroyed in the scheduler before the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from opentelemetry.util.re import parse_env_headers
+
+from l4m import telemetry
+from l4m.spawner.config import MiB, SpawnerConfig
+from l4m.spawner.sandbox import Limits
+
+SERVICE_NAME = "l4m.spawner"
+STOP_GRACE_S = 5.0
+DEFAULT_OTLP_ENDPOINT = "http://localhost:4317"
+
+
+def _default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "l4m" / "spawner"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults, limits = SpawnerConfig(state_dir=Path(), socket_dir=Path()), Limits()
+    parser = argparse.ArgumentParser(
+        prog="python -m l4m.spawner", description="The l4m spawner: runs controllers in sandboxes."
+    )
+    add = parser.add_argument
+    add("--listen", default="127.0.0.1:7410", help="HOST:PORT for SpawnerService (port 0 picks one)")
+    add(
+        "--scheduler",
+        default="",
+        help="the scheduler's InstanceRegistryService (e.g. unix:/x/scheduler.sock); "
+        "empty: no scheduler (controllers cannot run L4M commands)",
+    )
+    add(
+        "--socket-dir",
+        type=Path,
+        default=None,
+        help="directory mounted at /run/l4m in sandboxes: the runtime socket is created here and the "
+        "scheduler's socket is expected here (default: STATE_DIR/sockets)",
+    )
+    add(
+        "--scheduler-socket-name",
+        default=defaults.scheduler_socket_name,
+        help="the scheduler's socket file in --socket-dir",
+    )
+    add("--state-dir", type=Path, default=_default_state_dir(), help="programs are stored under it")
+    add("--sandbox", choices=("process", "docker"), default=defaults.sandbox_kind)
+    add("--docker-image", default="", help="controller image for --sandbox docker (default: build one)")
+    add(
+        "--spawner-id",
+        default=defaults.spawner_id,
+        help="names this spawner's cgroups and containers (orphans are cleaned at start)",
+    )
+    add("--metrics-port", type=int, default=0, help="Prometheus /metrics on 127.0.0.1:N (0: off)")
+    add("--metrics-host", default="127.0.0.1")
+    add(
+        "--controller-runner",
+        default=defaults.controller_runner,
+        help="programs run as `python -m RUNNER PROGRAM ARGS`; empty: as plain scripts",
+    )
+    add("--wall-time-s", type=float, default=limits.wall_time_s, help="default wall time limit")
+    add("--cpu-time-s", type=float, default=limits.cpu_time_s, help="default CPU time limit")
+    add("--memory-mib", type=int, default=limits.memory_bytes // MiB, help="default memory limit")
+    add("--max-processes", type=int, default=limits.max_processes, help="default process/thread limit")
+    add("--max-output-mib", type=int, default=limits.max_output_bytes // MiB, help="default output limit")
+    add("--cpu-cores", type=float, default=limits.cpu_cores, help="CPU share per instance (0: unthrottled)")
+    add(
+        "--max-tokens",
+        type=int,
+        default=defaults.default_max_tokens,
+        help="default token budget per instance (0: unlimited)",
+    )
+    add("--max-children-per-tree", type=int, default=defaults.max_children_per_tree)
+    add("--max-instances", type=int, default=defaults.max_instances, help="instances alive at once")
+    add("--log-level", default="INFO")
+    return parser
+
+
+def controller_spans_target(environ: Mapping[str, str]) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """(endpoint, headers) controllers' spans are forwarded to: the spawner's own OTLP exporter's."""
+    if not telemetry.tracing_requested(environ):
+        return "", ()
+    if environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() != "otlp":
+        return "", ()
+    endpoint = (
+        environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or DEFAULT_OTLP_ENDPOINT
+    )
+    raw = environ.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS") or environ.get("OTEL_EXPORTER_OTLP_HEADERS", "")
+    headers = tuple((key.lower(), value) for key, value in parse_env_headers(raw, liberal=True).items())
+    return endpoint, headers
+
+
+def parse_config(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] = os.environ
+) -> tuple[SpawnerConfig, argparse.Namespace]:
+    args = build_parser().parse_args(argv)
+    limits = Limits(
+        wall_time_s=args.wall_time_s,
+        cpu_time_s=args.cpu_time_s,
+        memory_bytes=args.memory_mib * MiB,
+        max_processes=args.max_processes,
+        max_output_bytes=args.max_output_mib * MiB,
+        cpu_cores=args.cpu_cores,
+    )
+    spans_endpoint, spans_headers = controller_spans_target(environ)
+    config = SpawnerConfig(
+        state_dir=args.state_dir,
+        socket_dir=args.socket_dir or args.state_dir / "sockets",
+        listen_address=args.listen,
+        spawner_id=args.spawner_id,
+        sandbox_kind=args.sandbox,
+        docker_image=args.docker_image,
+        scheduler_registry_address=args.scheduler,
+        scheduler_socket_name=args.scheduler_socket_name,
+        default_limits=limits,
+        default_max_tokens=args.max_tokens,
+        max_children_per_tree=args.max_children_per_tree,
+        max_instances=args.max_instances,
+        controller_runner=args.controller_runner,
+        controller_spans_endpoint=spans_endpoint,
+        controller_spans_headers=spans_headers,
+    )
+    return config, args
+
+
+async def serve(config: SpawnerConfig, metrics_port: int = 0, metrics_host: str = "127.0.0.1") -> None:
+    from l4m.spawner.server import create_server
+
+    server = await create_server(config)
+    telemetry.start_metrics_server(metrics_port, server.manager.metrics.registry, host=metrics_host)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await server.start()
+    host = config.listen_address.rsplit(":", 1)[0]
+    print(
+        f"l4m spawner listening on {host}:{server.port} (runtime unix:{server.runtime_socket}, "
+        f"sandbox {config.sandbox_kind}, scheduler {config.scheduler_registry_address or 'none'})",
+        flush=True,
+    )
+    try:
+        await stop.wait()
+    finally:
+        logging.getLogger(__name__).info("stopping: ending every instance")
+        await server.stop(STOP_GRACE_S)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    config, args = parse_config(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    telemetry.configure_tracing(SERVICE_NAME)
+    try:
+        asyncio.run(serve(config, args.metrics_port, args.metrics_host))
+    finally:
+        telemetry.shutdown_tracing()

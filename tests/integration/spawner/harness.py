@@ -1,0 +1,119 @@
+"""A spawner server on loopback for integration tests, and the processes around it.
+
+`running_spawner` starts `create_server` (the same function `python -m l4m.spawner` uses) on port 0
+with a real sandbox; `ServiceProcess` runs another l4m service as a real process and prints its log
+when a test fails; `upload`, `launch` and `attach` are the user's side of SpawnerService.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from l4m.spawner.config import SpawnerConfig
+from l4m.spawner.instances import InstanceRegistry
+from l4m.spawner.sandbox import Sandbox
+from l4m.spawner.server import SpawnerServer, create_server
+from l4m.v1 import spawner_pb2, spawner_pb2_grpc
+
+RPC_DEADLINE_S = 30.0
+
+
+@dataclass
+class RunningSpawner:
+    server: SpawnerServer
+    stub: spawner_pb2_grpc.SpawnerServiceStub
+    channel: grpc.aio.Channel
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+
+@contextlib.asynccontextmanager
+async def running_spawner(
+    config: SpawnerConfig, sandbox: Sandbox, registry: InstanceRegistry | None = None
+) -> AsyncIterator[RunningSpawner]:
+    server = await create_server(config, sandbox=sandbox, registry=registry)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            yield RunningSpawner(server, spawner_pb2_grpc.SpawnerServiceStub(channel), channel)
+    finally:
+        await server.stop(None)
+
+
+async def upload(stub: spawner_pb2_grpc.SpawnerServiceStub, source: str | bytes, tag: str = "") -> str:
+    data = source.encode() if isinstance(source, str) else source
+    requests = [
+        spawner_pb2.UploadProgramRequest(header=spawner_pb2.ProgramHeader(size_bytes=len(data), tag=tag)),
+        spawner_pb2.UploadProgramRequest(chunk=data),
+    ]
+    return (await stub.UploadProgram(iter(requests), timeout=RPC_DEADLINE_S)).sha256
+
+
+async def attach(
+    stub: spawner_pb2_grpc.SpawnerServiceStub, instance_id: str, timeout_s: float = 60.0
+) -> list[spawner_pb2.AttachResponse]:
+    """Every event of the instance, through its exit."""
+    request = spawner_pb2.AttachRequest(instance_id=instance_id)
+    return [event async for event in stub.Attach(request, timeout=timeout_s)]
+
+
+def log_lines(events: Sequence[spawner_pb2.AttachResponse]) -> list[str]:
+    return [e.log.line for e in events if e.HasField("log")]
+
+
+def exit_of(events: Sequence[spawner_pb2.AttachResponse]) -> spawner_pb2.InstanceExit:
+    assert events and events[-1].HasField("exit"), f"no exit event: {events}"
+    return events[-1].exit
+
+
+class ServiceProcess:
+    """`python -m MODULE ARGS` with its output in a log file; `port` is parsed from its
+    "listening on HOST:PORT" line."""
+
+    def __init__(self, module: str, args: Sequence[str], log_path: Path, env: dict[str, str] | None = None):
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+        self.port = 0
+
+    def wait_listening(self, timeout_s: float = 30.0) -> int:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            match = re.search(rb"listening on [\w.]+:(\d+)", self.log_path.read_bytes())
+            if match:
+                self.port = int(match.group(1))
+                return self.port
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"{self.process.args} did not start:\n{self.log_tail()}")
+
+    def log_tail(self, num_bytes: int = 6000) -> str:
+        return self.log_path.read_bytes()[-num_bytes:].decode(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        self._log.close()

@@ -1,0 +1,166 @@
+"""The spawner with a real scheduler (and its simulated executor): controllers run through the SDK's
+runner, reach the scheduler over /run/l4m/scheduler.sock, get trapped, and give back what they held."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from l4m.spawner.config import SpawnerConfig
+from l4m.spawner.process_sandbox import ProcessSandbox
+from l4m.spawner.sandbox import Sandbox
+from l4m.v1 import spawner_pb2
+from tests.integration.spawner.conftest import SchedulerCluster
+from tests.integration.spawner.harness import attach, exit_of, log_lines, running_spawner, upload
+
+HELLO = """
+async def main(ctx):
+    c = ctx.new_context()
+    c.fill([1, 2, 3, 4])
+    token, _ = await c.next_token()
+    await ctx.send(f"next token {token}")
+    print("done", flush=True)
+"""
+
+
+def _config(tmp_path: Path, cluster: SchedulerCluster, **overrides: object) -> SpawnerConfig:
+    return SpawnerConfig(
+        state_dir=tmp_path / "state",
+        socket_dir=cluster.socket_dir,
+        spawner_id=f"sched-{tmp_path.name[-20:]}",
+        scheduler_registry_address=cluster.registry_address,
+        **overrides,
+    )
+
+
+def test_a_controller_runs_through_the_sdk_runner(
+    sandbox: Sandbox, scheduler_cluster: SchedulerCluster, tmp_path: Path
+) -> None:
+    async def go() -> list[spawner_pb2.AttachResponse]:
+        async with running_spawner(_config(tmp_path, scheduler_cluster), sandbox) as spawner:
+            sha = await upload(spawner.stub, HELLO)
+            launched = await spawner.stub.Launch(spawner_pb2.LaunchRequest(program=sha), timeout=30)
+            return await attach(spawner.stub, launched.instance_id)
+
+    events = asyncio.run(go())
+    assert exit_of(events).reason == spawner_pb2.EXIT_REASON_EXITED, events
+    assert [e.message.text for e in events if e.HasField("message")][0].startswith("next token "), events
+    assert "done" in log_lines(events)
+
+
+# Feeds more tokens than its budget of 8: the scheduler traps it (TRAP_KIND_TOKEN_BUDGET). With
+# "hold", it then sleeps, so only the trap the scheduler reports to the spawner can end it.
+OVER_BUDGET = """
+import asyncio, sys
+
+async def main(ctx):
+    c = ctx.new_context()
+    c.fill(list(range(1, 40)))
+    try:
+        await c.step()
+    except Exception as error:
+        print("saw", type(error).__name__, flush=True)
+        if ctx.args == ["hold"]:
+            await asyncio.sleep(3600)
+        raise
+"""
+
+
+def _run_over_budget(
+    process_sandbox: ProcessSandbox, cluster: SchedulerCluster, tmp_path: Path, args: list[str]
+):
+    async def go() -> list[spawner_pb2.AttachResponse]:
+        async with running_spawner(_config(tmp_path, cluster), process_sandbox) as spawner:
+            sha = await upload(spawner.stub, OVER_BUDGET)
+            request = spawner_pb2.LaunchRequest(
+                program=sha, args=args, limits=spawner_pb2.Limits(max_tokens=8, wall_time_ms=60_000)
+            )
+            launched = await spawner.stub.Launch(request, timeout=30)
+            return await attach(spawner.stub, launched.instance_id)
+
+    return asyncio.run(go())
+
+
+def test_a_trap_the_scheduler_reports_stops_the_sandbox(
+    process_sandbox: ProcessSandbox, scheduler_cluster: SchedulerCluster, tmp_path: Path
+) -> None:
+    events = _run_over_budget(process_sandbox, scheduler_cluster, tmp_path, ["hold"])
+    exit = exit_of(events)
+    assert exit.reason == spawner_pb2.EXIT_REASON_TRAPPED, events
+    # Killed by the spawner (SIGKILL) on the scheduler's word: the controller would have slept on.
+    assert "budget" in exit.message and exit.signal == 9, exit
+
+
+def test_a_runner_that_exits_on_its_trap_is_reported_trapped(
+    process_sandbox: ProcessSandbox, scheduler_cluster: SchedulerCluster, tmp_path: Path
+) -> None:
+    exit = exit_of(_run_over_budget(process_sandbox, scheduler_cluster, tmp_path, []))
+    assert exit.reason == spawner_pb2.EXIT_REASON_TRAPPED, exit
+    assert "budget" in exit.message, exit
+
+
+# Holds pages on two streams and decodes forever; a window keeps its page count bounded.
+GENERATE_FOREVER = """
+async def main(ctx):
+    contexts = []
+    for i in range(2):
+        c = ctx.new_context()
+        c.set_window(64)
+        c.fill(list(range(1, 50)))
+        await c.next_token()
+        contexts.append(c)
+    await ctx.send("holding pages")
+    while True:
+        for c in contexts:
+            await c.next_token()
+"""
+
+
+async def _scheduler_stats(address: str) -> dict:
+    from l4m.model import Model
+    from l4m.session import Session
+
+    session = await Session.connect(address)
+    try:
+        return await (await Model.load(session)).scheduler_stats()
+    finally:
+        await session.close()
+
+
+def _kv_pages(stats: dict) -> tuple[int, int]:
+    (executor,) = stats["executors"]
+    return executor["kv_pages_free"], executor["kv_pages_total"]
+
+
+def test_killing_a_controller_mid_generation_frees_its_pages(
+    process_sandbox: ProcessSandbox, scheduler_cluster: SchedulerCluster, tmp_path: Path
+) -> None:
+    async def go() -> None:
+        async with running_spawner(_config(tmp_path, scheduler_cluster), process_sandbox) as spawner:
+            sha = await upload(spawner.stub, GENERATE_FOREVER)
+            launched = await spawner.stub.Launch(spawner_pb2.LaunchRequest(program=sha), timeout=30)
+            request = spawner_pb2.AttachRequest(instance_id=launched.instance_id)
+            events = []
+            async for event in spawner.stub.Attach(request, timeout=60):
+                events.append(event)
+                if event.HasField("message") or event.HasField("exit"):
+                    break
+            assert events[-1].HasField("message"), events
+            free, total = _kv_pages(await _scheduler_stats(scheduler_cluster.scheduler_address))
+            assert total - free > 0, "the controller holds no pages while generating"
+            await spawner.stub.Terminate(
+                spawner_pb2.TerminateRequest(instance_id=launched.instance_id), timeout=30
+            )
+            exit = exit_of(await attach(spawner.stub, launched.instance_id))
+            assert exit.reason == spawner_pb2.EXIT_REASON_TERMINATED, exit
+            # The spawner destroys the instance in the scheduler as it exits: every page comes back.
+            for _ in range(50):
+                stats = await _scheduler_stats(scheduler_cluster.scheduler_address)
+                if _kv_pages(stats)[0] == total:
+                    break
+                await asyncio.sleep(0.1)
+            assert _kv_pages(stats)[0] == total, stats
+            (executor,) = stats["executors"]
+            assert executor["embed_slots_free"] == executor["embed_slots_total"], stats
+
+    asyncio.run(go())

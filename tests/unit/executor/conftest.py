@@ -1,0 +1,101 @@
+"""Executor fixtures: the model is loaded once per session (seconds), engines are cheap to build."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from l4m.executor.commands import Allocate, ForwardText, ResourceKind, SamplerKind, SamplerSpec
+from l4m.executor.engine import Engine, EngineConfig
+from l4m.executor.weights import LoadedModel, default_model_path, load_model
+
+PROMPTS = [
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "The quick brown fox jumps over the lazy dog. Then the dog",
+    "<|im_start|>user\nList three colors.<|im_end|>\n<|im_start|>assistant\n",
+    "In 1492, Columbus sailed",
+    "Once upon a time",
+]
+
+
+@pytest.fixture(scope="session")
+def loaded() -> LoadedModel:
+    return load_model(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def prompts(loaded: LoadedModel) -> list[list[int]]:
+    return [loaded.tokenizer.tokenizer.encode(p).ids for p in PROMPTS]
+
+
+@pytest.fixture
+def make_engine(loaded: LoadedModel) -> Callable[..., Engine]:
+    def make(
+        dtype: str = "float32", page_size: int = 4, num_pages: int = 256, num_embed_slots: int = 64
+    ) -> Engine:
+        config = EngineConfig(
+            dtype=dtype, page_size=page_size, num_pages=num_pages, num_embed_slots=num_embed_slots
+        )
+        return Engine(loaded, config)
+
+    return make
+
+
+class LogitsRecorder:
+    """Wraps `engine.model.logits` to keep the float32 logits of every forward."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.calls: list[torch.Tensor] = []
+        inner = engine.model.logits
+
+        def record(normed: torch.Tensor) -> torch.Tensor:
+            out = inner(normed)
+            self.calls.append(out.clone())
+            return out
+
+        engine.model.logits = record  # type: ignore[method-assign]
+
+
+class PageTables:
+    """Minimal scheduler-side bookkeeping for tests: per-sequence page lists and lengths."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.page_size = engine.cache.page_size
+        self.next_page = 0
+        self.pages: dict[str, list[int]] = {}
+        self.length: dict[str, int] = {}
+
+    def grow(self, name: str, num_new: int) -> tuple[tuple[int, ...], int]:
+        """Allocate pages so `name` holds `num_new` more tokens; returns (page ids, last page length)."""
+        pages = self.pages.setdefault(name, [])
+        total = self.length.get(name, 0) + num_new
+        needed = -(-total // self.page_size) - len(pages)
+        if needed > 0:
+            new = list(range(self.next_page, self.next_page + needed))
+            self.next_page += needed
+            self.engine.allocate([Allocate(ResourceKind.KV_PAGE, tuple(new))])
+            pages.extend(new)
+        self.length[name] = total
+        return tuple(pages), total - self.page_size * (len(pages) - 1)
+
+    def item(
+        self,
+        name: str,
+        tokens: list[int],
+        positions: list[int] | None = None,
+        mask: tuple[tuple[int, ...], ...] = (),
+        outputs: tuple[int, ...] | None = None,
+        sampler: SamplerSpec | None = None,
+    ) -> ForwardText:
+        start = self.length.get(name, 0)
+        pages, last = self.grow(name, len(tokens))
+        outputs = tuple(range(len(tokens))) if outputs is None else outputs
+        sampler = sampler or SamplerSpec(SamplerKind.GREEDY)
+        positions = positions if positions is not None else list(range(start, start + len(tokens)))
+        return ForwardText(
+            pages, last, tuple(tokens), tuple(positions), mask, outputs, (sampler,) * len(outputs)
+        )

@@ -1,0 +1,220 @@
+"""Every bad input is a typed error with a clear message, raised before any state changes;
+the engine keeps serving afterwards."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from l4m.executor.commands import (
+    Allocate,
+    CopyKvPage,
+    Deallocate,
+    EmbedImage,
+    EmbedText,
+    Forward,
+    ForwardText,
+    MaskKvPage,
+    ResourceKind,
+    SamplerKind,
+    SamplerSpec,
+    SampleTopK,
+)
+from l4m.executor.errors import CapabilityError, InvalidCommand, UnknownResource
+
+PAGE = ResourceKind.KV_PAGE
+SLOT = ResourceKind.EMBED_SLOT
+GREEDY = SamplerSpec(SamplerKind.GREEDY)
+
+
+def good_item(**changes: object) -> ForwardText:
+    """Two context tokens already in page 0 (page_size 4) + 3 new ones straddling into page 1."""
+    item = ForwardText((0, 1), 1, (10, 11, 12), (2, 3, 4), (), (2,), (GREEDY,))
+    return dataclasses.replace(item, **changes)
+
+
+BAD_BATCHES = [
+    ("unknown page", [good_item(kv_page_ids=(0, 7))], UnknownResource, "kv page 7 is not allocated"),
+    ("page out of range", [good_item(kv_page_ids=(0, 999))], UnknownResource, "kv page 999 is out of range"),
+    ("no pages", [good_item(kv_page_ids=())], InvalidCommand, "no kv pages"),
+    ("page twice", [good_item(kv_page_ids=(0, 0))], InvalidCommand, "appears twice"),
+    ("last len 0", [good_item(kv_last_page_length=0)], InvalidCommand, "kv_last_page_length must be in 1..4"),
+    (
+        "last len > page",
+        [good_item(kv_last_page_length=5)],
+        InvalidCommand,
+        "kv_last_page_length must be in 1..4",
+    ),
+    (
+        "too many tokens",
+        [good_item(token_ids=(1,) * 6, position_ids=tuple(range(6)), output_indices=(), samplers=())],
+        InvalidCommand,
+        "do not fit",
+    ),
+    (
+        "no tokens",
+        [good_item(token_ids=(), position_ids=(), output_indices=(), samplers=())],
+        InvalidCommand,
+        "no input tokens",
+    ),
+    (
+        "token id >= vocab",
+        [good_item(token_ids=(10, 49152, 12))],
+        InvalidCommand,
+        "token id 49152 is outside the vocabulary",
+    ),
+    ("negative token", [good_item(token_ids=(10, -1, 12))], InvalidCommand, "token id -1"),
+    ("positions count", [good_item(position_ids=(2, 3))], InvalidCommand, "2 position ids for 3 tokens"),
+    (
+        "position overflow",
+        [good_item(position_ids=(2, 3, 8192))],
+        InvalidCommand,
+        "position id 8192 is outside",
+    ),
+    (
+        "mask row count",
+        [good_item(attention_mask=((3,), (4,)))],
+        InvalidCommand,
+        "2 attention-mask rows for 3 tokens",
+    ),
+    (
+        "mask row length",
+        [good_item(attention_mask=((3,), (4,), (4,)))],
+        InvalidCommand,
+        "row 2 decodes to 4 values, expected 5",
+    ),
+    ("mask negative run", [good_item(attention_mask=((3,), (5, -1), (5,)))], InvalidCommand, "negative run"),
+    ("output index", [good_item(output_indices=(3,))], InvalidCommand, "output index 3 is out of range"),
+    ("sampler count", [good_item(samplers=(GREEDY, GREEDY))], InvalidCommand, "2 samplers for 1 output"),
+    (
+        "distribution k 0",
+        [good_item(samplers=(SamplerSpec(SamplerKind.DISTRIBUTION, distribution_top_k=0),))],
+        InvalidCommand,
+        "distribution_top_k must be in 1..49152",
+    ),
+    (
+        "temperature 0",
+        [good_item(samplers=(SamplerSpec(SamplerKind.SAMPLE, temperature=0.0),))],
+        InvalidCommand,
+        "temperature must be",
+    ),
+    (
+        "temperature nan",
+        [good_item(samplers=(SamplerSpec(SamplerKind.SAMPLE, temperature=float("nan")),))],
+        InvalidCommand,
+        "temperature must be",
+    ),
+    (
+        "top_p > 1",
+        [good_item(samplers=(SamplerSpec(SamplerKind.SAMPLE, top_p=1.5),))],
+        InvalidCommand,
+        "top_p must be",
+    ),
+    (
+        "top_k < 0",
+        [good_item(samplers=(SamplerSpec(SamplerKind.SAMPLE, top_k=-1),))],
+        InvalidCommand,
+        "top_k must be",
+    ),
+    (
+        "min_p 1",
+        [good_item(samplers=(SamplerSpec(SamplerKind.SAMPLE, min_p=1.0),))],
+        InvalidCommand,
+        "min_p must be",
+    ),
+    (
+        "negative seed",
+        [good_item(samplers=(SamplerSpec(SamplerKind.SAMPLE, seed=-3),))],
+        InvalidCommand,
+        "seed must be",
+    ),
+    (
+        "vocab mask length",
+        [good_item(samplers=(SamplerSpec(vocab_mask=(10, 5)),))],
+        InvalidCommand,
+        "vocab_mask must decode to exactly 49152",
+    ),
+    (
+        "vocab mask empty",
+        [good_item(samplers=(SamplerSpec(vocab_mask=(0, 49152)),))],
+        InvalidCommand,
+        "allows no token",
+    ),
+    ("write collision", [good_item(), good_item()], InvalidCommand, "same kv page slot"),
+    ("bad second item", [good_item(), good_item(kv_page_ids=(0, 7))], UnknownResource, "item 1: kv page 7"),
+    ("sample_top_k k 0", [SampleTopK(0, 0)], InvalidCommand, "k must be in 1..49152"),
+    ("sample_top_k slot", [SampleTopK(2, 3)], UnknownResource, "embed slot 2 is not allocated"),
+    (
+        "embed_text slot range",
+        [EmbedText((100,), (1,), (0,))],
+        UnknownResource,
+        "embed slot 100 is out of range",
+    ),
+    ("embed_text lengths", [EmbedText((0, 1), (1,), (0,))], InvalidCommand, "2 slots for 1 tokens"),
+    ("forward unknown slot", [Forward((0, 1), 1, (3,))], UnknownResource, "embed slot 3 is not allocated"),
+    ("forward outputs", [Forward((0, 1), 1, (0,), (0,), ())], InvalidCommand, "0 output slots for 1 output"),
+    (
+        "copy leaves page",
+        [CopyKvPage(0, 1, 2, 0, 3)],
+        InvalidCommand,
+        "src_offset 2 + length 3 leaves the page",
+    ),
+    ("copy unknown page", [CopyKvPage(0, 9, 0, 0, 1)], UnknownResource, "kv page 9 is not allocated"),
+    ("mask_kv_page length", [MaskKvPage(0, (2, 1))], InvalidCommand, "exactly page_size=4 values, got 3"),
+    ("mask_kv_page page", [MaskKvPage(300, (4,))], UnknownResource, "out of range (0..15)"),
+    ("allocate twice", [Allocate(PAGE, (0,))], InvalidCommand, "kv page 0 is already allocated"),
+    ("allocate out of range", [Allocate(PAGE, (16,))], UnknownResource, "kv page 16 is out of range (0..15)"),
+    ("allocate duplicate", [Allocate(SLOT, (3, 3))], InvalidCommand, "appears twice"),
+    ("deallocate unknown", [Deallocate(PAGE, (5,))], InvalidCommand, "kv page 5 is not allocated"),
+    ("mixed kinds", [SampleTopK(0, 1), MaskKvPage(0, (4,))], InvalidCommand, "exactly one command kind"),
+    ("image", [EmbedImage((0,), b"png")], CapabilityError, "text-only"),
+]
+
+
+@pytest.fixture(scope="module")
+def engine(loaded):
+    from l4m.executor.engine import Engine, EngineConfig
+
+    engine = Engine(loaded, EngineConfig(page_size=4, num_pages=16, num_embed_slots=4))
+    engine.allocate([Allocate(PAGE, (0, 1)), Allocate(SLOT, (0,))])
+    engine.forward_text([ForwardText((0,), 2, (1, 2), (0, 1))])  # two context tokens in page 0
+    engine.embed_text([EmbedText((0,), (5,), (0,))])
+    return engine
+
+
+def snapshot(engine) -> tuple:
+    c = engine.cache
+    return (
+        c.is_page_allocated.copy(),
+        c.is_slot_allocated.copy(),
+        [layer.clone() for layer in c.layers[:2]],
+        c.page_visible.clone(),
+        c.embeds.clone(),
+    )
+
+
+def assert_same(a: tuple, b: tuple) -> None:
+    assert (a[0] == b[0]).all() and (a[1] == b[1]).all()
+    assert all(torch.equal(x, y) for x, y in zip(a[2], b[2], strict=True))
+    assert torch.equal(a[3], b[3]) and torch.equal(a[4], b[4])
+
+
+@pytest.mark.parametrize(("case", "batch", "error", "message"), BAD_BATCHES, ids=[c[0] for c in BAD_BATCHES])
+def test_bad_batch_is_rejected_without_state_change(engine, case, batch, error, message) -> None:
+    before = snapshot(engine)
+    with pytest.raises(error) as info:
+        engine.execute(batch)
+    assert message in info.value.reason, info.value.reason
+    assert_same(before, snapshot(engine))
+    # The engine keeps serving: a good batch works (and is repeatable, as no state moved).
+    result = engine.execute(
+        [good_item(samplers=(SamplerSpec(SamplerKind.DISTRIBUTION, distribution_top_k=2),))]
+    )
+    assert len(result[0].outputs[0].token_ids) == 2
+
+
+def test_empty_batch_is_rejected(engine) -> None:
+    with pytest.raises(InvalidCommand, match="empty batch"):
+        engine.execute([])

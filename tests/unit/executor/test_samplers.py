@@ -1,0 +1,124 @@
+"""Samplers on synthetic logits (fast, property-based) and through the engine."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from l4m import brle
+from l4m.executor.commands import Distribution, SampledToken, SamplerKind, SamplerSpec
+from l4m.executor.sampler import apply_samplers, decode_vocab_masks
+
+V = 64
+
+
+def logits_of(seed: int, rows: int = 1) -> torch.Tensor:
+    return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_greedy_is_argmax_and_logprob_is_log_softmax(seed: int) -> None:
+    logits = logits_of(seed, 3)
+    results = apply_samplers(logits, [SamplerSpec(SamplerKind.GREEDY)] * 3, None)
+    for row, r in enumerate(results):
+        assert isinstance(r, SampledToken) and r.token_id == int(logits[row].argmax())
+        assert math.isclose(r.logprob, float(torch.log_softmax(logits[row], -1).max()), abs_tol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), sample_seed=st.integers(0, 2**63 - 1))
+def test_seeded_sample_is_reproducible_whatever_else_is_in_the_batch(seed: int, sample_seed: int) -> None:
+    logits = logits_of(seed, 2)
+    spec = SamplerSpec(SamplerKind.SAMPLE, temperature=1.5, seed=sample_seed)
+    alone = apply_samplers(logits[:1], [spec], None)[0]
+    together = apply_samplers(logits, [spec, SamplerSpec(SamplerKind.SAMPLE)], None)[0]
+    assert alone == together
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    top_k=st.integers(1, 8),
+    top_p=st.floats(0.05, 0.95),
+    min_p=st.floats(0.01, 0.9),
+)
+def test_truncations_restrict_support(seed: int, top_k: int, top_p: float, min_p: float) -> None:
+    logits = logits_of(seed)[0]
+    probs = torch.softmax(logits, -1)
+    order = probs.argsort(descending=True).tolist()
+    nucleus_size = int((probs[order].cumsum(0) - probs[order] < top_p).sum())
+    for spec, allowed in (
+        (SamplerSpec(SamplerKind.SAMPLE, top_k=top_k), set(order[:top_k])),
+        (SamplerSpec(SamplerKind.SAMPLE, top_p=top_p), set(order[:nucleus_size])),
+        (
+            SamplerSpec(SamplerKind.SAMPLE, min_p=min_p),
+            {t for t in range(V) if probs[t] >= min_p * probs.max()},
+        ),
+    ):
+        drawn = {r.token_id for r in apply_samplers(logits.repeat(16, 1), [spec] * 16, None)}
+        assert drawn <= allowed
+
+
+def test_unrestricted_sampling_covers_more_than_top1() -> None:
+    logits = torch.zeros(200, V)  # uniform: 200 draws must not all agree
+    drawn = {r.token_id for r in apply_samplers(logits, [SamplerSpec(SamplerKind.SAMPLE)] * 200, None)}
+    assert len(drawn) > 20
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), allowed=st.lists(st.booleans(), min_size=V, max_size=V).filter(any))
+def test_vocab_mask_is_respected_by_every_sampler(seed: int, allowed: list[bool]) -> None:
+    runs = tuple(brle.encode(allowed))
+    specs = [
+        SamplerSpec(SamplerKind.GREEDY, vocab_mask=runs),
+        SamplerSpec(SamplerKind.SAMPLE, temperature=2.0, vocab_mask=runs),
+        SamplerSpec(SamplerKind.DISTRIBUTION, distribution_top_k=V, vocab_mask=runs),
+    ]
+    results = apply_samplers(logits_of(seed, 3), specs, decode_vocab_masks(specs, V, ["a", "b", "c"]))
+    ok = set(np.flatnonzero(allowed).tolist())
+    assert results[0].token_id in ok and results[1].token_id in ok
+    nonzero = {t for t, p in zip(results[2].token_ids, results[2].probs, strict=True) if p > 0}
+    assert nonzero <= ok and math.isclose(sum(results[2].probs), 1.0, rel_tol=1e-4)
+    expected = max(torch.log_softmax(logits_of(seed, 3)[0][sorted(ok)], -1).tolist())
+    assert math.isclose(results[0].logprob, expected, abs_tol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), k=st.integers(1, V))
+def test_distribution_is_sorted_and_sums_to_at_most_one(seed: int, k: int) -> None:
+    d = apply_samplers(logits_of(seed), [SamplerSpec(SamplerKind.DISTRIBUTION, distribution_top_k=k)], None)[
+        0
+    ]
+    assert isinstance(d, Distribution) and len(d.token_ids) == k == len(set(d.token_ids))
+    assert list(d.probs) == sorted(d.probs, reverse=True) and sum(d.probs) <= 1 + 1e-5
+
+
+def test_engine_samplers_end_to_end(make_engine, prompts) -> None:
+    from tests.unit.executor.conftest import PageTables
+
+    engine = make_engine()
+    tables = PageTables(engine)
+    allowed = np.zeros(49152, dtype=bool)
+    allowed[[100, 200, 300]] = True
+    specs = (
+        SamplerSpec(SamplerKind.DISTRIBUTION, distribution_top_k=5),
+        SamplerSpec(SamplerKind.GREEDY),
+        SamplerSpec(SamplerKind.SAMPLE, temperature=0.7, top_k=5, top_p=0.9, seed=7),
+        SamplerSpec(SamplerKind.SAMPLE, temperature=1.0, vocab_mask=tuple(brle.encode(allowed))),
+    )
+    item = tables.item("a", prompts[0], outputs=(len(prompts[0]) - 1,) * 4)
+    outs = engine.forward_text([dataclass_replace(item, samplers=specs)])[0].outputs
+    assert outs[1].token_id == outs[0].token_ids[0]
+    assert outs[2].token_id in outs[0].token_ids
+    assert outs[3].token_id in (100, 200, 300)
+
+
+def dataclass_replace(item, **changes):
+    import dataclasses
+
+    return dataclasses.replace(item, **changes)

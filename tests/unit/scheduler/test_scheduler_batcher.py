@@ -1,0 +1,222 @@
+"""The batcher state machine with a fake clock: firing rule of every strategy, priorities, order."""
+
+from __future__ import annotations
+
+import pytest
+
+from l4m.scheduler.batcher import (
+    Adaptive,
+    Batcher,
+    BatchQueue,
+    Command,
+    Eager,
+    KOnly,
+    KOrT,
+    Stream,
+    TOnly,
+    parse_strategy,
+)
+
+
+class FakeExecutor:
+    num_forward_in_flight = 0
+
+
+class FakeInstance:
+    is_alive = True
+
+
+class Rig:
+    """One executor's queues, streams of fake instances, and a log of fired batches."""
+
+    def __init__(self, strategy: object, max_batch_tokens: int = 1000) -> None:
+        self.now = 0.0
+        self.executor = FakeExecutor()
+        self.batcher = Batcher(strategy)  # type: ignore[arg-type]
+        self.queues = {k: BatchQueue(k, self.executor, max_batch_tokens) for k in ("forward_text", "allocate")}
+        self.batcher.add_queues(list(self.queues.values()))
+        self.fired: list[tuple[str, list[tuple[int, int]]]] = []
+        self.locals: list[int] = []
+
+    def stream(self) -> Stream:
+        return Stream(FakeInstance(), 0)
+
+    def submit(self, stream: Stream, kind: str, request_id: int, num_tokens: int = 1) -> None:
+        self.batcher.submit(Command(stream, request_id, kind, None, self.now, num_tokens))
+
+    def route(self, command: Command) -> BatchQueue | None:
+        if command.kind == "synchronize":
+            self.locals.append(command.request_id)
+            return None
+        return self.queues[command.kind]
+
+    def fire(self, queue: BatchQueue, commands: list[Command]) -> None:
+        self.fired.append((queue.kind, [(id(c.stream), c.request_id) for c in commands]))
+        if queue.is_forward and isinstance(self.batcher.forward_strategy, Adaptive):
+            self.executor.num_forward_in_flight += 1
+
+    def step(self) -> None:
+        while True:
+            self.batcher.pump(self.route)
+            self.batcher.fire_due(self.now, self.fire)
+            if not self.batcher.has_ready():
+                break
+
+    def fired_ids(self) -> list[list[int]]:
+        return [[r for _, r in items] for _, items in self.fired]
+
+
+def test_eager_fires_everything_at_once() -> None:
+    rig = Rig(Eager())
+    a, b = rig.stream(), rig.stream()
+    rig.submit(a, "forward_text", 1)
+    rig.submit(b, "forward_text", 2)
+    rig.step()
+    assert rig.fired_ids() == [[1, 2]]
+
+
+def test_t_only_waits_for_the_oldest_item_to_age() -> None:
+    rig = Rig(TOnly(0.010))
+    a, b = rig.stream(), rig.stream()
+    rig.submit(a, "forward_text", 1)
+    rig.now = 0.004
+    rig.submit(b, "forward_text", 2)
+    rig.step()
+    assert rig.fired == []
+    assert rig.batcher.next_deadline() == pytest.approx(0.010)
+    rig.now = 0.0099
+    rig.step()
+    assert rig.fired == []
+    rig.now = 0.010
+    rig.step()
+    assert rig.fired_ids() == [[1, 2]]
+    assert rig.batcher.next_deadline() is None
+
+
+def test_k_only_fires_exactly_k_and_never_fewer() -> None:
+    rig = Rig(KOnly(2))
+    streams = [rig.stream() for _ in range(3)]
+    rig.submit(streams[0], "forward_text", 1)
+    rig.step()
+    rig.now = 100.0
+    rig.step()
+    assert rig.fired == []  # pure count rule: one item waits however long
+    rig.submit(streams[1], "forward_text", 2)
+    rig.submit(streams[2], "forward_text", 3)
+    rig.step()
+    assert rig.fired_ids() == [[1, 2]]
+    assert rig.queues["forward_text"].num_items == 1
+
+
+def test_k_or_t_fires_at_k_or_when_the_oldest_waited_t() -> None:
+    rig = Rig(KOrT(3, 0.005))
+    streams = [rig.stream() for _ in range(4)]
+    for i in range(3):
+        rig.submit(streams[i], "forward_text", i)
+    rig.step()
+    assert rig.fired_ids() == [[0, 1, 2]]
+    rig.submit(streams[3], "forward_text", 3)
+    rig.step()
+    assert len(rig.fired) == 1
+    rig.now = 0.005
+    rig.step()
+    assert rig.fired_ids() == [[0, 1, 2], [3]]
+
+
+def test_adaptive_keeps_one_forward_batch_in_flight_then_fires_all_queued() -> None:
+    rig = Rig(Adaptive())
+    streams = [rig.stream() for _ in range(4)]
+    rig.submit(streams[0], "forward_text", 0)
+    rig.step()
+    assert rig.fired_ids() == [[0]]
+    for i in range(1, 4):
+        rig.submit(streams[i], "forward_text", i)
+    rig.step()
+    assert len(rig.fired) == 1  # one in flight: the rest wait
+    rig.executor.num_forward_in_flight = 0  # its reply came back
+    rig.step()
+    assert rig.fired_ids() == [[0], [1, 2, 3]]
+
+
+def test_non_forward_kinds_fire_eagerly_under_any_forward_strategy() -> None:
+    rig = Rig(KOnly(100))
+    rig.submit(rig.stream(), "allocate", 1)
+    rig.step()
+    assert rig.fired == [("allocate", rig.fired[0][1])]
+
+
+def test_high_priority_items_fire_before_normal_and_low() -> None:
+    rig = Rig(KOnly(2))
+    low1, low2, high1, high2, normal = (rig.stream() for _ in range(5))
+    for stream in (low1, low2):
+        rig.batcher.set_priority(stream, 1)
+    for stream in (high1, high2):
+        rig.batcher.set_priority(stream, 3)
+    rig.submit(low1, "forward_text", 10)
+    rig.submit(low2, "forward_text", 11)
+    rig.submit(normal, "forward_text", 20)
+    rig.submit(high1, "forward_text", 30)
+    rig.submit(high2, "forward_text", 31)
+    rig.step()
+    assert rig.fired_ids() == [[30, 31], [20, 10]]
+
+
+def test_vertical_grouping_and_per_stream_order_across_kinds() -> None:
+    rig = Rig(KOnly(3))
+    a, b = rig.stream(), rig.stream()
+    rig.submit(a, "forward_text", 1)
+    rig.submit(a, "forward_text", 2)  # grouped with 1
+    rig.submit(a, "allocate", 3)  # must wait for 1 and 2 to fire
+    rig.submit(a, "synchronize", 4)
+    rig.step()
+    assert rig.fired == [] and rig.locals == []
+    assert a.num_queued == 2
+    rig.submit(b, "forward_text", 5)
+    rig.step()
+    assert rig.fired_ids() == [[1, 2, 5], [3]]
+    assert rig.locals == [4]  # ran after everything before it was sent
+
+
+def test_a_group_split_across_batches_keeps_the_stream_blocked_until_all_fired() -> None:
+    rig = Rig(KOnly(1))
+    a = rig.stream()
+    rig.submit(a, "forward_text", 1)
+    rig.submit(a, "forward_text", 2)
+    rig.submit(a, "allocate", 3)
+    rig.step()
+    assert rig.fired_ids() == [[1], [2], [3]]
+
+
+def test_forward_batches_respect_max_batch_tokens() -> None:
+    rig = Rig(Eager(), max_batch_tokens=10)
+    streams = [rig.stream() for _ in range(3)]
+    for i, stream in enumerate(streams):
+        rig.submit(stream, "forward_text", i, num_tokens=6)
+    rig.step()
+    assert rig.fired_ids() == [[0], [1], [2]]
+
+
+def test_dropped_stream_and_removed_instance_leave_the_queues() -> None:
+    rig = Rig(KOnly(5))
+    a, b = rig.stream(), rig.stream()
+    rig.submit(a, "forward_text", 1)
+    rig.submit(b, "forward_text", 2)
+    rig.step()
+    rig.queues["forward_text"].remove_instance(a.instance)
+    rig.batcher.drop_stream(a)
+    assert rig.queues["forward_text"].num_items == 1
+    assert rig.batcher.num_queued == 1
+
+
+@pytest.mark.parametrize(
+    ("spec", "name"),
+    [("adaptive", "adaptive"), ("t-only:5", "t-only:5"), ("k-only:8", "k-only:8"), ("k-or-t:8:2.5", "k-or-t:8:2.5")],
+)
+def test_parse_strategy(spec: str, name: str) -> None:
+    assert parse_strategy(spec).name == name
+
+
+@pytest.mark.parametrize("spec", ["", "fast", "k-only:0", "k-only:x", "t-only", "t-only:-1", "k-or-t:1", "adaptive:1"])
+def test_parse_strategy_rejects_malformed_specs(spec: str) -> None:
+    with pytest.raises(ValueError, match="bad batching strategy"):
+        parse_strategy(spec)

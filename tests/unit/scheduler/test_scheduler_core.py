@@ -1,0 +1,327 @@
+"""The scheduler core over in-process simulated executors: tables, replies, synchronize, exports,
+contention, executor loss, budgets, spans."""
+
+from __future__ import annotations
+
+import json
+
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from l4m.scheduler import requests as rq
+from l4m.scheduler.simulated import next_token
+from l4m.scheduler.tracing import SchedulerTracer
+from l4m.v1 import l4m_pb2
+
+TRAP = l4m_pb2
+
+
+def _tokens(sink) -> list[int]:  # type: ignore[no-untyped-def]
+    return [o.token.token_id for e in sink.of("forward_text") for o in e.forward_text.outputs]
+
+
+async def test_virtual_ids_are_per_instance_and_translated(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory()
+    h.links[0].keep_sent = True
+    a, sink_a = h.open()
+    b, sink_b = h.open()
+    h.send(a, rq.allocate([7, 8]))
+    h.send(b, rq.allocate([7]))  # same virtual id, another instance: fine
+    await h.settle()
+    assert a.table.kv_pages == {7: 0, 8: 1} and b.table.kv_pages == {7: 2}
+    h.send(b, rq.forward_text([7], 1, [5], outputs=[0], request_id=3))
+    await h.settle()
+    sent = [r for r in h.links[0].sent if r.WhichOneof("batch") == "forward_text"]
+    assert list(sent[0].forward_text.items[0].kv_page_ids) == [2]
+    assert _tokens(sink_b) == [next_token(5, 0, 1000)]
+    assert sink_b.of("forward_text")[0].request_id == 3
+    assert not sink_a.events and h.free_pages() == 61
+
+
+async def test_two_instances_share_one_forward_batch(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory()
+    a, sink_a = h.open()
+    b, sink_b = h.open()
+    for inst in (a, b):
+        h.send(inst, rq.allocate([0]))
+    await h.settle()
+    h.send(a, rq.forward_text([0], 2, [3, 4], outputs=[1]))
+    h.send(b, rq.forward_text([0], 1, [9], outputs=[0]))
+    await h.settle()
+    assert _tokens(sink_a) == [next_token(4, 1, 1000)] and _tokens(sink_b) == [next_token(9, 0, 1000)]
+    assert h.scheduler.stats["max_instances_per_batch"]["forward_text"] == 2
+    assert ("forward_text", 2) in h.sim().batch_sizes
+
+
+async def test_synchronize_waits_for_earlier_replies_of_its_stream_only(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory(latency_s={"forward_text": 0.05})
+    a, sink = h.open()
+    h.send(a, rq.allocate([0]), rq.forward_text([0], 1, [1], outputs=[0], request_id=1),
+           rq.synchronize(request_id=2), rq.synchronize(request_id=3, stream_id=1))
+    await h.settle()
+    kinds = [(e.WhichOneof("event"), e.request_id) for e in sink.events]
+    assert kinds == [("synchronize", 3)]  # stream 1 had nothing in flight; stream 0 waits for the forward
+    import asyncio
+
+    await asyncio.sleep(0.08)
+    kinds = [(e.WhichOneof("event"), e.request_id) for e in sink.events]
+    assert kinds == [("synchronize", 3), ("forward_text", 1), ("synchronize", 2)]
+
+
+async def test_fire_and_forget_then_synchronize_resolves_after_send(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory()
+    a, sink = h.open()
+    h.send(a, rq.allocate([0, 1]), rq.forward_text([0], 3, [1, 2, 3]), rq.synchronize(request_id=9))
+    await h.settle()
+    assert [e.request_id for e in sink.of("synchronize")] == [9]
+    assert h.sim().allocated_pages == {0, 1}
+
+
+async def test_deallocate_frees_and_executor_is_told(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory()
+    a, _ = h.open()
+    h.send(a, rq.allocate([1, 2, 3]), rq.allocate([4], kind=rq.EMBED_SLOT), rq.deallocate([2]))
+    await h.settle()
+    assert h.free_pages() == 62 and h.free_slots() == 63
+    assert h.sim().allocated_pages == {0, 2}
+
+
+async def test_close_session_frees_everything(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory()
+    a, sink = h.open()
+    h.send(a, rq.allocate([1, 2]), rq.allocate([1], kind=rq.EMBED_SLOT), rq.export("tmp", [1]))
+    await h.settle()
+    h.scheduler.close_session(a)
+    assert sink.ended and sink.trap is None
+    assert h.free_pages() == 64 and h.free_slots() == 64
+    assert h.sim().allocated_pages == set() and h.sim().allocated_slots == set()
+    assert len(h.scheduler.exports) == 0
+
+
+async def test_export_import_unexport_respect_refcounts(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory()
+    a, _ = h.open()
+    b, sink_b = h.open()
+    h.send(a, rq.allocate([1, 2]), rq.export("prefix", [1, 2], persistent=True, metadata=b"meta"))
+    await h.settle()
+    h.send(b, rq.import_pages("prefix", [10, 11], request_id=4), rq.request(list_exports=l4m_pb2.ListExportsCommand()))
+    await h.settle()
+    result = sink_b.of("import_kv_pages")[0]
+    assert result.import_kv_pages.num_kv_pages == 2 and result.import_kv_pages.metadata == b"meta"
+    assert b.table.kv_pages == {10: 0, 11: 1}
+    assert sink_b.of("list_exports")[0].list_exports.exports[0].persistent
+    h.scheduler.close_session(a)  # exporter ends: persistent export and importer keep the pages
+    assert h.free_pages() == 62
+    h.send(b, rq.unexport("prefix"))
+    await h.settle()
+    assert h.free_pages() == 62  # the importer still holds them
+    assert h.scheduler.exports.get("prefix") is None
+    h.send(b, rq.deallocate([10, 11]))
+    await h.settle()
+    assert h.free_pages() == 64 and h.sim().allocated_pages == set()
+
+
+async def test_owned_export_disappears_with_its_exporter_but_importers_keep_pages(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory()
+    a, _ = h.open()
+    b, _ = h.open()
+    h.send(a, rq.allocate([1]), rq.export("x", [1]))
+    h.send(b, rq.synchronize())
+    await h.settle()
+    h.send(b, rq.import_pages("x", [5]))
+    await h.settle()
+    h.scheduler.close_session(a)
+    assert h.scheduler.exports.get("x") is None
+    assert h.free_pages() == 63 and b.table.kv_pages == {5: 0}
+    h.scheduler.close_session(b)
+    assert h.free_pages() == 64
+
+
+async def test_export_errors_trap_with_reasons(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory()
+    a, _ = h.open()
+    h.send(a, rq.allocate([1]), rq.export("x", [1]))
+    await h.settle()
+    cases = [
+        (rq.export("x", [1]), "already exported"),
+        (rq.import_pages("nope", [3]), "no export is named 'nope'"),
+        (rq.import_pages("x", [3, 4]), "has 1 pages; kv_page_ids lists 2"),
+        (rq.unexport("nope"), "no export is named 'nope'"),
+        (rq.export("y", [42]), "kv page 42 is not allocated"),
+    ]
+    for request, reason in cases:
+        inst, sink = h.open()
+        h.send(inst, rq.allocate([1]), request)
+        await h.settle()
+        assert sink.trap is not None and reason in sink.trap.reason, (reason, sink.trap)
+    b, sink_b = h.open()
+    h.send(b, rq.allocate([3]), rq.import_pages("x", [3]))
+    await h.settle()
+    assert "kv page id 3 is already allocated" in sink_b.trap.reason  # type: ignore[union-attr]
+    assert a.is_alive and h.free_pages() == 63
+
+
+async def test_contention_evicts_the_newest_later_instance(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory(num_kv_pages=8)
+    watched = []
+    h.scheduler.watchers.append(lambda iid, trap: watched.append((iid, trap.kind)))
+    old, sink_old = h.open("old")
+    mid, sink_mid = h.open("mid")
+    new, sink_new = h.open("new")
+    h.send(old, rq.allocate([0, 1]))
+    h.send(mid, rq.allocate([0, 1, 2]))
+    h.send(new, rq.allocate([0, 1, 2]))
+    await h.settle()
+    h.send(old, rq.allocate([5, 6]))  # 0 free: evict "new" (3 pages) first
+    await h.settle()
+    assert sink_new.trap.kind == TRAP.TRAP_KIND_EVICTED and "'old'" in sink_new.trap.reason  # type: ignore[union-attr]
+    assert mid.is_alive and old.table.kv_pages.keys() == {0, 1, 5, 6}
+    assert watched == [("new", TRAP.TRAP_KIND_EVICTED)]
+    assert h.sim().num_errors == 0
+
+
+async def test_contention_without_newer_instance_traps_the_requester(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory(num_kv_pages=4)
+    old, _ = h.open("old")
+    new, sink_new = h.open("new")
+    h.send(old, rq.allocate([0, 1, 2]))
+    await h.settle()
+    h.send(new, rq.allocate([0, 1]))
+    await h.settle()
+    assert sink_new.trap.kind == TRAP.TRAP_KIND_RESOURCE_EXHAUSTED  # type: ignore[union-attr]
+    assert "1 of 4 are free" in sink_new.trap.reason  # type: ignore[union-attr]
+    assert old.is_alive and h.free_pages() == 1
+
+
+async def test_eviction_inside_one_allocate_batch_keeps_executor_consistent(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory(num_kv_pages=4)
+    old, _ = h.open("old")
+    new, sink_new = h.open("new")
+    h.send(new, rq.allocate([0, 1, 2]))
+    h.send(old, rq.allocate([0, 1, 2]))  # same allocate batch: evicts "new" while building it
+    await h.settle()
+    assert sink_new.trap.kind == TRAP.TRAP_KIND_EVICTED  # type: ignore[union-attr]
+    assert h.sim().num_errors == 0 and h.sim().allocated_pages == set(old.table.kv_pages.values())
+
+
+async def test_page_budget_per_instance(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory(num_kv_pages=4)
+    a, sink = h.open()
+    h.send(a, rq.allocate([0, 1, 2]), rq.allocate([3, 4]))
+    await h.settle()
+    assert sink.trap.kind == TRAP.TRAP_KIND_RESOURCE_EXHAUSTED  # type: ignore[union-attr]
+    assert "would hold 5, more than the 4 one instance may hold" in sink.trap.reason  # type: ignore[union-attr]
+    assert h.free_pages() == 4
+
+
+async def test_token_budget_traps(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory()
+    a, sink = h.open(max_tokens=3)
+    h.send(a, rq.allocate([0]), rq.forward_text([0], 2, [1, 2]), rq.forward_text([0], 4, [3, 4]))
+    await h.settle()
+    assert sink.trap.kind == TRAP.TRAP_KIND_TOKEN_BUDGET and "budget of 3" in sink.trap.reason  # type: ignore[union-attr]
+    assert h.free_pages() == 64
+
+
+async def test_executor_lost_traps_its_instances_and_reconnect_serves_again(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory(num_executors=2)
+    a, sink_a = h.open()
+    b, sink_b = h.open()
+    h.send(a, rq.allocate([0]))
+    await h.settle()
+    h.send(b, rq.allocate([0]))
+    await h.settle()
+    assert a.executor is not b.executor  # least loaded
+    lost = a.executor.index
+    h.links[lost].lose("connection reset")
+    assert sink_a.trap.kind == TRAP.TRAP_KIND_EXECUTOR_LOST and "connection reset" in sink_a.trap.reason  # type: ignore[union-attr]
+    assert b.is_alive
+    c, sink_c = h.open()
+    h.send(c, rq.allocate([0]), rq.forward_text([0], 1, [2], outputs=[0]))
+    await h.settle()
+    assert c.executor is b.executor and _tokens(sink_c)
+    h.links[lost].reconnect()
+    assert h.scheduler.executors[lost].is_connected and h.free_pages(lost) == 64
+
+
+async def test_batch_error_traps_offender_and_its_batch(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory()
+    a, sink_a = h.open()
+    b, sink_b = h.open()
+    for inst in (a, b):
+        h.send(inst, rq.allocate([0]))
+    await h.settle()
+    h.links[0].executor.allocated_pages.discard(b.table.kv_pages[0])  # the executor "forgets" b's page
+    h.send(a, rq.forward_text([0], 1, [1], outputs=[0]))
+    h.send(b, rq.forward_text([0], 1, [1], outputs=[0]))
+    await h.settle()
+    assert sink_b.trap.kind == TRAP.TRAP_KIND_INVALID_COMMAND and "not allocated" in sink_b.trap.reason  # type: ignore[union-attr]
+    assert sink_a.trap.kind == TRAP.TRAP_KIND_EXECUTOR_LOST and "rejected" in sink_a.trap.reason  # type: ignore[union-attr]
+    assert h.scheduler.stats["batch_errors"] == 1
+
+
+async def test_destroy_instance_traps_and_reports_freed(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory()
+    a, sink = h.open("victim")
+    watched = []
+    h.scheduler.watchers.append(lambda iid, trap: watched.append(iid))
+    h.send(a, rq.allocate([0, 1]), rq.allocate([0], kind=rq.EMBED_SLOT))
+    await h.settle()
+    assert h.scheduler.destroy_instance("victim", "killed by user") == (2, 1)
+    assert sink.trap.kind == TRAP.TRAP_KIND_DESTROYED and "killed by user" in sink.trap.reason  # type: ignore[union-attr]
+    assert watched == []  # the spawner asked for it; not echoed
+    assert h.scheduler.destroy_instance("victim", "again") == (0, 0)
+
+
+async def test_debug_query_switches_strategy_live(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory()
+    a, sink = h.open()
+    h.send(a, rq.debug_query("ping"), rq.debug_query("batching:k-or-t:4:2"), rq.debug_query("batching"),
+           rq.debug_query("stats"))
+    await h.settle()
+    answers = [e.debug_query.response for e in sink.of("debug_query")]
+    assert answers[:3] == ["pong", "k-or-t:4:2", "k-or-t:4:2"]
+    assert json.loads(answers[3])["batching"] == "k-or-t:4:2"
+
+
+async def test_priority_moves_a_stream_ahead(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory(batching="k-only:1")
+    a, sink_a = h.open()
+    b, sink_b = h.open()
+    h.send(a, rq.allocate([0]))
+    h.send(b, rq.allocate([0]), rq.request(set_stream_priority=l4m_pb2.SetStreamPriorityCommand(priority=3)))
+    await h.settle()
+    h.links[0].keep_sent = True
+    h.send(a, rq.forward_text([0], 1, [1], request_id=1))
+    h.send(b, rq.forward_text([0], 1, [2], request_id=2))
+    await h.settle()
+    firsts = [r.forward_text.items[0].token_ids[0] for r in h.links[0].sent if r.WhichOneof("batch") == "forward_text"]
+    assert firsts == [2, 1]
+
+
+async def test_command_and_batch_spans_link_both_ways(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    h = harness_factory(tracer=SchedulerTracer(provider))
+    h.links[0].keep_sent = True
+    a, _ = h.open()
+    b, _ = h.open()
+    a.trace_context = SchedulerTracer.extract("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+    for inst in (a, b):
+        h.send(inst, rq.allocate([0]))
+    await h.settle()
+    h.send(a, rq.forward_text([0], 1, [1], outputs=[0]))
+    h.send(b, rq.forward_text([0], 1, [2], outputs=[0]))
+    await h.settle()
+    spans = exporter.get_finished_spans()
+    commands = [s for s in spans if s.name == "l4m.forward_text"]
+    batch = next(s for s in spans if s.name == "scheduler.batch" and s.attributes["l4m.batch.kind"] == "forward_text")
+    assert len(commands) == 2
+    assert {link.context.span_id for link in batch.links} == {s.context.span_id for s in commands}
+    assert all(c.links[0].context.span_id == batch.context.span_id for c in commands)
+    a_span = next(s for s in commands if s.attributes["l4m.instance_id"] == a.instance_id)
+    assert a_span.context.trace_id == 0x0AF7651916CD43DD8448EB211C80319C
+    sent = next(r for r in h.links[0].sent if r.WhichOneof("batch") == "forward_text")
+    assert f"{batch.context.span_id:016x}" in sent.trace_context.traceparent

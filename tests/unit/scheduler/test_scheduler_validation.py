@@ -1,0 +1,136 @@
+"""Every bad input traps its instance with a reason naming field and value; nothing else is disturbed
+and everything the trapped instance held is freed. Simulated model: vocab 1000, page size 16,
+max context 4096, max batch tokens 8192, 64 pages, 64 slots, text only."""
+
+from __future__ import annotations
+
+import pytest
+
+from l4m.scheduler import requests as rq
+from l4m.v1 import common_pb2, l4m_pb2
+
+INVALID = l4m_pb2.TRAP_KIND_INVALID_COMMAND
+S = common_pb2.SamplerSpec
+
+
+def ft(**kw):  # type: ignore[no-untyped-def]
+    """A valid forward_text on pages [0, 1] (16 + 2 slots), feeding 2 tokens, overridden by kw."""
+    args = {"pages": [0, 1], "last_page_length": 2, "tokens": [1, 2], "positions": [16, 17]}
+    args.update(kw)
+    return rq.forward_text(**args)
+
+
+def item(kind: str, **fields):  # type: ignore[no-untyped-def]
+    messages = {
+        "embed_text": common_pb2.EmbedTextItem, "forward": common_pb2.ForwardItem,
+        "sample_top_k": common_pb2.SampleTopKItem, "copy_kv_page": common_pb2.CopyKvPageItem,
+        "mask_kv_page": common_pb2.MaskKvPageItem, "embed_image": common_pb2.EmbedImageItem,
+    }
+    return rq.request(**{kind: messages[kind](**fields)})
+
+
+BAD = [
+    ("no command", rq.request(), "carries no command"),
+    ("allocate kind", rq.allocate([5], kind=0), "kind 0 is not KV_PAGE"),
+    ("allocate empty", rq.allocate([]), "ids is empty"),
+    ("allocate dup", rq.allocate([5, 5]), "lists an id twice"),
+    ("allocate taken", rq.allocate([0]), "kv page id 0 is already allocated"),
+    ("allocate too many", rq.allocate(list(range(100, 200))), "more than the 64"),
+    ("deallocate unowned", rq.deallocate([9]), "kv page 9 is not allocated"),
+    ("deallocate slot unowned", rq.deallocate([9], kind=rq.EMBED_SLOT), "embed slot 9 is not allocated"),
+    ("ft no pages", ft(pages=[]), "kv_page_ids is empty"),
+    ("ft dup page", ft(pages=[0, 0]), "lists a page twice"),
+    ("ft last zero", ft(last_page_length=0), "kv_last_page_length 0 is not in [1, kv_page_size=16]"),
+    ("ft last big", ft(last_page_length=17), "kv_last_page_length 17"),
+    ("ft no tokens", ft(tokens=[], positions=[]), "token_ids is empty"),
+    ("ft positions count", ft(positions=[1]), "position_ids has 1 entries for 2 token_ids"),
+    ("ft length rule", ft(pages=[0], last_page_length=1), "2 inputs do not fit the 1 token slots"),
+    ("ft vocab", ft(tokens=[1, 1000]), "token id 1000, not below vocab_size 1000"),
+    ("ft position", ft(positions=[1, 4096]), "position 4096, not below max_context_tokens 4096"),
+    ("ft mask rows", ft(masks=[[17]]), "attention_masks has 1 rows for 2 tokens"),
+    ("ft mask length", ft(masks=[[17], [17]]), "attention_masks[1] decodes to 17 values, expected 18"),
+    ("ft output index", ft(outputs=[2]), "output_indices holds 2, not below the 2 inputs"),
+    ("ft output dup", ft(outputs=[1, 1]), "lists an index twice"),
+    ("ft samplers count", ft(outputs=[1], samplers=[]), "samplers has 0 entries for 1 output_indices"),
+    ("ft sampler kind", ft(outputs=[1], samplers=[S()]), "samplers[0].kind 0"),
+    ("ft dist k", ft(outputs=[1], samplers=[S(kind=1, distribution_top_k=0)]), "distribution_top_k 0"),
+    ("ft temperature", ft(outputs=[1], samplers=[S(kind=3, temperature=0)]), "temperature 0.0 is not a finite"),
+    ("ft temperature nan", ft(outputs=[1], samplers=[S(kind=3, temperature=float("nan"))]), "temperature nan"),
+    ("ft top_k", ft(outputs=[1], samplers=[S(kind=3, temperature=1, top_k=1001)]), "top_k 1001 exceeds"),
+    ("ft top_p", ft(outputs=[1], samplers=[S(kind=3, temperature=1, top_p=1.5)]), "top_p 1.5 is not in [0, 1]"),
+    ("ft min_p", ft(outputs=[1], samplers=[S(kind=3, temperature=1, min_p=1)]), "min_p 1.0 is not in [0, 1)"),
+    ("ft vocab mask len", ft(outputs=[1], samplers=[S(kind=2, vocabulary_mask=common_pb2.Brle(run_lengths=[5]))]),
+     "vocabulary_mask decodes to 5 values, expected 1000"),
+    ("ft vocab mask none", ft(outputs=[1], samplers=[S(kind=2, vocabulary_mask=common_pb2.Brle(run_lengths=[0, 1000]))]),
+     "allows no token"),
+    ("ft unowned page", ft(pages=[0, 7]), "kv page 7 is not allocated"),
+    ("ft batch tokens", ft(tokens=[1] * 8193, positions=[1] * 8193), "8193 token_ids exceed the executor's max_batch_tokens"),
+    ("ft too many pages", ft(pages=list(range(65))), "65 pages, more than max_kv_pages_per_instance 64"),
+    ("embed_text counts", item("embed_text", embed_slot_ids=[0], token_ids=[1, 2], position_ids=[0]), "they must match"),
+    ("embed_text vocab", item("embed_text", embed_slot_ids=[0], token_ids=[5000], position_ids=[0]), "token id 5000"),
+    ("embed_text slot", item("embed_text", embed_slot_ids=[9], token_ids=[1], position_ids=[0]), "embed slot 9 is not"),
+    ("forward no inputs", item("forward", kv_page_ids=[0], kv_last_page_length=1), "input_embed_slot_ids is empty"),
+    ("forward length", item("forward", kv_page_ids=[0], kv_last_page_length=1, input_embed_slot_ids=[0, 1]),
+     "2 inputs do not fit the 1 token slots"),
+    ("forward outputs", item("forward", kv_page_ids=[0], kv_last_page_length=2, input_embed_slot_ids=[0, 1],
+                             output_indices=[0]), "output_embed_slot_ids has 0 entries for 1"),
+    ("forward unowned slot", item("forward", kv_page_ids=[0], kv_last_page_length=1, input_embed_slot_ids=[7]),
+     "embed slot 7 is not allocated"),
+    ("sample k", item("sample_top_k", embed_slot_id=0, k=0), "k 0 is not in [1, vocab_size=1000]"),
+    ("sample slot", item("sample_top_k", embed_slot_id=7, k=1), "embed slot 7 is not allocated"),
+    ("copy zero", item("copy_kv_page", source_kv_page_id=0, destination_kv_page_id=1), "length_tokens is 0"),
+    ("copy source", item("copy_kv_page", source_kv_page_id=0, destination_kv_page_id=1, source_offset_tokens=10,
+                         length_tokens=7), "source range [10, 17) exceeds kv_page_size 16"),
+    ("copy destination", item("copy_kv_page", source_kv_page_id=0, destination_kv_page_id=1,
+                              destination_offset_tokens=16, length_tokens=1), "destination range [16, 17)"),
+    ("copy unowned", item("copy_kv_page", source_kv_page_id=0, destination_kv_page_id=5, length_tokens=1),
+     "kv page 5 is not allocated"),
+    ("mask length", item("mask_kv_page", kv_page_id=0, visibility=common_pb2.Brle(run_lengths=[15])),
+     "visibility decodes to 15 values, expected 16"),
+    ("mask unowned", item("mask_kv_page", kv_page_id=3, visibility=common_pb2.Brle(run_lengths=[16])),
+     "kv page 3 is not allocated"),
+    ("export name", rq.export("", [0]), "name '' is 0 bytes"),
+    ("export long name", rq.export("n" * 257, [0]), "is 257 bytes"),
+    ("export metadata", rq.export("m", [0], metadata=b"x" * ((1 << 20) + 1)), "metadata is 1048577 bytes"),
+    ("import empty", rq.import_pages("m", []), "kv_page_ids is empty"),
+    ("priority", rq.request(set_stream_priority=l4m_pb2.SetStreamPriorityCommand(priority=0)), "priority 0 is not"),
+    ("debug unknown", rq.debug_query("format disk"), "debug_query 'format disk' is unknown"),
+    ("debug strategy", rq.debug_query("batching:k-only:0"), "bad batching strategy"),
+]
+
+
+@pytest.mark.parametrize(("case", "bad", "reason"), BAD, ids=[c for c, _, _ in BAD])
+async def test_bad_command_traps_only_its_instance_and_frees_it(harness_factory, case, bad, reason) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory()
+    good, good_sink = h.open("good")
+    h.send(good, rq.allocate([0, 1]))
+    offender, sink = h.open("offender")
+    h.send(offender, rq.allocate([0, 1]), rq.allocate([0, 1], kind=rq.EMBED_SLOT))
+    bad.request_id = 77
+    h.send(offender, bad)
+    h.send(good, ft(outputs=[1], request_id=5))
+    await h.settle()
+    assert sink.trap is not None, case
+    assert sink.trap.kind == INVALID, sink.trap
+    assert reason in sink.trap.reason, sink.trap.reason
+    assert sink.trap.offending_request_id == 77
+    assert sink.events[-1].trap == sink.trap
+    assert good.is_alive and [e.request_id for e in good_sink.of("forward_text")] == [5]
+    assert h.free_pages() == 62 and h.free_slots() == 64
+    assert h.sim().num_errors == 0
+
+
+async def test_embed_image_on_a_text_model_is_unsupported(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory()
+    inst, sink = h.open()
+    h.send(inst, item("embed_image", embed_slot_ids=[0], image_bytes=b"png"))
+    await h.settle()
+    assert sink.trap.kind == l4m_pb2.TRAP_KIND_UNSUPPORTED and "vision" in sink.trap.reason  # type: ignore[union-attr]
+
+
+async def test_commands_after_a_trap_are_ignored(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory()
+    inst, sink = h.open()
+    h.send(inst, rq.deallocate([1]), rq.allocate([1]))
+    await h.settle()
+    assert len(sink.events) == 1 and h.free_pages() == 64

@@ -1,0 +1,82 @@
+"""The `l4m` CLI's argument parsing, the controller runner, and the local runtime (no sockets)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from l4m import cli
+from l4m.controller import ControllerConfig, load_program, run_main
+from l4m.errors import ProgramError
+from l4m.fake import FakeL4M
+from l4m.runtime import MESSAGE_PREFIX, LocalRuntime, LocalVariables
+from l4m.session import Session
+
+
+def test_run_arguments_after_double_dash_go_to_the_controller(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = {}
+    monkeypatch.setitem(cli.SUBCOMMANDS, "run", cli.SUBCOMMANDS["run"].__class__(
+        cli.SUBCOMMANDS["run"].help, cli.SUBCOMMANDS["run"].add_arguments, lambda o: seen.setdefault("o", o) and 7))
+    assert cli.main(["run", "prog.py", "--spawner", "h:1", "--", "a", "--max-tokens", "3"]) == 7
+    options = seen["o"]
+    assert (options.file, options.spawner, options.args) == ("prog.py", "h:1", ["a", "--max-tokens", "3"])
+
+
+def test_subcommands_are_a_registry() -> None:
+    cli.register("hello", "say hello", lambda parser: None, lambda options: 0)
+    try:
+        assert cli.main(["hello"]) == 0
+    finally:
+        del cli.SUBCOMMANDS["hello"]
+
+
+def test_controller_config_needs_the_scheduler_address() -> None:
+    with pytest.raises(ProgramError, match="L4M_SCHEDULER_ADDR"):
+        ControllerConfig.from_env({})
+    config = ControllerConfig.from_env({"L4M_SCHEDULER_ADDR": "unix:///run/l4m/scheduler.sock", "TRACEPARENT": "00-x"})
+    assert config.runtime_address is None and config.traceparent == "00-x" and config.instance_id == "local"
+
+
+def test_load_program_errors_are_readable(tmp_path: Path) -> None:
+    with pytest.raises(ProgramError, match="no program"):
+        load_program(tmp_path / "missing.py")
+    (tmp_path / "sync.py").write_text("def main(ctx):\n    pass\n")
+    with pytest.raises(ProgramError, match="async def main"):
+        load_program(tmp_path / "sync.py")
+    (tmp_path / "broken.py").write_text("import no_such_module_here\n")
+    with pytest.raises(ProgramError, match="ModuleNotFoundError"):
+        load_program(tmp_path / "broken.py")
+
+
+def test_a_program_runs_against_the_fake(run, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    program = tmp_path / "hello.py"
+    program.write_text(
+        "async def main(ctx):\n"
+        "    async with ctx.new_context() as c:\n"
+        "        c.fill_chat([{'role': 'user', 'content': ctx.args[0]}])\n"
+        "        text = await c.generate_text(max_tokens=5)\n"
+        "    await ctx.vars.set('done', 'yes')\n"
+        "    await ctx.send(f'{len(text)} chars')\n"
+        "    return 0\n"
+    )
+    fake = FakeL4M()
+    runtime = LocalRuntime()
+    result = run(run_main(load_program(program), ["hi"], Session(fake.stub()), runtime, "local"))
+    assert result == 0 and run(runtime.get("done")).text == "yes"
+    assert capsys.readouterr().out.startswith(MESSAGE_PREFIX)
+    assert fake.num_pages_in_use == 0  # closing the session freed everything
+
+
+def test_local_variables_compare_and_set_append_watch(run) -> None:
+    async def body() -> None:
+        variables = LocalVariables()
+        watched = variables.watch("x")
+        assert (await anext(watched)).exists is False
+        assert (await variables.write("x", b"a", expected_version=0)).swapped
+        assert not (await variables.write("x", b"b", expected_version=0)).swapped
+        assert (await anext(watched)).value == b"a"
+        assert (await variables.write("x", b"c", append=True)).value == b"ac"
+        assert variables.get("x").version == 2
+
+    run(body())
