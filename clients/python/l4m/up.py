@@ -14,7 +14,7 @@ from pathlib import Path
 
 from l4m.cluster import Cluster, ClusterConfig, ClusterError
 
-DEMO_PROMPT = "Write a haiku about a robot learning to paint."
+DEMO_PROMPT = "What is the capital of France, and what is it famous for?"
 EXAMPLES_DIR = Path(__file__).resolve().parents[3] / "examples" / "controllers"
 
 
@@ -98,7 +98,7 @@ async def _demo(config: ClusterConfig, prompt: str, max_tokens: int) -> int:
         print("[l4m demo] cluster is up; running examples/controllers/text_completion.py", flush=True)
         program = EXAMPLES_DIR / "text_completion.py"
         return await run_program(
-            config.spawner_address, program, ["--max-tokens", str(max_tokens), prompt], echo=True
+            config.spawner_address, program, ["--no-stream", "--max-tokens", str(max_tokens), prompt], echo=True
         )
     except ClusterError as error:
         print(f"l4m demo: {error}", file=sys.stderr)
