@@ -23,7 +23,8 @@ from l4m.spawner.process_sandbox import ProcessSandbox, ProcessSandboxConfig
 from l4m.spawner.sandbox import Sandbox
 from tests.integration.spawner.harness import ServiceProcess
 
-SHARED_SCRIPTS = Path(os.environ.get("L4M_SHARED_SCRIPTS", "/work/shared/scripts"))
+# The repository carries copies of the engine / base-image helpers (scripts/ci), so a fresh clone has them.
+SHARED_SCRIPTS = Path(__file__).resolve().parents[3] / "scripts" / "ci"
 BASE_IMAGE = "python:3.11-slim"
 
 
