@@ -10,6 +10,7 @@ echo "[test] generated stubs are current"; scripts/gen-protos.sh --check
 if [ -x tools/node_modules/.bin/buf ]; then
   echo "[test] buf lint"; tools/node_modules/.bin/buf lint
 fi
+echo "[test] buf breaking (protos/ against main's previous protos)"; scripts/check-breaking.sh
 echo "[test] ruff"; .venv/bin/ruff check .
 echo "[test] pytest"
 # pytest exits 5 when it collects nothing: that is a failure here too.

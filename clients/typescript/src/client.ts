@@ -1,0 +1,135 @@
+/**
+ * The user's side of l4m: a SpawnerService client. Upload a controller program (chunked,
+ * content-addressed by sha256), launch instances of it, attach to their output as an async iterator,
+ * send them messages and terminate them. `run()` is `l4m run`. Every unary call has a deadline.
+ */
+import { createHash } from "node:crypto";
+import { readFile } from "node:fs/promises";
+import { basename } from "node:path";
+
+import { credentials, Metadata, type ServiceError } from "@grpc/grpc-js";
+
+import { L4MError } from "./errors.js";
+import {
+  type AttachResponse,
+  ExitReason,
+  type InstanceExit,
+  type InstanceInfo,
+  type LaunchResponse,
+  type Limits,
+  type ListInstancesResponse,
+  type SendMessageResponse,
+  SpawnerServiceClient,
+  type TerminateResponse,
+  type UploadProgramRequest,
+} from "./gen/l4m/v1/spawner.js";
+
+/** The spawner accepts upload chunks of at most 1 MiB. */
+export const CHUNK_BYTES = 1 << 20;
+export const DEFAULT_TIMEOUT_MS = 30_000;
+
+export class SpawnerClient {
+  private readonly stub: SpawnerServiceClient;
+
+  constructor(readonly address: string, readonly timeoutMs: number = DEFAULT_TIMEOUT_MS) {
+    this.stub = new SpawnerServiceClient(address, credentials.createInsecure());
+  }
+
+  close(): void {
+    this.stub.close();
+  }
+
+  /** Store a program (a `.py` file or a zip, told apart by `filename`); resolves to its id (sha256). */
+  async upload(program: Uint8Array, filename: string, tag = ""): Promise<string> {
+    const digest = createHash("sha256").update(program).digest("hex");
+    const parts: UploadProgramRequest[] = [
+      { part: { $case: "header", value: { sizeBytes: program.length, sha256: digest, tag, filename } } },
+    ];
+    for (let start = 0; start < program.length; start += CHUNK_BYTES) {
+      parts.push({ part: { $case: "chunk", value: Buffer.from(program.subarray(start, start + CHUNK_BYTES)) } });
+    }
+    const response = await new Promise<{ sha256: string }>((resolve, reject) => {
+      const call = this.stub.uploadProgram({ deadline: this.deadline(4) }, (error, reply) =>
+        error ? reject(this.failure("upload", error)) : resolve(reply!),
+      );
+      parts.forEach((part) => call.write(part));
+      call.end();
+    });
+    if (response.sha256 !== digest) {
+      throw new L4MError(`the spawner stored ${response.sha256}, not the ${digest} sent`);
+    }
+    return response.sha256;
+  }
+
+  async uploadFile(path: string, tag = ""): Promise<string> {
+    return this.upload(await readFile(path), basename(path), tag);
+  }
+
+  /** Start an instance of a stored program (its id or "name:tag"); resolves to the instance id. */
+  async launch(program: string, args: string[] = [], limits?: Limits): Promise<string> {
+    const response = await this.unary<LaunchResponse>("launch", (done) =>
+      this.stub.launch({ program, args, limits }, new Metadata(), { deadline: this.deadline() }, done),
+    );
+    return response.instanceId;
+  }
+
+  /** Every event of the instance, from its start, ending with its exit. No deadline: stop iterating to detach. */
+  async *attach(instanceId: string): AsyncGenerator<AttachResponse> {
+    const call = this.stub.attach({ instanceId });
+    try {
+      for await (const event of call as AsyncIterable<AttachResponse>) {
+        yield event;
+      }
+    } catch (error) {
+      throw this.failure("attach", error as ServiceError);
+    } finally {
+      call.cancel();
+    }
+  }
+
+  async send(instanceId: string, text: string): Promise<void> {
+    await this.unary<SendMessageResponse>("send", (done) => this.stub.sendMessage({ instanceId, text }, new Metadata(), { deadline: this.deadline() }, done));
+  }
+
+  async terminate(instanceId: string): Promise<void> {
+    await this.unary<TerminateResponse>("terminate", (done) => this.stub.terminate({ instanceId }, new Metadata(), { deadline: this.deadline() }, done));
+  }
+
+  async listInstances(): Promise<InstanceInfo[]> {
+    const response = await this.unary<ListInstancesResponse>("list", (done) => this.stub.listInstances({}, new Metadata(), { deadline: this.deadline() }, done));
+    return response.instances;
+  }
+
+  /** Upload, launch and attach; calls `onEvent` for every event; resolves to how the instance ended. */
+  async run(path: string, args: string[] = [], onEvent?: (event: AttachResponse) => void): Promise<InstanceExit> {
+    const instanceId = await this.launch(await this.uploadFile(path), args);
+    for await (const event of this.attach(instanceId)) {
+      onEvent?.(event);
+      if (event.event?.$case === "exit") {
+        return event.event.value;
+      }
+    }
+    throw new L4MError(`the spawner ended the attach stream of ${instanceId} without an exit event`);
+  }
+
+  private deadline(factor = 1): Date {
+    return new Date(Date.now() + factor * this.timeoutMs);
+  }
+
+  private unary<T>(what: string, start: (done: (error: ServiceError | null, reply?: T) => void) => void): Promise<T> {
+    return new Promise((resolve, reject) =>
+      start((error, reply) => (error ? reject(this.failure(what, error)) : resolve(reply!))),
+    );
+  }
+
+  private failure(what: string, error: ServiceError): L4MError {
+    return new L4MError(`${what} failed: ${error.message} -- is the spawner running at ${this.address}?`, { cause: error });
+  }
+}
+
+/** A process exit status for an instance's exit: its own code, 3 for a trap, 1 otherwise (as `l4m run`). */
+export function exitStatus(exit: InstanceExit): number {
+  if (exit.reason === ExitReason.EXIT_REASON_EXITED) return exit.exitCode;
+  if (exit.reason === ExitReason.EXIT_REASON_TRAPPED) return 3;
+  return 1;
+}
