@@ -26,6 +26,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 STOP_GRACE_S = 10.0
 LOG_TAIL_LINES = 40
+# The health channel is refused until the service binds (minutes, while a model loads); gRPC's default
+# reconnect backoff would by then wait up to tens of seconds before trying again.
+_HEALTH_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 500),
+                           ("grpc.min_reconnect_backoff_ms", 200))
 
 
 class ClusterError(RuntimeError):
@@ -66,8 +70,14 @@ class ClusterConfig:
     def scheduler_address(self) -> str:
         return f"{self.host}:{self.scheduler_port}"
 
+    @property
+    def internal_socket_dir(self) -> Path:
+        """Sockets only the services use (executors). Never the sandboxes' directory: a controller that
+        could reach an executor would bypass the scheduler's validation and tables."""
+        return self.state_dir / "internal"
+
     def executor_socket(self, index: int) -> Path:
-        return self.socket_dir / f"executor-{index}.sock"
+        return self.internal_socket_dir / f"executor-{index}.sock"
 
     def metrics_port(self, offset: int) -> int:
         return self.metrics_port_base + offset if self.metrics_port_base else 0
@@ -89,6 +99,7 @@ class RunningService:
     process: asyncio.subprocess.Process
     log_path: Path
     log_tail: list[str] = field(default_factory=list)
+    pump: asyncio.Task[None] | None = None  # copies its output to the log file (and the terminal)
 
 
 def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
@@ -131,7 +142,7 @@ class Cluster:
 
     async def start(self) -> None:
         """Start every service in order and wait for each to be healthy; on any failure stop all and raise."""
-        for directory in (self.config.socket_dir, self.config.log_dir):
+        for directory in (self.config.socket_dir, self.config.internal_socket_dir, self.config.log_dir):
             directory.mkdir(parents=True, exist_ok=True)
         try:
             for spec in service_specs(self.config):
@@ -161,23 +172,26 @@ class Cluster:
         done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for task in pending:
             task.cancel()
-        return waits[next(iter(done))]
+        service = waits[next(iter(done))]
+        if service.pump is not None:  # its last lines, the reason it died included, are still in the pipe
+            await asyncio.wait({service.pump}, timeout=2.0)
+        return service
 
     async def stop(self) -> None:
-        """SIGTERM every live service (newest first), SIGKILL what is left after the grace period."""
+        """Stop the services one by one, newest first (spawner, scheduler, executors): each goes before what
+        it depends on, so none sees its peer vanish mid-call. SIGTERM, then SIGKILL after the grace period."""
         for service in reversed(self._services):
             if service.process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     service.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for service in reversed(self._services):
-            remaining = max(0.1, deadline - time.monotonic())
             try:
-                await asyncio.wait_for(service.process.wait(), remaining)
+                await asyncio.wait_for(service.process.wait(), STOP_GRACE_S)
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     service.process.kill()
                 await service.process.wait()
+        if self._pumps:  # the services' last lines (e.g. why one stopped) are still in their pipes
+            await asyncio.wait(self._pumps, timeout=2.0)
         for pump in self._pumps:
             pump.cancel()
         await asyncio.gather(*self._pumps, return_exceptions=True)
@@ -190,6 +204,9 @@ class Cluster:
     async def _spawn(self, spec: ServiceSpec) -> RunningService:
         log_path = self.config.log_dir / f"{spec.name}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # Each service names itself (l4m.executor, l4m.scheduler, l4m.spawner); one name for all would
+        # merge them in a trace UI. The other OTEL_* variables (exporter, endpoint) pass through.
+        env.pop("OTEL_SERVICE_NAME", None)
         process = await asyncio.create_subprocess_exec(
             *spec.argv,
             stdout=asyncio.subprocess.PIPE,
@@ -199,7 +216,8 @@ class Cluster:
         )
         service = RunningService(spec, process, log_path)
         self._services.append(service)
-        self._pumps.append(asyncio.create_task(self._pump_log(service)))
+        service.pump = asyncio.create_task(self._pump_log(service))
+        self._pumps.append(service.pump)
         return service
 
     async def _pump_log(self, service: RunningService) -> None:
@@ -218,7 +236,7 @@ class Cluster:
         started = time.monotonic()
         deadline = started + self.config.start_timeout_s
         next_note = started + 5.0
-        async with grpc.aio.insecure_channel(service.spec.health_address) as channel:
+        async with grpc.aio.insecure_channel(service.spec.health_address, options=_HEALTH_CHANNEL_OPTIONS) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
                 if service.process.returncode is not None:

@@ -1,0 +1,41 @@
+"""How `l4m up` wires its services: order, addresses, and what sandboxes can reach."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from l4m.cluster import ClusterConfig, service_specs
+
+
+def _config(tmp_path: Path, **overrides: object) -> ClusterConfig:
+    return ClusterConfig(state_dir=tmp_path, devices=("cpu", "cuda:1"), **overrides)
+
+
+def test_executors_start_first_and_the_scheduler_knows_each(tmp_path: Path) -> None:
+    specs = service_specs(_config(tmp_path))
+    assert [s.name for s in specs] == ["executor-0", "executor-1", "scheduler", "spawner"]
+    scheduler_argv = specs[2].argv
+    executors = [scheduler_argv[i + 1] for i, a in enumerate(scheduler_argv) if a == "--executor"]
+    assert executors == [specs[0].health_address, specs[1].health_address]
+    assert specs[1].argv[specs[1].argv.index("--device") + 1] == "cuda:1"
+
+
+def test_sandboxes_cannot_reach_executor_sockets(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    specs = service_specs(config)
+    spawner_argv = specs[-1].argv
+    sandbox_dir = Path(spawner_argv[spawner_argv.index("--socket-dir") + 1])
+    for executor in specs[:2]:
+        socket_path = Path(executor.health_address.removeprefix("unix:"))
+        assert sandbox_dir not in socket_path.parents, f"{socket_path} would be mounted into every sandbox"
+    # The scheduler's socket is the one thing controllers need there.
+    scheduler_argv = specs[2].argv
+    assert Path(scheduler_argv[scheduler_argv.index("--listen-unix") + 1]).parent == sandbox_dir
+
+
+def test_metrics_ports_follow_the_base(tmp_path: Path) -> None:
+    specs = service_specs(_config(tmp_path, metrics_port_base=9000))
+    assert {s.name: s.metrics_port for s in specs} == {
+        "executor-0": 9010, "executor-1": 9011, "scheduler": 9001, "spawner": 9000,
+    }
+    assert all(s.metrics_port == 0 for s in service_specs(_config(tmp_path, metrics_port_base=0)))
