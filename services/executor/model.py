@@ -13,17 +13,18 @@ import torch.nn.functional as F
 
 from l4m.executor.attention import AttentionPlan, paged_attention
 from l4m.executor.kv_cache import KvCache
+from l4m.executor.quant import Linear, cat_rows
 from l4m.executor.weights import LoadedModel, ModelConfig
 
 
 @dataclass(frozen=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(H + 2 * KVH) * D, hidden], q, k, v fused
-    o: torch.Tensor  # [hidden, H * D]
+    qkv: Linear  # [(H + 2 * KVH) * D, hidden], q, k, v fused
+    o: Linear  # [hidden, H * D]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * ffn, hidden], gate, up fused
-    down: torch.Tensor  # [hidden, ffn]
+    gate_up: Linear  # [2 * ffn, hidden], gate, up fused
+    down: Linear  # [hidden, ffn]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -32,7 +33,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaModel:
-    def __init__(self, loaded: LoadedModel, dtype: torch.dtype, device: torch.device) -> None:
+    """The model's weights on one device, and its forward.
+
+    With `quantized=True` (CPU, float32), every linear weight that the GGUF stored as Q4_1 / Q8_0 blocks
+    also keeps those blocks, and calls of at most `max_quantized_rows` tokens multiply with them.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        dtype: torch.dtype,
+        device: torch.device,
+        quantized: bool = False,
+        max_quantized_rows: int = 0,
+    ) -> None:
         self.config: ModelConfig = loaded.config
         self.dtype = dtype
         self.device = device
@@ -41,8 +55,18 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             return t[name].to(device=device, dtype=dtype).contiguous()
 
+        def linear(*names: str, dense: torch.Tensor | None = None) -> Linear:
+            if dense is None:
+                dense = torch.cat([w(n) for n in names]).contiguous() if len(names) > 1 else w(names[0])
+            blocks = [loaded.quantized.get(n) for n in names] if quantized else [None]
+            packed = cat_rows(blocks) if all(b is not None for b in blocks) else None  # type: ignore[arg-type]
+            return Linear(dense, packed, max_quantized_rows)
+
         self.embed = w("model.embed_tokens.weight")  # [V, hidden]
-        self.head = self.embed if "lm_head.weight" not in t else w("lm_head.weight")
+        if "lm_head.weight" in t:
+            self.head = linear("lm_head.weight")  # [V, hidden]
+        else:
+            self.head = linear("model.embed_tokens.weight", dense=self.embed)  # tied
         self.final_norm = w("model.norm.weight")
         self.layers = []
         for i in range(self.config.num_layers):
@@ -50,13 +74,11 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=w(p + "input_layernorm.weight"),
-                    qkv=torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous(),
-                    o=w(p + "self_attn.o_proj.weight"),
+                    qkv=linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
+                    o=linear(p + "self_attn.o_proj.weight"),
                     post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat(
-                        [w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]
-                    ).contiguous(),
-                    down=w(p + "mlp.down_proj.weight"),
+                    gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    down=linear(p + "mlp.down_proj.weight"),
                 )
             )
         cfg = self.config
@@ -92,19 +114,19 @@ class LlamaModel:
         sin = self.rope_sin[positions].to(self.dtype)[:, None, :]
         for layer, kv in zip(self.layers, cache.layers, strict=True):
             h = F.rms_norm(hidden, (cfg.hidden_size,), layer.input_norm, cfg.rms_norm_eps)
-            q, k, v = F.linear(h, layer.qkv).split([q_dim, kv_dim, kv_dim], dim=-1)
+            q, k, v = layer.qkv(h).split([q_dim, kv_dim, kv_dim], dim=-1)
             q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
             k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             kv[plan.write_pages, :, plan.write_offsets] = torch.stack((k, v.view_as(k)), dim=1)
             attn = paged_attention(q, kv, plan)  # [N, H * D]
-            hidden = hidden + F.linear(attn, layer.o)
+            hidden = hidden + layer.o(attn)
             h = F.rms_norm(hidden, (cfg.hidden_size,), layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            hidden = hidden + layer.down(F.silu(gate) * up)
         return F.rms_norm(hidden[output_rows], (cfg.hidden_size,), self.final_norm, cfg.rms_norm_eps)
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """`[M, hidden]` -> float32 logits `[M, vocab]`."""
-        return F.linear(normed, self.head).float()
+        return self.head(normed).float()

@@ -12,12 +12,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from l4m.executor.quant import QuantizedTensor, from_gguf_blocks
 from l4m.executor.tokenizer import TokenizerBundle, tokenizer_from_gguf, tokenizer_from_hf_dir
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,11 +44,16 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """Config, float32 weights (HF names) and tokenizer, loaded once and shared by engines."""
+    """Config, float32 weights (HF names) and tokenizer, loaded once and shared by engines.
+
+    `quantized` holds, under the same names, the GGUF Q4_1 / Q8_0 blocks that `tensors` were
+    dequantized from (empty for other sources): the quantized-weight path multiplies with them directly.
+    """
 
     config: ModelConfig
     tensors: dict[str, torch.Tensor]
     tokenizer: TokenizerBundle
+    quantized: dict[str, QuantizedTensor] = field(default_factory=dict)
 
 
 def default_model_path() -> Path:
@@ -188,8 +194,8 @@ def _field(reader: object, key: str, default: object = None) -> object:
 
 
 def load_gguf(path: Path) -> LoadedModel:
-    """A llama-architecture GGUF, every tensor dequantized to float32."""
-    from gguf import GGUFReader
+    """A llama-architecture GGUF, every tensor dequantized to float32 (Q4_1 / Q8_0 also kept as blocks)."""
+    from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
 
     reader = GGUFReader(str(path))
@@ -204,7 +210,9 @@ def load_gguf(path: Path) -> LoadedModel:
     num_kv_heads = int(meta("attention.head_count_kv", num_heads))
     hidden = int(meta("embedding_length"))
     head_dim = int(meta("attention.key_length", hidden // num_heads))
+    block_kinds = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}
     tensors: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantizedTensor] = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
         if name is None:
@@ -212,11 +220,15 @@ def load_gguf(path: Path) -> LoadedModel:
         array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         shape = tuple(reversed([int(d) for d in tensor.shape]))  # ggml lists dims innermost first
         array = array.reshape(shape)
+        rows = np.arange(shape[0])
         if name.endswith("q_proj.weight"):
-            array = _unpermute_qk(array, num_heads)
+            array, rows = _unpermute_qk(array, num_heads), _unpermute_qk(rows, num_heads)
         elif name.endswith("k_proj.weight"):
-            array = _unpermute_qk(array, num_kv_heads)
+            array, rows = _unpermute_qk(array, num_kv_heads), _unpermute_qk(rows, num_kv_heads)
         tensors[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))  # a writable copy
+        kind = block_kinds.get(tensor.tensor_type)
+        if kind is not None and len(shape) == 2:
+            quantized[name] = from_gguf_blocks(kind, tensor.data, shape[0]).rows(rows)
     tokenizer = tokenizer_from_gguf(reader)
     vocab_size = int(meta("vocab_size", tensors["model.embed_tokens.weight"].shape[0]))
     theta = float(meta("rope.freq_base", 10000.0))
@@ -236,4 +248,4 @@ def load_gguf(path: Path) -> LoadedModel:
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_word_embeddings="lm_head.weight" not in tensors,
     )
-    return LoadedModel(config, tensors, tokenizer)
+    return LoadedModel(config, tensors, tokenizer, quantized)

@@ -47,7 +47,7 @@ from l4m.scheduler.executors import Executor, ExecutorLink, InflightBatch
 from l4m.scheduler.exports import Export, ExportTable
 from l4m.scheduler.instances import EventSink, Instance, InstanceRegistry, InstanceState
 from l4m.scheduler.metrics import SchedulerMetrics
-from l4m.scheduler.tracing import SchedulerTracer
+from l4m.scheduler.tracing import SchedulerTracer, num_kv_pages_named
 from l4m.scheduler.validation import (
     EMBED_SLOT,
     KV_PAGE,
@@ -63,7 +63,10 @@ from l4m.v1 import common_pb2, executor_pb2, l4m_pb2
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = "l4m.v1"
-_REPLIED_KINDS = frozenset({"forward", "sample_top_k"})
+# Batches the executor always answers. forward_text is answered even without outputs, so that every
+# forward pass counts as in flight (the adaptive strategy fires the next one when none is); only its
+# items with output indices get a reply of their own (`Command.has_reply`).
+_REPLIED_KINDS = frozenset({"forward", "forward_text", "sample_top_k"})
 
 Watcher = Callable[[str, l4m_pb2.Trap], None]
 
@@ -92,6 +95,7 @@ class Scheduler:
             lambda: self.batcher.num_queued,
             lambda: sum(e.resources.kv_pages.num_used for e in self.executors if e.resources),
             self.instances.num_active,
+            lambda: sum(e.resources.embed_slots.num_used for e in self.executors if e.resources),
         )
         self.limits: ModelLimits | None = None
         self.model: common_pb2.ModelInfo | None = None
@@ -208,7 +212,9 @@ class Scheduler:
                 kind,  # type: ignore[arg-type]
                 instance.trace_context,
                 {"l4m.instance_id": instance.instance_id, "l4m.command": kind, "l4m.request_id": request.request_id,
-                 "l4m.stream_id": request.stream_id, "l4m.tokens": num_tokens},
+                 "l4m.stream_id": request.stream_id, "l4m.tokens": num_tokens,
+                 "l4m.kv_pages": num_kv_pages_named(kind, item),
+                 "l4m.instance.kv_pages_held": len(instance.table.kv_pages)},
             )
         self.batcher.submit(command)
         self._schedule_step()
@@ -313,7 +319,7 @@ class Scheduler:
             request.trace_context.traceparent = carrier.get("traceparent", "")
             request.trace_context.tracestate = carrier.get("tracestate", "")
         self._count_batch(kind, commands)
-        if kind in _REPLIED_KINDS or (kind == "forward_text" and any(c.has_reply for c in commands)):
+        if kind in _REPLIED_KINDS:
             if kind != "forward_text":
                 for command in commands:
                     command.has_reply = True

@@ -42,14 +42,22 @@ class SchedulerMetrics:
         )
         self.queue_depth = Gauge("l4m_scheduler_queue_depth", "Commands waiting in batch queues", registry=self.registry)
         self.kv_pages_used = Gauge("l4m_scheduler_kv_pages_used", "KV pages held, all executors", registry=self.registry)
+        self.embed_slots_used = Gauge(
+            "l4m_scheduler_embed_slots_used", "Embedding slots held, all executors", registry=self.registry
+        )
         self.instances = Gauge("l4m_scheduler_instances", "Instances with an open session", registry=self.registry)
         self._batch_size_by_kind = {kind: self.batch_size.labels(kind) for kind in EXECUTOR_KINDS}
 
     def bind_gauges(
-        self, queue_depth: Callable[[], float], kv_pages_used: Callable[[], float], instances: Callable[[], float]
+        self,
+        queue_depth: Callable[[], float],
+        kv_pages_used: Callable[[], float],
+        instances: Callable[[], float],
+        embed_slots_used: Callable[[], float] = lambda: 0,
     ) -> None:
         self.queue_depth.set_function(queue_depth)
         self.kv_pages_used.set_function(kv_pages_used)
+        self.embed_slots_used.set_function(embed_slots_used)
         self.instances.set_function(instances)
 
     def count_command(self, kind: str) -> None:

@@ -159,12 +159,10 @@ class SimulatedExecutor:
                 for slot, token, position in zip(item.embed_slot_ids, item.token_ids, item.position_ids, strict=True):
                     self.slot_values[slot] = next_token(token, position, vocab_size)
             return None
-        if kind == "forward_text":
-            has_outputs = False
+        if kind == "forward_text":  # answered with or without outputs, like the real executor
             for item in items:
                 result = response.forward_text.items.add()
                 for index, sampler in zip(item.output_indices, item.samplers, strict=True):
-                    has_outputs = True
                     token = next_token(item.token_ids[index], item.position_ids[index], vocab_size)
                     if sampler.vocabulary_mask.run_lengths:
                         token = _first_allowed(sampler.vocabulary_mask.run_lengths, token)
@@ -176,7 +174,7 @@ class SimulatedExecutor:
                     else:
                         output.token.token_id = token
                         output.token.logprob = -0.5
-            return response if has_outputs else None
+            return response
         if kind == "forward":
             for item in items:
                 for index, slot in zip(item.output_indices, item.output_embed_slot_ids, strict=True):

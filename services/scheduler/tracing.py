@@ -1,9 +1,12 @@
 """Spans of the scheduler: one per L4M command, one per batch, linked both ways.
 
 A command span (`l4m.<kind>`) starts when the command arrives, as a child of the session's
-`traceparent` (gRPC metadata of the Session call), and ends when the command is done. The
-`scheduler.batch` span that carries it starts when the batch fires, with links to its command spans;
-each command span then gets a link back to the batch. The batch context travels to the executor in
+`traceparent` (gRPC metadata of the Session call: the controller's `controller.run` span), and ends
+when the command is done. The `scheduler.batch` span that carries it starts when the batch fires,
+with links to all its command spans; each command span then gets a link back to the batch. A span has
+one parent, so the batch is the child of its FIRST command: with one controller on the cluster, each
+batch sits in that launch's trace; a batch mixing instances sits in the trace of one of them and is
+reached from the others through the links. The batch context travels to the executor in
 `ExecuteRequest.trace_context`. With no tracer provider configured nothing is created at all.
 """
 
@@ -17,7 +20,23 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, ProxyTracerProvider, Span, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from l4m.v1 import common_pb2
+
 _PROPAGATOR = TraceContextTextMapPropagator()
+_PAGE_LIST_KINDS = frozenset({"forward", "forward_text", "export_kv_pages", "import_kv_pages"})
+
+
+def num_kv_pages_named(kind: str | None, item: Any) -> int:
+    """How many KV pages a command names (its context, or what it allocates / frees / shares)."""
+    if kind in _PAGE_LIST_KINDS:
+        return len(item.kv_page_ids)
+    if kind in ("allocate", "deallocate"):
+        return len(item.ids) if item.kind == common_pb2.RESOURCE_KIND_KV_PAGE else 0
+    if kind == "copy_kv_page":
+        return 2
+    if kind == "mask_kv_page":
+        return 1
+    return 0
 
 
 class SchedulerTracer:
@@ -43,16 +62,17 @@ class SchedulerTracer:
 
     def batch_span(self, kind: str, executor_index: int, command_spans: Sequence[Span]) -> tuple[Span, dict[str, str]]:
         """Start the batch span linked to its commands, link them back; returns (span, W3C carrier)."""
-        links = [Link(s.get_span_context()) for s in command_spans if s is not None]
+        traced = [s for s in command_spans if s is not None]
+        parent = trace.set_span_in_context(traced[0]) if traced else None
         span = self._tracer.start_span(
             "scheduler.batch",
-            links=links,
+            context=parent,
+            links=[Link(s.get_span_context()) for s in traced],
             attributes={"l4m.batch.kind": kind, "l4m.batch.size": len(command_spans), "l4m.executor": executor_index},
         )
         batch_context = span.get_span_context()
-        for command_span in command_spans:
-            if command_span is not None:
-                command_span.add_link(batch_context)
+        for command_span in traced:
+            command_span.add_link(batch_context)
         carrier: dict[str, str] = {}
         _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
         return span, carrier

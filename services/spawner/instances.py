@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 RUNNER_EXIT_TRAPPED = 3
 RUNNER_TRAP_MARKER = "l4m.controller: trapped:"
 CONTROLLER_SERVICE_NAME = "l4m.controller"
+# A trapped runner exits by itself at once (status 3), flushing its spans on the way; it is killed
+# only if it is still running after this long.
+TRAP_GRACE_S = 1.0
 
 
 class InstanceError(Exception):
@@ -397,6 +400,9 @@ class InstanceManager:
         if instance is None or instance.state is InstanceState.EXITED:
             return  # another spawner's instance, or one already gone
         instance.trap_message = message
+        if instance.state is InstanceState.RUNNING:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(instance.supervisor.wait(), TRAP_GRACE_S)
         await instance.supervisor.terminate(ExitReason.TRAPPED, message)
 
     def send_to_instance(self, instance_id: str, text: str) -> None:

@@ -43,9 +43,23 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(options: argparse.Namespace) -> int:
+    from l4m import telemetry
     from l4m.client import run_program
 
-    return asyncio.run(run_program(options.spawner, options.file, options.args, show_logs=not options.quiet_logs))
+    if not telemetry.configure_tracing("l4m.cli"):
+        return asyncio.run(run_program(options.spawner, options.file, options.args, show_logs=not options.quiet_logs))
+    # Traced: the launch becomes a child of this `l4m.run` span (Launch carries its traceparent).
+    from opentelemetry import trace
+
+    try:
+        with trace.get_tracer("l4m.cli").start_as_current_span("l4m.run", attributes={"l4m.program": options.file}) as span:
+            status = asyncio.run(
+                run_program(options.spawner, options.file, options.args, show_logs=not options.quiet_logs)
+            )
+            span.set_attribute("l4m.exit_status", status)
+            return status
+    finally:
+        telemetry.shutdown_tracing()
 
 
 register("run", "upload a controller to a running cluster, stream its output, exit with its status",

@@ -2,6 +2,9 @@
 
 `Client.run(path, args)` is `l4m run`: upload (chunked, content-addressed by sha256), launch, and
 stream the instance's events until it exits.
+
+Launch carries the caller's current span as `traceparent` metadata (when the caller traces), so the
+spawner's `spawner.launch` span and everything under it join the caller's trace.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from pathlib import Path
 import grpc
 
 from l4m.errors import L4MError
+from l4m.session import call_metadata
+from l4m.telemetry import traceparent_of
 from l4m.v1 import spawner_pb2, spawner_pb2_grpc
 
 CHUNK_BYTES = 1 << 20  # the proto's limit per chunk
@@ -59,7 +64,8 @@ class Client:
 
     async def launch(self, program: str, args: Sequence[str] = (), limits: spawner_pb2.Limits | None = None) -> str:
         request = spawner_pb2.LaunchRequest(program=program, args=list(args), limits=limits)
-        response = await self._call(self._stub.Launch(request, timeout=self._timeout_s), "launch")
+        metadata = call_metadata(traceparent=traceparent_of()[0])
+        response = await self._call(self._stub.Launch(request, timeout=self._timeout_s, metadata=metadata), "launch")
         return response.instance_id
 
     async def attach(self, instance_id: str) -> AsyncIterator[spawner_pb2.AttachResponse]:

@@ -7,7 +7,12 @@ PROGRAM is a `.py` file or a zip with `__main__.py` defining `async def main(ctx
   L4M_RUNTIME_ADDR     the spawner's RuntimeService; unset = local development (stdout/stdin)
   L4M_INSTANCE_TOKEN   the instance's token (absent with an anonymous scheduler)
   L4M_INSTANCE_ID      the instance's id
-  TRACEPARENT          W3C trace context of the launch, sent with every call
+  TRACEPARENT          W3C trace context of the launch: the parent of this run's `controller.run` span
+  OTEL_*               the standard OpenTelemetry variables; unset = no tracing, at no cost
+
+With tracing on, the whole run is one `controller.run` span (child of TRACEPARENT) and every call to
+the scheduler and the runtime carries that span's context, so the scheduler's command spans hang under
+it; spans are flushed before the process exits, whatever the exit.
 
 Exit status: 0 success (or the int `main` returned), 1 the program raised, 2 the program could not be
 loaded, 3 the scheduler trapped the instance, 4 the scheduler could not be reached or the session broke.
@@ -16,26 +21,34 @@ loaded, 3 the scheduler trapped the instance, 4 the scheduler could not be reach
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import os
 import runpy
+import signal
 import sys
 import traceback
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import Tracer
 
 from l4m.errors import ProgramError, SessionClosed, Trapped
 from l4m.instance import Instance
 from l4m.model import Model
 from l4m.runtime import ChildExit, LocalRuntime, Runtime, RuntimeClient
 from l4m.session import Session
+from l4m.telemetry import configure_tracing, context_from_traceparent, shutdown_tracing, traceparent_of
 
 EXIT_OK = 0
 EXIT_PROGRAM_ERROR = 1
 EXIT_LOAD_ERROR = 2
 EXIT_TRAPPED = 3
 EXIT_SESSION_ERROR = 4
+EXIT_TERMINATED = 143  # 128 + SIGTERM
 
 Main = Callable[[Instance], Awaitable[Any]]
 
@@ -117,6 +130,25 @@ def _local_child_launcher(parent_program: str, config: ControllerConfig) -> Call
     return launch
 
 
+@contextlib.contextmanager
+def run_span(config: ControllerConfig, program: str, tracer: Tracer | None = None) -> Iterator[ControllerConfig]:
+    """The `controller.run` span around the whole run; yields `config` with the span as its traceparent.
+
+    An exception leaving the block marks the span as failed; without a tracer provider the span is the
+    API's no-op one and `config` comes back unchanged."""
+    tracer = tracer or trace.get_tracer("l4m.controller")
+    attributes = {"l4m.instance_id": config.instance_id, "l4m.program": Path(program).name}
+    parent = context_from_traceparent(config.traceparent or "")
+    with tracer.start_as_current_span("controller.run", context=parent, attributes=attributes):
+        traceparent, _ = traceparent_of()
+        yield dataclasses.replace(config, traceparent=traceparent or config.traceparent)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # SystemExit unwinds through the run span and the flush below; the default action would lose both.
+    raise SystemExit(EXIT_TERMINATED)
+
+
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -125,9 +157,22 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     program, args = argv[0], argv[1:]
     if args[:1] == ["--"]:
         args = args[1:]
+    environ = os.environ if environ is None else environ
+    is_tracing = configure_tracing("l4m.controller", environ)
+    if is_tracing:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        config = ControllerConfig.from_env(os.environ if environ is None else environ)
-        result = asyncio.run(run_program(program, args, config))
+        return _run(program, args, environ)
+    finally:
+        if is_tracing:
+            shutdown_tracing()
+
+
+def _run(program: str, args: Sequence[str], environ: Mapping[str, str]) -> int:
+    try:
+        config = ControllerConfig.from_env(environ)
+        with run_span(config, program) as traced_config:
+            result = asyncio.run(run_program(program, args, traced_config))
     except ProgramError as error:
         print(f"l4m.controller: {error}", file=sys.stderr)
         return EXIT_LOAD_ERROR

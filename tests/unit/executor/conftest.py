@@ -34,10 +34,20 @@ def prompts(loaded: LoadedModel) -> list[list[int]]:
 @pytest.fixture
 def make_engine(loaded: LoadedModel) -> Callable[..., Engine]:
     def make(
-        dtype: str = "float32", page_size: int = 4, num_pages: int = 256, num_embed_slots: int = 64
+        dtype: str = "float32",
+        page_size: int = 4,
+        num_pages: int = 256,
+        num_embed_slots: int = 64,
+        weights: str = "auto",
+        max_quantized_rows: int = 128,
     ) -> Engine:
         config = EngineConfig(
-            dtype=dtype, page_size=page_size, num_pages=num_pages, num_embed_slots=num_embed_slots
+            dtype=dtype,
+            page_size=page_size,
+            num_pages=num_pages,
+            num_embed_slots=num_embed_slots,
+            weights=weights,
+            max_quantized_rows=max_quantized_rows,
         )
         return Engine(loaded, config)
 

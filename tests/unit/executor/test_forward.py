@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from l4m import brle
@@ -11,6 +12,9 @@ from tests.unit.executor.conftest import LogitsRecorder, PageTables
 from tests.unit.executor.reference import reference_logits
 
 TOL_FP32 = 1e-3
+# (weights, max_quantized_rows): dense float32; GGUF blocks for every call; blocks for calls of at
+# most 8 tokens and dense for bigger ones (the prefill / decode split).
+WEIGHT_MODES = [("dequantized", 0), ("quantized", 1 << 20), ("quantized", 8)]
 
 
 def causal(n: int) -> torch.Tensor:
@@ -22,8 +26,10 @@ def rows_of(mask: torch.Tensor, start: int, stop: int) -> tuple[tuple[int, ...],
     return tuple(tuple(brle.encode(mask[i, : i + 1].numpy())) for i in range(start, stop))
 
 
-def test_mixed_batch_matches_reference_per_item(make_engine, loaded, prompts) -> None:
-    engine = make_engine(page_size=4)
+@pytest.mark.parametrize(("weights", "max_quantized_rows"), WEIGHT_MODES)
+def test_mixed_batch_matches_reference_per_item(make_engine, loaded, prompts, weights, max_quantized_rows) -> None:
+    engine = make_engine(page_size=4, weights=weights, max_quantized_rows=max_quantized_rows)
+    assert engine.weights == weights
     tables = PageTables(engine)
     p0, p1, p2, p3, p4, p5 = prompts
     # Setup: some sequences already hold a prefix.
@@ -68,10 +74,11 @@ def test_mixed_batch_matches_reference_per_item(make_engine, loaded, prompts) ->
     assert max(diffs) <= TOL_FP32
 
 
-def test_greedy_64_identical_to_reference(make_engine, loaded, prompts) -> None:
+@pytest.mark.parametrize(("weights", "max_quantized_rows"), WEIGHT_MODES[:2])
+def test_greedy_64_identical_to_reference(make_engine, loaded, prompts, weights, max_quantized_rows) -> None:
     """Five prompts decoded together, step by step through pages; each step's token must be the
     reference argmax given the same prefix (teacher forcing: one reference pass per prompt)."""
-    engine = make_engine(page_size=16)
+    engine = make_engine(page_size=16, weights=weights, max_quantized_rows=max_quantized_rows)
     tables = PageTables(engine)
     names = [f"p{i}" for i in range(5)]
     generated: dict[str, list[int]] = {n: [] for n in names}

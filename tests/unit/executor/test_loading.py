@@ -82,7 +82,8 @@ def test_safetensors_loader_matches_gguf_loader(loaded, prompts, tmp_path) -> No
     assert from_hf.tokenizer.eos_token_ids == (2,) and from_hf.tokenizer.special_tokens["<|im_start|>"] == 1
     logits = []
     for model in (loaded, from_hf):
-        engine = Engine(model, EngineConfig(page_size=4, num_pages=16, num_embed_slots=0))
+        config = EngineConfig(page_size=4, num_pages=16, num_embed_slots=0, weights="dequantized")
+        engine = Engine(model, config)  # dense for both: the loaders must agree bit for bit
         recorder = LogitsRecorder(engine)
         engine.forward_text(
             [PageTables(engine).item("a", prompts[0], sampler=SamplerSpec(SamplerKind.GREEDY))]

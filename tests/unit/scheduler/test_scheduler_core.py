@@ -325,3 +325,29 @@ async def test_command_and_batch_spans_link_both_ways(harness_factory) -> None: 
     assert a_span.context.trace_id == 0x0AF7651916CD43DD8448EB211C80319C
     sent = next(r for r in h.links[0].sent if r.WhichOneof("batch") == "forward_text")
     assert f"{batch.context.span_id:016x}" in sent.trace_context.traceparent
+    # The batch sits in the trace of its first command (a span has one parent), reaching the other by link.
+    first = next(s for s in commands if s.context.span_id == batch.parent.span_id)
+    assert batch.context.trace_id == first.context.trace_id
+    assert a_span.attributes["l4m.kv_pages"] == 1 and a_span.attributes["l4m.instance.kv_pages_held"] == 1
+
+
+async def test_output_less_forward_batches_count_as_in_flight_under_adaptive(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    h = harness_factory(latency_s={"forward_text": 0.05})
+    a, _ = h.open()
+    b, _ = h.open()
+    for inst in (a, b):
+        h.send(inst, rq.allocate([0]))
+    await h.settle()
+    h.send(a, rq.forward_text([0], 2, [1, 2]))  # a prefill without outputs: fires at once
+    await h.settle()
+    h.send(b, rq.forward_text([0], 2, [3, 4]))
+    await h.settle()
+    executor = h.scheduler.executors[0]
+    assert executor.num_forward_in_flight == 1  # b waits for a's forward to be answered
+    assert h.scheduler.stats["batches"]["forward_text"] == 1
+    await asyncio.sleep(0.08)
+    assert h.scheduler.stats["batches"]["forward_text"] == 2
+    await asyncio.sleep(0.08)
+    assert executor.num_forward_in_flight == 0 and not executor.inflight

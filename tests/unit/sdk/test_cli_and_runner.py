@@ -5,9 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from l4m import cli
-from l4m.controller import ControllerConfig, load_program, run_main
+from l4m.controller import ControllerConfig, load_program, run_main, run_span
 from l4m.errors import ProgramError
 from l4m.fake import FakeL4M
 from l4m.runtime import MESSAGE_PREFIX, LocalRuntime, LocalVariables
@@ -36,6 +39,26 @@ def test_controller_config_needs_the_scheduler_address() -> None:
         ControllerConfig.from_env({})
     config = ControllerConfig.from_env({"L4M_SCHEDULER_ADDR": "unix:///run/l4m/scheduler.sock", "TRACEPARENT": "00-x"})
     assert config.runtime_address is None and config.traceparent == "00-x" and config.instance_id == "local"
+
+
+def test_the_run_span_is_the_child_of_traceparent_and_the_parent_of_the_session() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    launch = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    config = ControllerConfig("unix:///s.sock", None, None, "i-1", launch)
+    with pytest.raises(RuntimeError), run_span(config, "/p/main.py", provider.get_tracer("t")) as traced:
+        raise RuntimeError("the program failed")
+    (span,) = exporter.get_finished_spans()
+    assert (span.name, span.parent.span_id, span.attributes["l4m.instance_id"]) == ("controller.run", 0xB7AD6B7169203331, "i-1")
+    assert traced.traceparent == f"00-0af7651916cd43dd8448eb211c80319c-{span.context.span_id:016x}-01"
+    assert not span.status.is_ok
+
+
+def test_the_run_span_costs_nothing_untraced() -> None:
+    config = ControllerConfig("unix:///s.sock", None, None, "i-1", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+    with run_span(config, "main.py") as traced:  # the API's no-op tracer: the launch's context passes through
+        assert traced == config
 
 
 def test_load_program_errors_are_readable(tmp_path: Path) -> None:

@@ -1,0 +1,368 @@
+"""`l4m up` as a user runs it: one trace per launch across every process, metrics on every service,
+health and reflection, Ctrl-C, and a dying service stopping the rest.
+
+The cluster is the real command (`.venv/bin/l4m up`) with `OTEL_EXPORTER_OTLP_ENDPOINT` pointing at an
+OTLP receiver this test serves; the controller goes through `l4m run` (traced too, so the launch's
+trace starts at the user's `l4m.run` span). The processes' output is printed when a test fails.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.otlp_receiver import OtlpReceiver, ReceivedSpan
+
+REPO = Path(__file__).resolve().parents[2]
+L4M = Path(sys.executable).parent / "l4m"
+UP_TIMEOUT_S = 240.0
+TRACED_SERVICES = {"l4m.cli", "l4m.spawner", "l4m.controller", "l4m.scheduler", "l4m.executor"}
+# Commands of text_completion.py that reach an executor (get_info and synchronize are answered locally).
+EXECUTOR_COMMANDS = {"l4m.allocate", "l4m.forward_text", "l4m.deallocate"}
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _free_metrics_base() -> int:
+    """A base port with base+0 (spawner), +1 (scheduler) and +10 (executor 0) free."""
+    for _ in range(50):
+        base = _free_port()
+        if base + 10 < 65536 and all(_is_free(base + offset) for offset in (1, 10)):
+            return base
+    raise RuntimeError("no free metrics port range")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """pid -> command line of every process under `pid` (read from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = {}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, its_parent in parents.items():
+            if its_parent == parent and child not in found:
+                found[child] = _cmdline(child)
+                frontier.append(child)
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _still_running(processes: dict[int, str]) -> dict[int, str]:
+    return {pid: cmd for pid, cmd in processes.items() if cmd and _cmdline(pid) == cmd}
+
+
+@dataclass
+class UpProcess:
+    """`l4m up` running in a subprocess, its output in `log_path`."""
+
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    state_dir: Path
+    spawner_address: str
+    scheduler_address: str
+    metrics_base: int
+
+    @property
+    def executor_socket(self) -> Path:
+        return self.state_dir / "internal" / "executor-0.sock"
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_up(self) -> None:
+        deadline = time.monotonic() + UP_TIMEOUT_S
+        while "l4m is up" not in self.output():
+            assert self.process.poll() is None, f"l4m up exited with {self.process.returncode}:\n{self.output()}"
+            assert time.monotonic() < deadline, f"l4m up did not come up in {UP_TIMEOUT_S:.0f} s:\n{self.output()}"
+            time.sleep(0.2)
+
+    def service_logs(self) -> str:
+        logs = sorted((self.state_dir / "logs").glob("*.log"))
+        return "\n".join(f"----- {p.name} -----\n{p.read_text(errors='replace')[-4000:]}" for p in logs)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_up(tmp_path: Path, env: dict[str, str], metrics: bool = True) -> UpProcess:
+    state_dir = tmp_path / "state"
+    spawner_port, scheduler_port = _free_port(), _free_port()
+    metrics_base = _free_metrics_base() if metrics else 0
+    log_path = tmp_path / "l4m-up.log"
+    argv = [str(L4M), "up", "--state-dir", str(state_dir), "--spawner-port", str(spawner_port),
+            "--scheduler-port", str(scheduler_port), "--metrics-port-base", str(metrics_base)]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+    up = UpProcess(process, log_path, state_dir, f"127.0.0.1:{spawner_port}", f"127.0.0.1:{scheduler_port}",
+                   metrics_base)
+    try:
+        up.wait_up()
+    except BaseException:
+        up.kill()
+        raise
+    return up
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TRACEPARENT", "L4M_"))}
+    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+
+
+@dataclass
+class TracedCluster:
+    up: UpProcess
+    receiver: OtlpReceiver
+    env: dict[str, str]
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TracedCluster]:
+    with OtlpReceiver() as receiver:
+        # A short export delay so the services' batches arrive while the test waits, not at shutdown.
+        env = _clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint, OTEL_BSP_SCHEDULE_DELAY="200")
+        up = start_up(tmp_path_factory.mktemp("traced"), env)
+        yield TracedCluster(up, receiver, env)
+        up.kill()
+
+
+@pytest.fixture
+def show_logs_on_failure(traced: TracedCluster, request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed:
+        print(f"----- l4m up -----\n{traced.up.output()[-8000:]}\n{traced.up.service_logs()}")
+
+
+@dataclass
+class LaunchRun:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture(scope="module")
+def launch(traced: TracedCluster) -> LaunchRun:
+    program = REPO / "examples" / "controllers" / "text_completion.py"
+    done = subprocess.run(
+        [str(L4M), "run", "--spawner", traced.up.spawner_address, str(program), "--", "--max-tokens", "4", "Hi"],
+        cwd=REPO, env=traced.env, capture_output=True, text=True, timeout=120,
+    )
+    return LaunchRun(done.returncode, done.stdout, done.stderr)
+
+
+# ---- the trace ---------------------------------------------------------------------------------------
+
+
+def trace_problems(spans: list[ReceivedSpan]) -> list[str]:
+    """Everything wrong with the trace of the (one) `l4m.run`; empty when the whole tree is there."""
+    roots = [s for s in spans if s.name == "l4m.run"]
+    if len(roots) != 1:
+        return [f"expected one l4m.run span, got {len(roots)}"]
+    root = roots[0]
+    tree = [s for s in spans if s.trace_id == root.trace_id]
+    by_id = {s.span_id: s for s in tree}
+    named = {name: [s for s in tree if s.name == name] for name in
+             ("spawner.launch", "spawner.instance", "controller.run", "scheduler.batch", "executor.batch")}
+    problems = [f"{len(found)} {name} spans" for name, found in named.items()
+                if len(found) != 1 and name not in ("scheduler.batch", "executor.batch")]
+    if problems:
+        return problems
+    launch_span, instance_span, run_span = (named[n][0] for n in ("spawner.launch", "spawner.instance", "controller.run"))
+    instance_id = launch_span.attributes.get("l4m.instance_id")
+    expect = {
+        "spawner.launch is the child of l4m.run": launch_span.parent_span_id == root.span_id,
+        "spawner.instance is the child of spawner.launch": instance_span.parent_span_id == launch_span.span_id,
+        "controller.run is the child of spawner.launch (TRACEPARENT)": run_span.parent_span_id == launch_span.span_id,
+        "controller.run names the instance": run_span.attributes.get("l4m.instance_id") == instance_id,
+        "the instance exited": instance_span.attributes.get("l4m.exit_reason") == "exited",
+        "every service in the one trace": {s.service for s in tree} == TRACED_SERVICES,
+    }
+    problems += [what for what, ok in expect.items() if not ok]
+
+    commands = [s for s in tree if s.service == "l4m.scheduler" and s.name.startswith("l4m.")]
+    if not {s.name for s in commands} >= EXECUTOR_COMMANDS:
+        problems.append(f"command spans {sorted({s.name for s in commands})} lack some of {sorted(EXECUTOR_COMMANDS)}")
+    for command in commands:
+        if command.parent_span_id != run_span.span_id:
+            problems.append(f"{command.name} is not a child of controller.run")
+        if command.attributes.get("l4m.instance_id") != instance_id or "l4m.kv_pages" not in command.attributes:
+            problems.append(f"{command.name} lacks instance id / page count: {command.attributes}")
+        if command.name in EXECUTOR_COMMANDS:
+            batches = [by_id.get(span_id) for _, span_id in command.links]
+            if len(batches) != 1 or batches[0] is None or batches[0].name != "scheduler.batch":
+                problems.append(f"{command.name} does not link to exactly one scheduler.batch of the trace")
+            elif (command.trace_id, command.span_id) not in batches[0].links:
+                problems.append(f"the batch carrying {command.name} does not link back to it")
+    prompt_tokens = sum(int(c.attributes.get("l4m.tokens", 0)) for c in commands if c.name == "l4m.forward_text")
+    if prompt_tokens < 4:
+        problems.append(f"forward_text spans carry {prompt_tokens} tokens in all")
+
+    executor_batches = {s.parent_span_id: s for s in named["executor.batch"]}
+    for batch in named["scheduler.batch"]:
+        size = batch.attributes.get("l4m.batch.size")
+        if size != len(batch.links) or by_id.get(batch.parent_span_id, batch).name not in EXECUTOR_COMMANDS:
+            problems.append(f"scheduler.batch (size {size}) has {len(batch.links)} links / not a command's child")
+        executed = executor_batches.get(batch.span_id)
+        if executed is None:
+            problems.append(f"no executor.batch under the {batch.attributes.get('l4m.batch.kind')} scheduler.batch")
+        elif executed.attributes.get("l4m.batch.size") != size:
+            problems.append(f"executor.batch size {executed.attributes.get('l4m.batch.size')} != {size}")
+    for executed in named["executor.batch"]:
+        children = {s.name for s in tree if s.parent_span_id == executed.span_id}
+        if executed.attributes.get("l4m.batch.kind") == "ForwardText" and children != {"prepare", "forward", "sample"}:
+            problems.append(f"a forward_text executor.batch has children {sorted(children)}")
+    return problems
+
+
+def test_one_launch_is_one_trace_across_every_process(
+    traced: TracedCluster, launch: LaunchRun, show_logs_on_failure: None
+) -> None:
+    assert launch.returncode == 0, launch.stderr
+    assert '"stop": "length"' in launch.stdout, launch.stdout
+    try:
+        traced.receiver.wait_for(lambda spans: not trace_problems(spans), timeout_s=30)
+    except AssertionError:
+        spans = list(traced.receiver.spans)
+        table = "\n".join(f"  {s.service:15} {s.name:18} {s.trace_id[:8]} {s.span_id} <- {s.parent_span_id}" for s in spans)
+        pytest.fail("trace incomplete or wrong:\n  " + "\n  ".join(trace_problems(spans)) + f"\nspans:\n{table}")
+
+
+# ---- metrics, health, reflection ----------------------------------------------------------------------
+
+
+def _scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    series = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            series[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return series
+
+
+def test_every_service_serves_the_metrics_of_the_run(
+    traced: TracedCluster, launch: LaunchRun, show_logs_on_failure: None
+) -> None:
+    assert launch.returncode == 0, launch.stderr
+    base = traced.up.metrics_base
+    spawner, scheduler, executor = _scrape(base), _scrape(base + 1), _scrape(base + 10)
+
+    assert spawner['l4m_spawner_instances{state="running"}'] == 0, spawner
+    assert spawner['l4m_spawner_instances{state="starting"}'] == 0, spawner
+    assert spawner['l4m_spawner_launch_latency_seconds_count{sandbox="process"}'] == 1, spawner
+    assert 0 < spawner['l4m_spawner_launch_latency_seconds_sum{sandbox="process"}'] < 30, spawner
+    assert spawner['l4m_spawner_sandbox_exits_total{reason="exited"}'] == 1, spawner
+
+    assert scheduler["l4m_scheduler_queue_depth"] == 0, scheduler
+    assert scheduler['l4m_scheduler_batch_size_count{kind="forward_text"}'] >= 4, scheduler  # prompt + 3 steps
+    assert scheduler['l4m_scheduler_batch_size_bucket{kind="forward_text",le="1.0"}'] >= 4, scheduler
+    assert scheduler['l4m_scheduler_commands_total{kind="forward_text"}'] >= 4, scheduler
+    # Everything the controller held is freed once it exits.
+    assert scheduler["l4m_scheduler_kv_pages_used"] == 0, scheduler
+    assert scheduler["l4m_scheduler_embed_slots_used"] == 0, scheduler
+    assert scheduler["l4m_scheduler_instances"] == 0, scheduler
+
+    assert executor["l4m_executor_forward_tokens_total"] >= 4 + 3, executor  # a counter: rate() is tokens/s
+    assert executor["l4m_executor_batches_total"] >= scheduler['l4m_scheduler_batch_size_count{kind="forward_text"}']
+    assert executor["l4m_executor_kv_pages"] > 0, executor
+    assert executor["l4m_executor_kv_pages_used"] == 0, executor
+    assert executor["l4m_executor_embed_slots_used"] == 0, executor
+
+
+def test_every_service_answers_health_and_reflection(traced: TracedCluster, show_logs_on_failure: None) -> None:
+    services = {
+        traced.up.spawner_address: "l4m.v1.SpawnerService",
+        traced.up.scheduler_address: "l4m.v1.L4MService",
+        f"unix:{traced.up.executor_socket}": "l4m.v1.ExecutorService",
+    }
+    for address, service in services.items():
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for name in ("", service):
+                answer = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
+                assert answer.status == health_pb2.HealthCheckResponse.SERVING, (address, name)
+            listed = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+            assert {service, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= listed, listed
+
+
+# ---- stopping ---------------------------------------------------------------------------------------------
+
+
+def test_ctrl_c_stops_every_service(traced: TracedCluster, show_logs_on_failure: None) -> None:
+    up = traced.up
+    children = _descendants(up.process.pid)
+    assert sum("l4m." in cmd for cmd in children.values()) >= 3, children
+    up.process.send_signal(signal.SIGINT)
+    assert up.process.wait(30) == 0, up.output()[-4000:]
+    assert "l4m up: stopping" in up.output()
+    time.sleep(0.5)
+    assert not _still_running(children), _still_running(children)
+
+
+def test_a_dead_service_stops_the_cluster(tmp_path: Path) -> None:
+    up = start_up(tmp_path, _clean_env(), metrics=False)
+    try:
+        children = _descendants(up.process.pid)
+        executor = [pid for pid, cmd in children.items()
+                    if "l4m.executor" in cmd and str(up.executor_socket) in cmd]
+        assert len(executor) == 1, children
+        os.kill(executor[0], signal.SIGKILL)
+        code = up.process.wait(30)
+        output = up.output()
+        assert code != 0, output
+        assert "executor-0 exited with code -9" in output, output
+        assert "model ready" in output.split("executor-0 exited", 1)[1], output  # its log tail
+        time.sleep(0.5)
+        assert not _still_running(children), _still_running(children)
+    except BaseException:
+        print(f"----- l4m up -----\n{up.output()[-8000:]}\n{up.service_logs()}")
+        raise
+    finally:
+        up.kill()
