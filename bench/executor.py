@@ -4,8 +4,10 @@
     .venv/bin/python bench/executor.py --batches 1,16 --new-tokens 32 --engines l4m-q4,l4m-fp32 --threads 1
 
 Engines: l4m-q4 (float32 compute on the GGUF's Q4_1/Q8_0 blocks, the CPU default), l4m-fp32 (dense
-float32 weights), l4m-bf16, hf-fp32, hf-bf16. Every engine decodes greedily from the same random
-100-token prompts; prefill is one forward over all prompts, decode is the median step time. With
+float32 weights), l4m-bf16, hf-fp32, hf-bf16, llama-cpp-f32 and llama-cpp-f16 (llama-cpp-python's
+batched decode on F32 / F16 GGUF exports of the same weights, see bench/peers.py; skipped with a note
+when llama-cpp-python is not installed: scripts/bench-setup.sh builds it). Every engine decodes
+greedily from the same random 100-token prompts; prefill is one forward over all prompts, decode is the median step time. With
 --repeats N each (engine, batch) runs N times, interleaved across engines, and the table shows
 medians. Prints one table, the load average, and writes JSON (--out).
 """
@@ -19,6 +21,7 @@ import statistics
 import time
 from pathlib import Path
 
+import peers
 import torch
 
 from l4m.executor.commands import Allocate, ForwardText, ResourceKind, SamplerKind, SamplerSpec
@@ -28,15 +31,16 @@ from l4m.executor.weights import default_model_path, load_model
 GREEDY = SamplerSpec(SamplerKind.GREEDY)
 
 
-L4M_ENGINES = {  # name -> (dtype, weights)
-    "l4m-q4": ("float32", "quantized"),
-    "l4m-fp32": ("float32", "dequantized"),
-    "l4m-bf16": ("bfloat16", "dequantized"),
+L4M_ENGINES = {  # name -> (dtype, weights, decode kernel: single-token batches through the C++ stack)
+    "l4m-q4": ("float32", "quantized", True),
+    "l4m-q4-torch": ("float32", "quantized", False),  # the same weights on the per-op torch path (A/B)
+    "l4m-fp32": ("float32", "dequantized", False),
+    "l4m-bf16": ("bfloat16", "dequantized", False),
 }
 
 
 def bench_l4m(loaded, name: str, batch: int, prompt_len: int, new_tokens: int) -> tuple[float, float]:
-    dtype, weights = L4M_ENGINES[name]
+    dtype, weights, decode_kernel = L4M_ENGINES[name]
     page_size = 16
     pages_per_seq = -(-(prompt_len + new_tokens) // page_size)
     config = EngineConfig(
@@ -45,6 +49,7 @@ def bench_l4m(loaded, name: str, batch: int, prompt_len: int, new_tokens: int) -
         num_pages=batch * pages_per_seq + 1,
         num_embed_slots=0,
         weights=weights,
+        decode_kernel=decode_kernel,
     )
     engine = Engine(loaded, config)
     engine.allocate([Allocate(ResourceKind.KV_PAGE, tuple(range(batch * pages_per_seq)))])
@@ -104,6 +109,12 @@ def bench_hf(dtype: str, batch: int, prompt_len: int, new_tokens: int) -> tuple[
     return batch * prompt_len / prefill_s, batch * (new_tokens - 1) / max(total_s - prefill_s, 1e-9)
 
 
+def bench_llama_cpp(precision: str, batch: int, prompt_len: int, new_tokens: int) -> tuple[float, float]:
+    prompts = peers.make_prompts(batch, prompt_len)
+    timeline = peers.run_llama_cpp(prompts, new_tokens, precision, torch.get_num_threads())
+    return peers.prefill_decode_rates(timeline, prompt_len)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -111,7 +122,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--engines", default="l4m-q4,l4m-fp32,l4m-bf16,hf-fp32")
+    parser.add_argument("--engines", default="l4m-q4,l4m-fp32,l4m-bf16,hf-fp32,llama-cpp-f32,llama-cpp-f16")
     parser.add_argument("--repeats", type=int, default=1, help="runs per (engine, batch); medians shown")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0 = default")
     parser.add_argument("--out", default="bench/results/executor.json")
@@ -129,10 +140,13 @@ def main() -> None:
                 try:
                     if engine.startswith("l4m"):
                         result = bench_l4m(loaded, engine, batch, args.prompt_tokens, args.new_tokens)
+                    elif engine.startswith("llama-cpp-"):
+                        precision = engine.rsplit("-", 1)[1]
+                        result = bench_llama_cpp(precision, batch, args.prompt_tokens, args.new_tokens)
                     else:
                         dtype = "float32" if engine.endswith("fp32") else "bfloat16"
                         result = bench_hf(dtype, batch, args.prompt_tokens, args.new_tokens)
-                except ImportError as exc:
+                except (ImportError, peers.PeerUnavailable) as exc:
                     print(f"skipping {engine}: {exc}")
                     continue
                 runs.setdefault((engine, batch), []).append(result)

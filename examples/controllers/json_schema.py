@@ -1,4 +1,5 @@
-"""Output constrained by a JSON schema (llguidance masks on every step): `l4m run json_schema.py -- "who"`."""
+"""Output constrained by a JSON schema (llguidance masks on every step):
+`l4m run json_schema.py -- "who" ['{"type": "object", ...}']` (the schema defaults to SCHEMA below)."""
 
 import json
 
@@ -19,9 +20,12 @@ SCHEMA = {
 
 async def main(ctx):
     who = ctx.args[0] if ctx.args else "a French chef"
+    schema = ctx.args[1] if len(ctx.args) > 1 else SCHEMA  # a JSON string is parsed by Constraint.json_schema
+    constraint = Constraint.json_schema(ctx.model, schema)  # a bad schema fails here, before any token is fed
     async with ctx.new_context() as chat:
         chat.fill_chat([{"role": "user", "content": f"Describe {who} as a JSON object with name, age, "
                                                     "occupation and languages."}])
-        completion = await chat.generate(Greedy(), max_tokens=160, constraint=Constraint.json_schema(ctx.model, SCHEMA))
+        completion = await chat.generate(Greedy(), max_tokens=160, constraint=constraint)
     await ctx.send(completion.text)
-    await ctx.send(json.dumps({"schema": SCHEMA, "text": completion.text, "stop": completion.stop.reason}))
+    schema = json.loads(schema) if isinstance(schema, str) else schema
+    await ctx.send(json.dumps({"schema": schema, "text": completion.text, "stop": completion.stop.reason}))

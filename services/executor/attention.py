@@ -6,6 +6,10 @@ item x page_size) so that one attention call serves the whole batch. The mask is
 (additive, so that no layer converts it again) and is the AND of: the item's BRLE rows (or plain causal when it sent none), "row belongs to a real
 token", and the page visibility of every slot read. There is no mask-less path: single-token decode
 steps use the same mask.
+
+Batches where every item feeds one token (decode steps) may instead take a `DecodePlan`: no padding
+and no gather, only each item's page table, length and slot visibility (BRLE row AND page visibility),
+for the CPU kernel that reads K/V straight from the pages.
 """
 
 from __future__ import annotations
@@ -125,3 +129,33 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, plan: AttentionPlan) -
     if plan.dead_rows is not None:
         out[plan.dead_rows] = 0
     return out
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """A batch of single-token items for `torch.ops.l4m_cpu.decode_layers`."""
+
+    page_table: torch.Tensor  # [B, max_pages] int64
+    ctx_len: torch.Tensor  # [B] int64: the item's tokens, the new one included (it sits at slot ctx_len - 1)
+    visible: torch.Tensor  # [B, max_pages * page_size] uint8: 1 = the new token may attend that slot
+
+
+def is_decode_batch(items: Sequence[ItemLayout]) -> bool:
+    return all(it.num_new == 1 for it in items)
+
+
+def build_decode_plan(items: Sequence[ItemLayout], page_size: int, page_visible: torch.Tensor) -> DecodePlan:
+    """Vectorized like `build_plan`; slots at or after `ctx_len` are never read, so need no masking."""
+    num_items = len(items)
+    max_pages = max(len(it.page_ids) for it in items)
+    page_table = np.zeros((num_items, max_pages), dtype=np.int64)
+    for b, it in enumerate(items):
+        page_table[b, : len(it.page_ids)] = it.page_ids
+    ctx_len = np.array([it.num_ctx + 1 for it in items], dtype=np.int64)
+    table_t = torch.from_numpy(page_table)
+    visible = page_visible[table_t].reshape(num_items, max_pages * page_size)
+    custom = [b for b, it in enumerate(items) if it.mask_rows]
+    if custom:
+        decoded = decode_rows([items[b].mask_rows[0] for b in custom], max_pages * page_size)
+        visible[custom] &= torch.from_numpy(decoded)
+    return DecodePlan(table_t, torch.from_numpy(ctx_len), visible.view(torch.uint8))

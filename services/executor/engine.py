@@ -20,7 +20,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from l4m.brle import BrleError, decode_rows
-from l4m.executor.attention import ItemLayout, build_plan
+from l4m.executor.attention import ItemLayout, build_decode_plan, build_plan, is_decode_batch
 from l4m.executor.commands import (
     Allocate,
     CopyKvPage,
@@ -64,6 +64,9 @@ class EngineConfig:
     # when that applies and the kernel builds, else dequantized.
     weights: str = "auto"
     max_quantized_rows: int = 64  # prefill of 100 tokens: dense 436 tok/s vs quantized 224 (2 threads)
+    # With quantized weights, run batches of single-token items (decode steps) through the whole layer
+    # stack in one C++ call (`cpu_kernels.decode_layers`); False keeps them on the torch path.
+    decode_kernel: bool = True
 
 
 def resolve_weights(config: EngineConfig, loaded: LoadedModel) -> str:
@@ -156,6 +159,7 @@ class Engine:
         }
         self._num_batches = 0
         self._num_forward_tokens = 0
+        self._num_decode_kernel_batches = 0
 
     # ---- dispatch -------------------------------------------------------------------------------
 
@@ -311,12 +315,24 @@ class Engine:
         output_rows: Sequence[int],
     ) -> torch.Tensor:
         """Plan attention and run the model; `[M, hidden]` normed outputs."""
-        plan = build_plan(
-            [p.layout for p in prepared], self.cache.page_size, self.cache.page_visible, self.dtype
-        )
+        layouts = [p.layout for p in prepared]
         self._num_forward_tokens += hidden.shape[0]
         rows = torch.tensor(list(output_rows), dtype=torch.long, device=self.device)
+        if self._takes_decode_kernel(layouts):
+            self._num_decode_kernel_batches += 1
+            plan = build_decode_plan(layouts, self.cache.page_size, self.cache.page_visible)
+            return self.model.forward_decode(hidden, positions, plan, self.cache, rows)
+        plan = build_plan(layouts, self.cache.page_size, self.cache.page_visible, self.dtype)
         return self.model.forward(hidden, positions, plan, self.cache, rows)
+
+    def _takes_decode_kernel(self, layouts: Sequence[ItemLayout]) -> bool:
+        """Single-token items, few enough that the quantized weights serve them (like `Linear`)."""
+        return (
+            self.config.decode_kernel
+            and self.model.has_decode_kernel
+            and len(layouts) <= self.config.max_quantized_rows
+            and is_decode_batch(layouts)
+        )
 
     def _validate_forward_text_item(self, item: ForwardText, where: str) -> _PreparedItem:
         p = self._layout(
@@ -492,6 +508,7 @@ class Engine:
                 stats = {
                     "num_batches": self._num_batches,
                     "num_forward_tokens": self._num_forward_tokens,
+                    "num_decode_kernel_batches": self._num_decode_kernel_batches,
                     "num_kv_pages_allocated": self.cache.num_pages - self.cache.num_free_pages,
                     "num_embed_slots_allocated": self.cache.num_embed_slots - self.cache.num_free_slots,
                     "device": str(self.device),

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from l4m.executor.attention import AttentionPlan, paged_attention
+from l4m.executor.attention import AttentionPlan, DecodePlan, paged_attention
 from l4m.executor.kv_cache import KvCache
 from l4m.executor.quant import Linear, cat_rows
 from l4m.executor.weights import LoadedModel, ModelConfig
@@ -36,7 +36,9 @@ class LlamaModel:
     """The model's weights on one device, and its forward.
 
     With `quantized=True` (CPU, float32), every linear weight that the GGUF stored as Q4_1 / Q8_0 blocks
-    also keeps those blocks, and calls of at most `max_quantized_rows` tokens multiply with them.
+    also keeps those blocks, and calls of at most `max_quantized_rows` tokens multiply with them. When
+    every layer's weights have blocks, `forward_decode` runs single-token batches through the whole
+    stack in one C++ call (`has_decode_kernel`).
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class LlamaModel:
                     down=linear(p + "mlp.down_proj.weight"),
                 )
             )
+        self._decode_weights = self._pack_decode_weights() if quantized else None
         cfg = self.config
         inv_freq = 1.0 / (
             cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
@@ -91,6 +94,48 @@ class LlamaModel:
         angles = torch.cat((angles, angles), dim=-1)  # [max_context, D], rotate-half layout
         self.rope_cos = angles.cos().float().to(device)
         self.rope_sin = angles.sin().float().to(device)
+
+    def _pack_decode_weights(self) -> list[torch.Tensor] | None:
+        """The flat per-layer weight list `decode_layers` takes, or None if the kernel does not apply."""
+        if self.config.head_dim not in (64, 128):  # the kernel's attention is specialised for these
+            return None
+        flat: list[torch.Tensor] = []
+        no_m = torch.empty(0)  # Q8_0 blocks have no offsets
+        for layer in self.layers:
+            blocks = [lin.quantized for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            if any(q is None for q in blocks):
+                return None
+            qkv, o, gate_up, down = ((q.qs, q.d, no_m if q.m is None else q.m) for q in blocks)  # type: ignore[union-attr]
+            flat.extend((layer.input_norm, *qkv, *o, layer.post_norm, *gate_up, *down))
+        return flat
+
+    @property
+    def has_decode_kernel(self) -> bool:
+        return self._decode_weights is not None
+
+    def forward_decode(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        plan: DecodePlan,
+        cache: KvCache,
+        output_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """`forward` for a batch of single-token items, in one kernel call; same result and effects."""
+        cfg = self.config
+        out = torch.ops.l4m_cpu.decode_layers(
+            hidden,
+            self.rope_cos[positions],  # [B, D]
+            self.rope_sin[positions],
+            self._decode_weights,
+            cache.layers,
+            plan.page_table,
+            plan.ctx_len,
+            plan.visible,
+            cfg.num_heads,
+            cfg.rms_norm_eps,
+        )  # [B, hidden], before the final norm
+        return F.rms_norm(out[output_rows], (cfg.hidden_size,), self.final_norm, cfg.rms_norm_eps)
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.embed)  # [N, hidden]

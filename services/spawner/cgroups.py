@@ -13,6 +13,7 @@ groups: `CgroupManager.available` is empty and the process backend falls back to
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import time
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from l4m.spawner.sandbox import Limits
+
+log = logging.getLogger(__name__)
 
 CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
 CFS_PERIOD_US = 100_000
@@ -69,15 +72,19 @@ class InstanceCgroup:
                 found.update(int(line) for line in procs.read_text().split())
         return found
 
-    def kill_all(self) -> None:
-        """SIGKILLs every task still in the groups (a sandbox's pid-1 death normally did it already)."""
-        for _ in range(50):
-            pids = self.pids()
-            if not pids:
-                return
+    def kill_all(self, timeout_s: float = 5.0) -> None:
+        """SIGKILLs every task in the groups until none is left (a sandbox's pid-1 death normally did
+        it already); a task forked meanwhile is caught by the next round."""
+        deadline = time.monotonic() + timeout_s
+        while pids := self.pids():
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
+            if time.monotonic() > deadline:
+                log.warning(
+                    "tasks %s outlived SIGKILL in %s", sorted(pids), sorted(map(str, self.dirs.values()))
+                )
+                return
             time.sleep(0.01)
 
     def remove(self) -> None:
@@ -136,25 +143,32 @@ class CgroupManager:
                 directory.mkdir()
                 dirs[controller] = directory
             group = InstanceCgroup(dirs)
-            self._apply(group, limits)
+            self.apply_limits(group, limits)
             return group
         except OSError:
             InstanceCgroup(dirs).remove()
             raise
 
-    def _apply(self, group: InstanceCgroup, limits: Limits) -> None:
+    def apply_limits(self, group: InstanceCgroup, limits: Limits) -> None:
+        """Sets the group's limits: at creation, and again when a warm sandbox takes on a launch (which
+        is why every value is written, unthrottled CPU included). Lowering the memory limit under what
+        the group uses already fails with OSError (EBUSY)."""
         if "memory" in group.dirs:
             memory = group.dirs["memory"]
             (memory / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
             # No swap either (memsw is limit + swap; only present with swap accounting on).
             with contextlib.suppress(OSError):
                 (memory / "memory.memsw.limit_in_bytes").write_text(str(limits.memory_bytes))
+            # The exit reason reads the count of refused charges: only the launch's own may count.
+            with contextlib.suppress(OSError):
+                (memory / "memory.failcnt").write_text("0")
         if "pids" in group.dirs:
             (group.dirs["pids"] / "pids.max").write_text(str(limits.max_processes))
-        if "cpu" in group.dirs and limits.cpu_cores > 0:
+        if "cpu" in group.dirs:
             cpu = group.dirs["cpu"]
             (cpu / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
-            (cpu / "cpu.cfs_quota_us").write_text(str(int(limits.cpu_cores * CFS_PERIOD_US)))
+            quota_us = int(limits.cpu_cores * CFS_PERIOD_US) if limits.cpu_cores > 0 else -1
+            (cpu / "cpu.cfs_quota_us").write_text(str(quota_us))
 
     def remove_parents(self) -> None:
         """Removes this spawner id's (empty) parent groups; for a spawner that stops for good."""

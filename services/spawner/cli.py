@@ -32,6 +32,13 @@ def _default_state_dir() -> Path:
     return Path(base) / "l4m" / "spawner"
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     defaults, limits = SpawnerConfig(state_dir=Path(), socket_dir=Path()), Limits()
     parser = argparse.ArgumentParser(
@@ -71,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--controller-runner",
         default=defaults.controller_runner,
         help="programs run as `python -m RUNNER PROGRAM ARGS`; empty: as plain scripts",
+    )
+    add(
+        "--warm-pool-size",
+        type=non_negative_int,
+        default=defaults.warm_pool_size,
+        help="process sandboxes kept started ahead of demand, each serving one launch "
+        "(about 50 MiB each; 0: every launch starts cold)",
     )
     add("--wall-time-s", type=float, default=limits.wall_time_s, help="default wall time limit")
     add("--cpu-time-s", type=float, default=limits.cpu_time_s, help="default CPU time limit")
@@ -133,6 +147,7 @@ def parse_config(
         max_children_per_tree=args.max_children_per_tree,
         max_instances=args.max_instances,
         controller_runner=args.controller_runner,
+        warm_pool_size=args.warm_pool_size,
         controller_spans_endpoint=spans_endpoint,
         controller_spans_headers=spans_headers,
     )
@@ -160,6 +175,10 @@ async def serve(config: SpawnerConfig, metrics_port: int = 0, metrics_host: str 
     finally:
         logging.getLogger(__name__).info("stopping: ending every instance")
         await server.stop(STOP_GRACE_S)
+        # This process is done with its spawner id: its (now empty) cgroup parents go too.
+        remove_cgroup_parents = getattr(server.manager.sandbox, "remove_cgroup_parents", None)
+        if remove_cgroup_parents is not None:
+            remove_cgroup_parents()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

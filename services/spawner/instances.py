@@ -229,7 +229,7 @@ class InstanceManager:
             raise
         finally:
             self._num_starting -= 1
-        self.metrics.launch_succeeded(time.monotonic() - started_at)
+        self.metrics.launch_succeeded(time.monotonic() - started_at, instance.supervisor.is_warm)
         if parent is not None:
             instance.parent_id = parent.instance_id
             parent.child_ids.append(instance_id)

@@ -41,6 +41,11 @@ class SpawnerMetrics:
             ["cause"],
             registry=self.registry,
         )
+        self.warm_launches = Counter(
+            "l4m_spawner_warm_launches",
+            "Launches served by a warm sandbox (the rest started cold)",
+            registry=self.registry,
+        )
         self.output_bytes = Counter(
             "l4m_spawner_output_bytes",
             "Bytes of output and messages read from sandboxes",
@@ -50,10 +55,12 @@ class SpawnerMetrics:
     def launch_started(self) -> None:
         self.instances.labels("starting").inc()
 
-    def launch_succeeded(self, latency_s: float) -> None:
+    def launch_succeeded(self, latency_s: float, is_warm: bool = False) -> None:
         self.instances.labels("starting").dec()
         self.instances.labels("running").inc()
         self.launch_latency.labels(self._sandbox_kind).observe(latency_s)
+        if is_warm:
+            self.warm_launches.inc()
 
     def launch_failed(self, cause: str) -> None:
         self.instances.labels("starting").dec()

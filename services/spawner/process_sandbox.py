@@ -16,23 +16,41 @@ runs as a host uid that owns nothing, so a bind that shows too much is still gua
 permissions. A uid per instance keeps RLIMIT_NPROC (counted per uid across the host) per instance.
 Because the sandbox has its own PID namespace, the instance's death (or bwrap's, thanks to
 `--die-with-parent`) takes every process it started with it.
+
+**Warm pool** (`warm_pool_size` > 0): most of a launch's time is Python importing the SDK, so the
+backend keeps that many sandboxes started ahead of demand, built by the same chain but running
+`zygote.py` (which imports the SDK and waits on stdin) under a uid, cgroups and rlimits of their own
+set at the pool's ceilings (`warm_max_limits`), with an empty directory of their own bound read-only
+at /opt/l4m/program and the pool's socket directory at /run/l4m. A launch takes one (`WarmSandbox`)
+and, before any of its code runs: the spawner writes the launch's limits into the sandbox's cgroups
+and copies the program into that directory; the zygote lowers its rlimits to the launch's, takes its
+environment (token, TRACEPARENT...) and arguments, and runs it in place. A warm sandbox serves one
+launch and ends with it; the pool refills behind it. A launch the pool cannot serve the same way a
+cold start would (`warm_refusal`: another socket directory or /tmp size, a limit above the pool's
+ceilings, interpreter variables in its environment) starts cold, as does any launch while the pool
+is empty or when a hand-off fails.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 import math
 import os
 import re
 import shlex
 import shutil
 import sys
+import tempfile
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 import l4m
+from l4m.spawner import zygote
 from l4m.spawner.cgroups import CgroupManager, InstanceCgroup
 from l4m.spawner.sandbox import (
     SANDBOX_PROGRAM_DIR,
@@ -53,8 +71,20 @@ from l4m.spawner.sandbox import (
     program_file_name,
     split_wait_status,
 )
+from l4m.spawner.warm_pool import WarmPool, WarmPoolStats
+
+log = logging.getLogger(__name__)
 
 SANDBOX_VENV_DIR = "/opt/l4m/venv"
+SANDBOX_ZYGOTE = "/opt/l4m/zygote/zygote.py"
+ZYGOTE_PATH = Path(zygote.__file__).resolve()
+# What a warm sandbox imports before it waits: the SDK a controller uses (the runner comes first).
+SDK_WARM_MODULES = ("l4m.controller", "l4m.brle", "l4m.constraint", "l4m.search", "l4m.drafter", "tokenizers")
+# CPU seconds a warm sandbox may use before its launch (the imports take well under one); the launch
+# then gets its own limit on top of what was used (see zygote.lower_rlimits).
+WARM_UP_CPU_S = 30
+WARM_START_TIMEOUT_S = 120.0  # from start to READY, generous for a loaded machine
+HANDOFF_TIMEOUT_S = 10.0  # from writing the launch to GO
 _INSTANCE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _READ_CHUNK_BYTES = 64 * 1024
 _STDERR_TAIL_BYTES = 8 * 1024
@@ -76,6 +106,15 @@ class ProcessSandboxConfig:
     num_uids: int = 10_000
     cgroup_root: Path = Path("/sys/fs/cgroup")
     use_cgroups: bool = True
+    warm_pool_size: int = 0  # sandboxes kept started ahead of demand; 0: every launch starts cold
+    # Ceilings a warm sandbox starts under; a launch above one starts cold. tmp_bytes must match exactly
+    # (the size of /tmp is fixed when the sandbox starts).
+    warm_max_limits: Limits = field(default_factory=Limits)
+    warm_socket_dir: Path | None = None  # bound at /run/l4m in warm sandboxes
+    warm_modules: tuple[str, ...] = SDK_WARM_MODULES
+    # Holds one directory per warm sandbox (the program is copied into it); None: a private temporary
+    # directory made by `open`. Its contents are orphans after a crash.
+    warm_dir: Path | None = None
 
 
 class UidPool:
@@ -106,8 +145,9 @@ def _python_layout(config: ProcessSandboxConfig) -> tuple[list[tuple[Path, str]]
     return binds, str(base / "bin" / "python3")
 
 
-def build_sandbox_env(spec: SandboxSpec) -> dict[str, str]:
-    env = {
+def base_sandbox_env() -> dict[str, str]:
+    """The environment every sandbox starts with, before the instance's own variables."""
+    return {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
         "HOME": "/tmp",
         "LANG": "C.UTF-8",
@@ -115,11 +155,22 @@ def build_sandbox_env(spec: SandboxSpec) -> dict[str, str]:
         "PYTHONUNBUFFERED": "1",
         "PYTHONDONTWRITEBYTECODE": "1",
         "L4M_SOCKET_DIR": SANDBOX_SOCKET_DIR,
-        "L4M_INSTANCE_ID": spec.instance_id,
         **SANDBOX_THREAD_ENV,
     }
-    env.update(spec.env)
-    return env
+
+
+def instance_env(spec: SandboxSpec) -> dict[str, str]:
+    """The instance's variables on top of the base environment."""
+    return {"L4M_INSTANCE_ID": spec.instance_id, **spec.env}
+
+
+def build_sandbox_env(spec: SandboxSpec) -> dict[str, str]:
+    return {**base_sandbox_env(), **instance_env(spec)}
+
+
+def cpu_rlimit_s(limits: Limits) -> int:
+    """RLIMIT_CPU's soft value (SIGXCPU) for `limits`; the hard one (SIGKILL) is one second later."""
+    return max(1, math.ceil(limits.cpu_time_s))
 
 
 def build_command(
@@ -130,12 +181,61 @@ def build_command(
     has_memory_cgroup: bool,
 ) -> list[str]:
     """The whole sh → prlimit → bwrap → setpriv → python command line for one instance."""
-    limits = spec.limits
-    python_binds, python_exe = _python_layout(config)
     program_dest = f"{SANDBOX_PROGRAM_DIR}/{program_file_name(spec.program_path)}"
-    ro_binds = [*python_binds, (config.sdk_path, SANDBOX_SDK_DIR), (spec.program_path, program_dest)]
-    if spec.socket_dir is not None:
-        ro_binds.append((spec.socket_dir, SANDBOX_SOCKET_DIR))
+    return _chain(
+        config,
+        spec.limits,
+        [(spec.program_path, program_dest)],
+        spec.socket_dir,
+        build_sandbox_env(spec),
+        spec.python_argv(program_dest),
+        uid,
+        cgroup_procs,
+        has_memory_cgroup,
+        cpu_rlimit_s(spec.limits),
+    )
+
+
+def build_warm_command(
+    config: ProcessSandboxConfig,
+    program_dir: Path,
+    uid: int,
+    cgroup_procs: list[Path],
+    has_memory_cgroup: bool,
+) -> list[str]:
+    """The chain for a warm sandbox: the zygote instead of a program, the pool's ceilings as limits,
+    and `program_dir` (empty until a launch) bound read-only where the program goes."""
+    limits = config.warm_max_limits
+    return _chain(
+        config,
+        limits,
+        [(ZYGOTE_PATH, SANDBOX_ZYGOTE), (program_dir, SANDBOX_PROGRAM_DIR)],
+        config.warm_socket_dir,
+        base_sandbox_env(),
+        [SANDBOX_ZYGOTE, *config.warm_modules],
+        uid,
+        cgroup_procs,
+        has_memory_cgroup,
+        cpu_rlimit_s(limits) + WARM_UP_CPU_S,
+    )
+
+
+def _chain(
+    config: ProcessSandboxConfig,
+    limits: Limits,
+    program_binds: list[tuple[Path, str]],
+    socket_dir: Path | None,
+    env: dict[str, str],
+    python_argv: list[str],
+    uid: int,
+    cgroup_procs: list[Path],
+    has_memory_cgroup: bool,
+    cpu_soft_s: int,
+) -> list[str]:
+    python_binds, python_exe = _python_layout(config)
+    ro_binds = [*python_binds, (config.sdk_path, SANDBOX_SDK_DIR), *program_binds]
+    if socket_dir is not None:
+        ro_binds.append((socket_dir, SANDBOX_SOCKET_DIR))
 
     bwrap = [
         "bwrap",
@@ -167,7 +267,7 @@ def build_command(
                 created.add(str(ancestor))
         bwrap += ["--ro-bind", str(source), dest]
     bwrap += ["--chdir", "/tmp", "--clearenv"]
-    for key, value in build_sandbox_env(spec).items():
+    for key, value in env.items():
         bwrap += ["--setenv", key, value]
     # setpriv needs CAP_SETUID/SETGID (and SETPCAP to clear the bounding set); it drops them all.
     bwrap += ["--cap-drop", "ALL"]
@@ -185,24 +285,81 @@ def build_command(
         "--inh-caps=-all",
         "--",
         python_exe,
-        *spec.python_argv(program_dest),
+        *python_argv,
     ]
 
-    cpu_soft = max(1, math.ceil(limits.cpu_time_s))
-    prlimit = [
-        "prlimit",
-        f"--cpu={cpu_soft}:{cpu_soft + 1}",
-        f"--nofile={limits.max_open_files}:{limits.max_open_files}",
-        f"--nproc={limits.max_processes}:{limits.max_processes}",
-        f"--fsize={limits.tmp_bytes}:{limits.tmp_bytes}",
-        "--core=0:0",
-    ]
-    if not has_memory_cgroup:
-        prlimit.append(f"--as={limits.memory_bytes}:{limits.memory_bytes}")
+    prlimit = ["prlimit", f"--cpu={cpu_soft_s}:{cpu_soft_s + 1}"]
+    for name, (soft, hard) in rlimits(limits, has_memory_cgroup).items():
+        prlimit.append(f"--{_PRLIMIT_FLAGS[name]}={soft}:{hard}")
     prlimit.append("--")
 
     join = "".join(f"echo $$ > {shlex.quote(str(path))} || exit 125; " for path in cgroup_procs)
     return ["/bin/sh", "-c", join + 'exec "$@"', "l4m-sandbox", *prlimit, *bwrap, *setpriv]
+
+
+_PRLIMIT_FLAGS = {
+    "RLIMIT_NOFILE": "nofile",
+    "RLIMIT_NPROC": "nproc",
+    "RLIMIT_FSIZE": "fsize",
+    "RLIMIT_CORE": "core",
+    "RLIMIT_AS": "as",
+}
+
+
+def rlimits(limits: Limits, has_memory_cgroup: bool) -> dict[str, tuple[int, int]]:
+    """(soft, hard) per rlimit other than CPU, the same for a cold start (prlimit) and a warm one (the
+    zygote lowers its own to these)."""
+    values = {
+        "RLIMIT_NOFILE": (limits.max_open_files, limits.max_open_files),
+        "RLIMIT_NPROC": (limits.max_processes, limits.max_processes),
+        "RLIMIT_FSIZE": (limits.tmp_bytes, limits.tmp_bytes),
+        "RLIMIT_CORE": (0, 0),
+    }
+    if not has_memory_cgroup:
+        values["RLIMIT_AS"] = (limits.memory_bytes, limits.memory_bytes)
+    return values
+
+
+def warm_refusal(config: ProcessSandboxConfig, spec: SandboxSpec) -> str:
+    """Why a warm sandbox cannot run `spec` exactly as a cold start would; empty when it can."""
+    ceiling, limits = config.warm_max_limits, spec.limits
+    if spec.socket_dir != config.warm_socket_dir:
+        return f"its socket directory is not the pool's ({config.warm_socket_dir})"
+    if limits.tmp_bytes != ceiling.tmp_bytes:
+        return f"its /tmp size is not the pool's ({ceiling.tmp_bytes} bytes)"
+    for name in ("cpu_time_s", "memory_bytes", "max_processes", "max_open_files"):
+        if getattr(limits, name) > getattr(ceiling, name):
+            return f"its {name} is above the pool's ceiling ({getattr(ceiling, name)})"
+    # Read when the interpreter starts or the SDK is imported: too late to change in a warm sandbox.
+    late = sorted(key for key in spec.env if key.startswith("PYTHON") or key in SANDBOX_THREAD_ENV)
+    if late:
+        return f"its environment sets {', '.join(late)}"
+    return ""
+
+
+def warm_launch(spec: SandboxSpec, has_memory_cgroup: bool) -> dict[str, object]:
+    """What the zygote reads on stdin to become `spec`'s instance (see zygote.read_launch)."""
+    return {
+        "program": f"{SANDBOX_PROGRAM_DIR}/{program_file_name(spec.program_path)}",
+        "args": list(spec.args),
+        "env": instance_env(spec),
+        "runner": spec.runner_module,
+        "cpu_time_s": cpu_rlimit_s(spec.limits),
+        "rlimits": rlimits(spec.limits, has_memory_cgroup),
+    }
+
+
+@dataclass
+class WarmSandbox:
+    """A started sandbox in the warm pool, waiting for the one launch it will serve."""
+
+    process: asyncio.subprocess.Process
+    cgroup: InstanceCgroup | None
+    uid: int
+    program_dir: Path  # host side of /opt/l4m/program
+
+    def is_alive(self) -> bool:
+        return self.process.returncode is None
 
 
 class ProcessSandbox(Sandbox):
@@ -226,6 +383,9 @@ class ProcessSandbox(Sandbox):
             else None
         )
         self._uids = UidPool(self.config.uid_base, self.config.num_uids)
+        self._pool: WarmPool[WarmSandbox] | None = None
+        self._warm_dir: Path | None = None  # the open pool's
+        self._temp_warm_dirs: set[Path] = set()  # made by `open`, removed once empty and closed
 
     @property
     def cgroup_controllers(self) -> tuple[str, ...]:
@@ -250,21 +410,71 @@ class ProcessSandbox(Sandbox):
         }
 
     async def cleanup_orphans(self) -> int:
-        # Sandboxes die with the spawner (--die-with-parent); only their cgroups can be left.
+        # Sandboxes die with the spawner (--die-with-parent); only their cgroups (cold and warm alike)
+        # and warm sandboxes' program directories can be left.
+        if self.config.warm_dir is not None and self.config.warm_dir.is_dir():
+            for orphan in self.config.warm_dir.iterdir():
+                await asyncio.to_thread(shutil.rmtree, orphan, True)
         if self._cgroups is None:
             return 0
         return await asyncio.to_thread(self._cgroups.cleanup_orphans)
 
-    def close(self) -> None:
+    async def open(self) -> None:
+        """Starts filling the warm pool (when it has a size) on the running loop, which must be the one
+        that launches. Call it after `cleanup_orphans`, which would take warm sandboxes for orphans."""
+        if self.config.warm_pool_size <= 0 or self._pool is not None:
+            return
+        if self.config.warm_dir is not None:
+            self.config.warm_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._warm_dir = self.config.warm_dir
+        else:
+            self._warm_dir = Path(tempfile.mkdtemp(prefix=f"l4m-warm-{self.config.spawner_id}-"))
+            self._temp_warm_dirs.add(self._warm_dir)
+        self._pool = WarmPool(
+            self.config.warm_pool_size, self._start_warm, self._destroy_warm, WarmSandbox.is_alive
+        )
+        self._pool.open()
+
+    async def close(self) -> None:
+        """Destroys every warm sandbox not handed to a launch; running instances are not touched.
+        `open` may be called again afterwards (on another loop)."""
+        if self._pool is None:
+            return
+        pool, self._pool = self._pool, None
+        await pool.close()
+        # A temporary directory still holding a running instance's program goes when it ends (_release).
+        self._warm_dir = None
+        for directory in list(self._temp_warm_dirs):
+            self._remove_temp_warm_dir(directory)
+
+    def remove_cgroup_parents(self) -> None:
         """Forgets this spawner id's cgroup parents once every instance has ended."""
         if self._cgroups is not None:
             self._cgroups.remove_parents()
+
+    def warm_pool_stats(self) -> WarmPoolStats | None:
+        return self._pool.stats() if self._pool is not None else None
+
+    async def wait_warm_pool_full(self) -> None:
+        """Returns once the warm pool holds its size of ready sandboxes (bound it with a timeout)."""
+        if self._pool is not None:
+            await self._pool.wait_full()
 
     async def start(self, spec: SandboxSpec) -> SandboxHandle:
         if not _INSTANCE_ID_RE.match(spec.instance_id):
             raise SandboxError(f"invalid instance id {spec.instance_id!r}")
         if not spec.program_path.is_file():
             raise SandboxError(f"program file {spec.program_path} does not exist")
+        warm = self._pool.take() if self._pool is not None and not warm_refusal(self.config, spec) else None
+        if warm is not None:
+            try:
+                return await self._hand_off(warm, spec)
+            except Exception as exc:  # noqa: BLE001 - logged; the launch starts cold instead
+                log.warning("warm hand-off of %s failed, starting it cold: %s", spec.instance_id, exc)
+                await self._destroy_warm(warm)
+        return await self._start_cold(spec)
+
+    async def _start_cold(self, spec: SandboxSpec) -> ProcessHandle:
         uid = self._uids.acquire()
         cgroup: InstanceCgroup | None = None
         try:
@@ -287,6 +497,112 @@ class ProcessSandbox(Sandbox):
             raise
         return ProcessHandle(spec, process, cgroup, lambda: self._uids.release(uid))
 
+    # -- the warm pool ---------------------------------------------------------------------------
+
+    async def _start_warm(self) -> WarmSandbox:
+        """Starts one warm sandbox and waits for its READY line; leaves nothing behind if that fails
+        or is cancelled."""
+        assert self._warm_dir is not None
+        name = f"warm-{uuid.uuid4().hex[:16]}"
+        uid = self._uids.acquire()
+        cgroup: InstanceCgroup | None = None
+        program_dir = self._warm_dir / name
+        process: asyncio.subprocess.Process | None = None
+        try:
+            program_dir.mkdir(mode=0o755)
+            if self._cgroups is not None:
+                cgroup = self._cgroups.create(name, self.config.warm_max_limits)
+            procs = cgroup.procs_files() if cgroup else []
+            has_memory = cgroup is not None and "memory" in cgroup.dirs
+            command = build_warm_command(self.config, program_dir, uid, procs, has_memory)
+            process = await asyncio.create_subprocess_exec(
+                *command,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+            )
+            warm = WarmSandbox(process, cgroup, uid, program_dir)
+            async with asyncio.timeout(WARM_START_TIMEOUT_S):
+                line = await process.stdout.readline()
+            if line != zygote.READY_LINE:
+                raise SandboxError(f"a warm sandbox did not start: {await _stderr_tail(process)}")
+            return warm
+        except BaseException:
+            if process is not None:
+                await self._destroy_warm(WarmSandbox(process, cgroup, uid, program_dir))
+            else:
+                if cgroup is not None:
+                    await asyncio.to_thread(cgroup.remove)
+                self._release(uid, program_dir)
+            raise
+
+    async def _hand_off(self, warm: WarmSandbox, spec: SandboxSpec) -> ProcessHandle:
+        """Turns a warm sandbox into `spec`'s instance: its limits, its program, then GO."""
+        if not warm.is_alive():
+            raise SandboxError("the warm sandbox died before its launch")
+        if warm.cgroup is not None and self._cgroups is not None:
+            self._cgroups.apply_limits(warm.cgroup, spec.limits)
+        program = warm.program_dir / program_file_name(spec.program_path)
+        shutil.copyfile(spec.program_path, program)
+        os.chmod(program, 0o644)
+        has_memory = warm.cgroup is not None and "memory" in warm.cgroup.dirs
+        stdin = warm.process.stdin
+        stdin.write(json.dumps(warm_launch(spec, has_memory)).encode())
+        await stdin.drain()
+        stdin.close()
+        async with asyncio.timeout(HANDOFF_TIMEOUT_S):
+            line = await warm.process.stdout.readline()
+        if line != zygote.GO_LINE:
+            raise SandboxError(f"the warm sandbox refused the launch: {await _stderr_tail(warm.process)}")
+        baseline_s = (warm.cgroup.cpu_time_s() if warm.cgroup else None) or 0.0
+        return ProcessHandle(
+            spec,
+            warm.process,
+            warm.cgroup,
+            lambda: self._release(warm.uid, warm.program_dir),
+            cpu_baseline_s=baseline_s,
+            is_warm=True,
+        )
+
+    async def _destroy_warm(self, warm: WarmSandbox) -> None:
+        # The cgroup first: it holds every process of the sandbox, also one that bwrap forked before
+        # its --die-with-parent took effect (a sandbox destroyed while it starts).
+        if warm.cgroup is not None:
+            await asyncio.to_thread(warm.cgroup.kill_all)
+        with contextlib.suppress(ProcessLookupError):
+            warm.process.kill()
+        if warm.process.stdin is not None:
+            warm.process.stdin.close()
+        await warm.process.wait()
+        if warm.cgroup is not None:
+            await asyncio.to_thread(warm.cgroup.remove)
+        self._release(warm.uid, warm.program_dir)
+
+    def _release(self, uid: int, program_dir: Path | None = None) -> None:
+        if program_dir is not None:
+            shutil.rmtree(program_dir, ignore_errors=True)
+            if program_dir.parent in self._temp_warm_dirs and program_dir.parent != self._warm_dir:
+                self._remove_temp_warm_dir(program_dir.parent)
+        self._uids.release(uid)
+
+    def _remove_temp_warm_dir(self, directory: Path) -> None:
+        with contextlib.suppress(OSError):
+            directory.rmdir()  # only once empty
+            self._temp_warm_dirs.discard(directory)
+
+
+async def _stderr_tail(process: asyncio.subprocess.Process) -> str:
+    """The end of what a failed sandbox wrote on stderr, after making sure it ended."""
+    with contextlib.suppress(ProcessLookupError):
+        process.kill()
+    try:
+        data = await asyncio.wait_for(process.stderr.read(), 5.0)
+    except TimeoutError:
+        data = b""
+    tail = data[-_STDERR_TAIL_BYTES:].decode(errors="replace").strip()
+    return tail or f"it exited with status {await process.wait()}"
+
 
 class ProcessHandle(SandboxHandle):
     def __init__(
@@ -294,13 +610,19 @@ class ProcessHandle(SandboxHandle):
         spec: SandboxSpec,
         process: asyncio.subprocess.Process,
         cgroup: InstanceCgroup | None,
-        release_uid: Callable[[], None],
+        release: Callable[[], None],
+        *,
+        cpu_baseline_s: float = 0.0,
+        is_warm: bool = False,
     ) -> None:
         self.instance_id = spec.instance_id
+        self.is_warm = is_warm
         self._limits: Limits = spec.limits
         self._process = process
         self._cgroup = cgroup
-        self._release_uid = release_uid
+        self._release = release
+        # A warm sandbox's cgroup counted its imports before the launch; the launch is not charged.
+        self._cpu_baseline_s = cpu_baseline_s
         self._queue: asyncio.Queue[OutputChunk | None] = asyncio.Queue()
         self._stderr_tail = bytearray()
         self._readers = [
@@ -331,7 +653,8 @@ class ProcessHandle(SandboxHandle):
                 yield chunk
 
     def cpu_time_s(self) -> float | None:
-        return self._cgroup.cpu_time_s() if self._cgroup else None
+        used = self._cgroup.cpu_time_s() if self._cgroup else None
+        return max(0.0, used - self._cpu_baseline_s) if used is not None else None
 
     async def kill(self, reason: ExitReason, message: str) -> None:
         if self._kill_reason is None and self._process.returncode is None:
@@ -369,7 +692,7 @@ class ProcessHandle(SandboxHandle):
                 memory_oom_kills=cgroup.memory_oom_kills() if cgroup else None,
                 memory_limit_hits=cgroup.memory_limit_hits() if cgroup else None,
                 pids_refused=cgroup.pids_refused() if cgroup else None,
-                cpu_time_s=cgroup.cpu_time_s() if cgroup else None,
+                cpu_time_s=self.cpu_time_s(),
                 stderr_tail=bytes(self._stderr_tail),
                 memory_mechanism="cgroup memory" if cgroup and "memory" in cgroup.dirs else "rlimit as",
                 pids_mechanism="cgroup pids" if cgroup and "pids" in cgroup.dirs else "rlimit nproc",
@@ -378,4 +701,4 @@ class ProcessHandle(SandboxHandle):
         finally:
             if self._cgroup is not None:
                 await asyncio.to_thread(self._cgroup.remove)
-            self._release_uid()
+            self._release()

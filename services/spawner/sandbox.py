@@ -134,6 +134,7 @@ class SandboxHandle(abc.ABC):
     """One running sandbox. `wait()` resolves once, after the output has been fully read."""
 
     instance_id: str
+    is_warm: bool = False  # taken from a warm pool rather than started for this launch
 
     @abc.abstractmethod
     def output(self) -> AsyncIterator[OutputChunk]:
@@ -167,6 +168,16 @@ class Sandbox(abc.ABC):
     @abc.abstractmethod
     def enforcement(self) -> dict[str, str]:
         """Which mechanism enforces each limit on this machine (limit name -> mechanism)."""
+
+    async def open(self) -> None:
+        """Starts what the backend runs in the background (the process backend's warm pool) on the
+        running loop, the one that will launch. Call it after `cleanup_orphans`."""
+        return None
+
+    async def close(self) -> None:
+        """Stops that background work and destroys whatever it had started ahead of demand; running
+        instances are not touched. `open` may follow again."""
+        return None
 
 
 class SandboxError(Exception):

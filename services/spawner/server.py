@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -300,9 +301,22 @@ class RuntimeServicer(spawner_pb2_grpc.RuntimeServiceServicer):
 
 def make_sandbox(config: SpawnerConfig) -> Sandbox:
     if config.sandbox_kind == "process":
-        from l4m.spawner.process_sandbox import ProcessSandbox, ProcessSandboxConfig
+        from l4m.spawner.process_sandbox import SDK_WARM_MODULES, ProcessSandbox, ProcessSandboxConfig
 
-        return ProcessSandbox(ProcessSandboxConfig(spawner_id=config.spawner_id))
+        # Warm sandboxes start under the spawner's maximum limits (each launch is clamped to them) and
+        # the /tmp size every launch gets; the runner is imported first.
+        tmp_bytes = min(config.default_limits.tmp_bytes, config.max_limits.tmp_bytes)
+        runner = (config.controller_runner,) if config.controller_runner else ()
+        return ProcessSandbox(
+            ProcessSandboxConfig(
+                spawner_id=config.spawner_id,
+                warm_pool_size=config.warm_pool_size,
+                warm_max_limits=dataclasses.replace(config.max_limits, tmp_bytes=tmp_bytes),
+                warm_socket_dir=config.socket_dir,
+                warm_modules=tuple(dict.fromkeys((*runner, *SDK_WARM_MODULES))),
+                warm_dir=config.state_dir / "warm",
+            )
+        )
     if config.sandbox_kind == "docker":
         import docker
         from l4m.spawner.docker_image import ensure_controller_image
@@ -339,6 +353,8 @@ class SpawnerServer:
         await self.public.start()
         if isinstance(self.registry, GrpcInstanceRegistry):
             self._trap_watch = asyncio.create_task(self.registry.forward_traps(self.manager))
+        # After cleanup_orphans (create_server), which would count warm sandboxes as orphans.
+        await self.manager.sandbox.open()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(_SPAWNER_SERVICE, health_pb2.HealthCheckResponse.SERVING)
 
@@ -347,6 +363,7 @@ class SpawnerServer:
         await self.health.enter_graceful_shutdown()
         await self.public.stop(grace_s)
         await self.manager.shutdown()
+        await self.manager.sandbox.close()
         if self._trap_watch is not None:
             self._trap_watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):

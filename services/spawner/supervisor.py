@@ -125,6 +125,11 @@ class InstanceSupervisor:
     def instance_id(self) -> str:
         return self.spec.instance_id
 
+    @property
+    def is_warm(self) -> bool:
+        """Whether the sandbox came from a warm pool (False until started)."""
+        return self._handle is not None and self._handle.is_warm
+
     def add_exit_callback(self, callback: ExitCallback) -> None:
         """`callback(exit_info)` runs once when the instance has exited and been cleaned up."""
         self._exit_callbacks.append(callback)

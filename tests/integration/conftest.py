@@ -1,9 +1,12 @@
 """Shared fixtures for integration tests: real processes on loopback, logs printed when a test fails.
 
-`l4m_cluster` (session-scoped) starts one executor (SmolLM2 on CPU unless L4M_EXECUTOR_ARGS says
-otherwise) and one scheduler with anonymous sessions, waits until both answer, and stops them at the
-end. `run_controller` runs `python -m l4m.controller PROGRAM -- ARGS` against it and parses the
-messages the controller sent (stdout lines `l4m-message: <JSON string>`).
+`l4m_up` (session-scoped) is the real `l4m up` command on free ports with its own state directory:
+executor (SmolLM2 on CPU), scheduler and spawner with bubblewrap sandboxes, metrics endpoints on. `l4m_run`
+runs the real `l4m run FILE -- ARGS` against it, as a user does, and keeps its exit status, stdout
+(the controller's messages, one per line) and stderr (its log lines and, on an abnormal end, the reason).
+
+`ServiceProcess` + `executor_argv` start a lone service (e.g. an executor that only a reference decoding
+talks to; extra executor flags from $L4M_EXECUTOR_ARGS, default `--device cpu`).
 """
 
 from __future__ import annotations
@@ -11,18 +14,25 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[2]
-MESSAGE_PREFIX = "l4m-message: "
+L4M_CLI = Path(sys.executable).parent / "l4m"
+UP_TIMEOUT_S = 300.0  # the executor loads the model first: about 10 s idle, a minute on a busy 2-core box
+# `l4m up` puts the spawner's metrics at base+0, the scheduler's at base+1, executor i's at base+10+i.
+METRICS_OFFSETS = {"spawner": 0, "scheduler": 1, "executor": 10}
 
 
 class ServiceProcess:
@@ -61,73 +71,156 @@ class ServiceProcess:
         self._log.close()
 
 
-@dataclass
-class L4MCluster:
-    executor: ServiceProcess
-    scheduler: ServiceProcess
+def _is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
-    @property
-    def scheduler_address(self) -> str:
-        return self.scheduler.address
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def free_metrics_port_base() -> int:
+    """A base port whose every `l4m up` metrics offset is free right now."""
+    for _ in range(100):
+        base = free_port()
+        if base + max(METRICS_OFFSETS.values()) < 65536 and all(_is_free(base + o) for o in METRICS_OFFSETS.values()):
+            return base
+    raise RuntimeError("found no free block of ports for the metrics endpoints")
+
+
+def service_env() -> dict[str, str]:
+    """The environment for cluster commands: the developer's OTEL_*/L4M_* settings stay out."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "L4M_"))}
+
+
+class Metrics:
+    """One scrape of a Prometheus endpoint: `value(name, **labels)` reads a sample."""
+
+    def __init__(self, text: str) -> None:
+        self.samples: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                self.samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+
+    def value(self, name: str, default: float | None = None, **labels: str) -> float:
+        """The sample's value; `default` for a labelled sample not exported yet (a counter never bumped)."""
+        key = (name, frozenset(labels.items()))
+        if key in self.samples:
+            return self.samples[key]
+        if default is None:
+            raise KeyError(f"no sample {name}{labels or ''}; samples: {sorted({n for n, _ in self.samples})}")
+        return default
+
+
+class UpCluster:
+    """`l4m up` (the command users run) in a subprocess, its output in a file; stopped with Ctrl-C (SIGINT)."""
+
+    def __init__(self, work_dir: Path) -> None:
+        self.state_dir = work_dir / "state"
+        self.log_path = work_dir / "l4m-up.log"
+        spawner_port, scheduler_port = free_port(), free_port()
+        self.metrics_port_base = free_metrics_port_base()
+        self.spawner_address, self.scheduler_address = f"127.0.0.1:{spawner_port}", f"127.0.0.1:{scheduler_port}"
+        argv = [str(L4M_CLI), "up", "--state-dir", str(self.state_dir), "--spawner-port", str(spawner_port),
+                "--scheduler-port", str(scheduler_port), "--metrics-port-base", str(self.metrics_port_base), "--quiet"]
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=service_env())
+
+    def wait_up(self, timeout_s: float = UP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while "l4m is up" not in self.output():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"l4m up exited with {self.process.returncode}:\n{self.output()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"l4m up did not come up in {timeout_s:.0f} s:\n{self.output()}")
+            time.sleep(0.2)
+
+    def metrics(self, service: str) -> Metrics:
+        """Scrape `spawner`, `scheduler` or `executor` (executor-0)."""
+        url = f"http://127.0.0.1:{self.metrics_port_base + METRICS_OFFSETS[service]}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return Metrics(response.read().decode())
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
 
     def logs(self) -> str:
-        return "\n".join(f"----- {p.name} log -----\n{p.output()[-6000:]}" for p in (self.executor, self.scheduler))
+        services = sorted((self.state_dir / "logs").glob("*.log"))
+        parts = [f"----- l4m up -----\n{self.output()[-4000:]}"]
+        parts += [f"----- {p.name} -----\n{p.read_text(errors='replace')[-6000:]}" for p in services]
+        return "\n".join(parts)
 
-
-def executor_argv(listen: str = "127.0.0.1:0") -> list[str]:
-    extra = shlex.split(os.environ.get("L4M_EXECUTOR_ARGS", "--device cpu"))
-    return [sys.executable, "-m", "l4m.executor", "--listen", listen, *extra]
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)  # Ctrl-C: l4m up stops every service it started
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
 
 
 @pytest.fixture(scope="session")
-def l4m_cluster() -> Iterator[L4MCluster]:
-    executor = ServiceProcess("executor", executor_argv())
+def l4m_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpCluster]:
+    cluster = UpCluster(tmp_path_factory.mktemp("l4m-up"))
     try:
-        scheduler = ServiceProcess("scheduler", [sys.executable, "-m", "l4m.scheduler", "--listen", "127.0.0.1:0",
-                                                 "--executor", executor.address, "--allow-anonymous"], timeout_s=60)
-    except Exception:
-        executor.stop()
-        raise
-    cluster = L4MCluster(executor, scheduler)
-    yield cluster
-    scheduler.stop()
-    executor.stop()
+        cluster.wait_up()
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @dataclass
-class ControllerRun:
+class CliRun:
+    """One `l4m run`: its exit status, stdout (a line per message) and stderr (logs, the end's reason)."""
+
+    argv: list[str]
     returncode: int
-    messages: list[str]
     stdout: str
     stderr: str
 
+    @property
+    def lines(self) -> list[str]:
+        return self.stdout.splitlines()
+
     def summary(self) -> dict:
-        """The last message, parsed as JSON (the examples end with a JSON summary)."""
-        return json.loads(self.messages[-1])
+        """The last line, parsed as JSON (the examples end with a JSON summary on one line)."""
+        return json.loads(self.lines[-1])
+
+    def describe(self) -> str:
+        return f"$ {shlex.join(self.argv)}  (exit {self.returncode})\n{self.stdout[-4000:]}\n{self.stderr[-4000:]}"
 
 
 @pytest.fixture
-def run_controller(l4m_cluster: L4MCluster, request: pytest.FixtureRequest) -> Callable[..., ControllerRun]:
-    runs: list[ControllerRun] = []
+def l4m_run(l4m_up: UpCluster, request: pytest.FixtureRequest) -> Iterator[Callable[..., CliRun]]:
+    runs: list[CliRun] = []
 
-    def run(program: str | Path, *args: str, timeout_s: float = 300) -> ControllerRun:
-        env = {**os.environ, "L4M_SCHEDULER_ADDR": l4m_cluster.scheduler_address, "PYTHONUNBUFFERED": "1"}
-        env.pop("L4M_RUNTIME_ADDR", None)
-        proc = subprocess.run([sys.executable, "-m", "l4m.controller", str(program), "--", *args], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=timeout_s)
-        messages = [json.loads(line[len(MESSAGE_PREFIX):]) for line in proc.stdout.splitlines()
-                    if line.startswith(MESSAGE_PREFIX)]
-        result = ControllerRun(proc.returncode, messages, proc.stdout, proc.stderr)
+    def run(program: str | Path, *args: str, options: Sequence[str] = (), timeout_s: float = 300) -> CliRun:
+        """`l4m run [OPTIONS] PROGRAM -- ARGS`."""
+        argv = [str(L4M_CLI), "run", "--spawner", l4m_up.spawner_address, *options, str(program), "--", *args]
+        proc = subprocess.run(argv, cwd=REPO, env=service_env(), capture_output=True, text=True, timeout=timeout_s)
+        result = CliRun(argv, proc.returncode, proc.stdout, proc.stderr)
         runs.append(result)
         return result
 
     yield run
     report = getattr(request.node, "rep_call", None)
     if report is not None and report.failed:
-        for index, result in enumerate(runs):
-            print(f"----- controller run {index} (rc {result.returncode}) -----\n{result.stdout[-4000:]}\n"
-                  f"{result.stderr[-4000:]}")
-        print(l4m_cluster.logs())
+        for result in runs:
+            print(result.describe())
+        print(l4m_up.logs())
+
+
+def executor_argv(listen: str = "127.0.0.1:0") -> list[str]:
+    extra = shlex.split(os.environ.get("L4M_EXECUTOR_ARGS", "--device cpu"))
+    return [sys.executable, "-m", "l4m.executor", "--listen", listen, *extra]
 
 
 @pytest.hookimpl(hookwrapper=True)

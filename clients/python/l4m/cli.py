@@ -1,7 +1,8 @@
 """The `l4m` command. Subcommands live in `SUBCOMMANDS`: name -> (help, add_arguments, run); another
 module adds one with `register(...)` (e.g. `up`, `demo`, service launchers).
 
-  l4m run FILE [--spawner ADDR] [-- ARGS...]   upload a controller, stream its output, exit with its status
+  l4m run FILE [--spawner ADDR] [LIMITS] [-- ARGS...]   upload a controller, stream its output, exit with its
+                                                        status (its own code, 3 when trapped, 1 other ends)
 """
 
 from __future__ import annotations
@@ -12,8 +13,12 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from l4m.errors import L4MError
+
+if TYPE_CHECKING:
+    from l4m.v1 import spawner_pb2
 
 DEFAULT_SPAWNER_ADDR = "127.0.0.1:7410"  # where `l4m up` puts it
 
@@ -34,28 +39,84 @@ def register(name: str, help: str, add_arguments: Callable[[argparse.ArgumentPar
 
 
 # ---- l4m run ---------------------------------------------------------------------------------------
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class LimitFlag:
+    """`l4m run --NAME VALUE`: one field of the launch's `spawner_pb2.Limits`, in friendlier units."""
+
+    name: str  # the flag, after `--`
+    field: str  # the Limits field
+    scale: int  # field units per flag unit
+    kind: type
+    metavar: str
+    help: str
+
+
+LIMIT_FLAGS = (
+    LimitFlag("wall-time-s", "wall_time_ms", 1000, float, "S", "seconds from launch to a forced end"),
+    LimitFlag("cpu-time-s", "cpu_time_ms", 1000, float, "S", "CPU seconds of the controller's processes"),
+    LimitFlag("memory-mib", "memory_bytes", MiB, int, "MIB", "memory of the controller's processes"),
+    LimitFlag("max-output-mib", "max_output_bytes", MiB, int, "MIB", "messages and log lines together"),
+    LimitFlag("max-tokens", "max_tokens", 1, int, "N", "tokens the instance may feed through forward passes"),
+    LimitFlag("max-children", "max_children", 1, int, "N", "child controllers the launch tree may spawn"),
+)
+
+
+def _positive(kind: type) -> Callable[[str], float | int]:
+    def parse(text: str) -> float | int:
+        try:
+            value = kind(text)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not value > 0 or value == float("inf"):  # NaN fails `> 0`
+            raise argparse.ArgumentTypeError(
+                f"{text} must be a finite number > 0 (leave the flag out for the spawner's default)")
+        return value
+
+    return parse
+
+
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="controller program: a .py file or a zip with __main__.py")
     parser.add_argument("--spawner", default=os.environ.get("L4M_SPAWNER_ADDR", DEFAULT_SPAWNER_ADDR),
                         help="spawner address host:port (env L4M_SPAWNER_ADDR)")
     parser.add_argument("--quiet-logs", action="store_true", help="do not show the controller's log lines")
+    limits = parser.add_argument_group("limits of this launch (left out: the spawner's default; above the "
+                                       "spawner's maximum: its maximum)")
+    for flag in LIMIT_FLAGS:
+        limits.add_argument(f"--{flag.name}", dest=flag.field, type=_positive(flag.kind), metavar=flag.metavar,
+                            help=flag.help)
     parser.add_argument("args", nargs="*", help="arguments for the controller (after --)")
+
+
+def launch_limits(options: argparse.Namespace) -> spawner_pb2.Limits | None:
+    """The limits asked for on the command line; None when none was (the spawner's defaults apply)."""
+    from l4m.v1 import spawner_pb2
+
+    fields = {flag.field: round(getattr(options, flag.field) * flag.scale) for flag in LIMIT_FLAGS
+              if getattr(options, flag.field, None) is not None}
+    return spawner_pb2.Limits(**fields) if fields else None
 
 
 def _run(options: argparse.Namespace) -> int:
     from l4m import telemetry
     from l4m.client import run_program
 
+    def run() -> int:
+        return asyncio.run(run_program(options.spawner, options.file, options.args,
+                                       show_logs=not options.quiet_logs, limits=launch_limits(options)))
+
     if not telemetry.configure_tracing("l4m.cli"):
-        return asyncio.run(run_program(options.spawner, options.file, options.args, show_logs=not options.quiet_logs))
+        return run()
     # Traced: the launch becomes a child of this `l4m.run` span (Launch carries its traceparent).
     from opentelemetry import trace
 
     try:
         with trace.get_tracer("l4m.cli").start_as_current_span("l4m.run", attributes={"l4m.program": options.file}) as span:
-            status = asyncio.run(
-                run_program(options.spawner, options.file, options.args, show_logs=not options.quiet_logs)
-            )
+            status = run()
             span.set_attribute("l4m.exit_status", status)
             return status
     finally:

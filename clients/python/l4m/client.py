@@ -112,8 +112,10 @@ class Client:
 
 
 def exit_status(exit_: spawner_pb2.InstanceExit) -> int:
-    """A process exit status for an instance's exit: its own code, 3 for a trap, 1 for other ends."""
-    if exit_.reason == spawner_pb2.EXIT_REASON_EXITED:
+    """A process exit status for an instance's exit: its own code (the spawner calls a non-zero one a crash),
+    3 for a trap, 1 for other ends (a limit, a signal, a terminate)."""
+    if exit_.reason == spawner_pb2.EXIT_REASON_EXITED or (exit_.reason == spawner_pb2.EXIT_REASON_CRASHED
+                                                          and exit_.exit_code > 0):
         return exit_.exit_code
     if exit_.reason == spawner_pb2.EXIT_REASON_TRAPPED:
         return 3
@@ -133,8 +135,9 @@ def print_event(event: spawner_pb2.AttachResponse, show_logs: bool = True) -> No
 
 
 async def run_program(spawner_address: str, program: str | Path, args: Sequence[str] = (), echo: bool = True,
-                      show_logs: bool = True) -> int:
+                      show_logs: bool = True, limits: spawner_pb2.Limits | None = None) -> int:
     """Upload, launch and attach (printing the events when `echo`); the instance's exit status."""
     async with Client(spawner_address) as client:
-        exit_ = await client.run(program, args, on_event=(lambda e: print_event(e, show_logs)) if echo else None)
+        on_event = (lambda e: print_event(e, show_logs)) if echo else None
+        exit_ = await client.run(program, args, on_event=on_event, limits=limits)
     return exit_status(exit_)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import signal
 import sys
@@ -61,6 +62,13 @@ class ClusterConfig:
     @property
     def log_dir(self) -> Path:
         return self.state_dir / "logs"
+
+    @property
+    def spawner_id(self) -> str:
+        """Names the spawner's cgroups and containers, whose leftovers it removes at start: one per state
+        directory, so two clusters on one machine never clean up each other's instances."""
+        digest = hashlib.sha256(str(self.state_dir.resolve()).encode()).hexdigest()[:12]
+        return f"up-{digest}"
 
     @property
     def spawner_address(self) -> str:
@@ -126,7 +134,7 @@ def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
     argv = [python, "-m", "l4m.spawner", "--listen", config.spawner_address]
     argv += ["--scheduler", f"unix:{config.socket_dir / 'scheduler.sock'}", "--socket-dir", str(config.socket_dir)]
     argv += ["--state-dir", str(config.state_dir / "spawner"), "--sandbox", config.sandbox]
-    argv += ["--metrics-port", str(config.metrics_port(0))]
+    argv += ["--metrics-port", str(config.metrics_port(0)), "--spawner-id", config.spawner_id]
     specs.append(ServiceSpec("spawner", tuple(argv), config.spawner_address, config.metrics_port(0)))
     return specs
 

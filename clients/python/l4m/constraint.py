@@ -40,20 +40,22 @@ def ll_tokenizer(model: Model) -> llguidance.LLTokenizer:
 class Constraint:
     """Allowed next tokens under a grammar; one per generation (it tracks that generation's tokens)."""
 
-    def __init__(self, model: Model, grammar: str, what: str) -> None:
+    def __init__(self, model: Model, grammar: str, what: str, fix: str = "fix it where the error points") -> None:
         import llguidance
 
         self._vocab_size = model.vocab_size
         self._what = what
         self._matcher = llguidance.LLMatcher(ll_tokenizer(model), grammar, log_level=0)
         if self._matcher.is_error():
-            raise ConstraintError(f"{what} was rejected by llguidance: {self._matcher.get_error()}")
+            error = self._matcher.get_error().rstrip()
+            raise ConstraintError(f"{what} was rejected by llguidance: {error} -- {fix}")
 
     @classmethod
     def regex(cls, model: Model, pattern: str) -> Constraint:
         import llguidance
 
-        return cls(model, llguidance.LLMatcher.grammar_from_regex(pattern), f"the regex {pattern!r}")
+        return cls(model, llguidance.LLMatcher.grammar_from_regex(pattern), f"the regex {pattern!r}",
+                   "fix the pattern where the error points (Rust regex syntax: no look-around, no back-references)")
 
     @classmethod
     def json_schema(cls, model: Model, schema: dict[str, Any] | str, whitespace_flexible: bool = False) -> Constraint:
@@ -66,7 +68,8 @@ class Constraint:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         except ValueError as error:
             raise ConstraintError(f"the JSON schema is not valid JSON: {error}; pass a dict or a JSON string") from error
-        return cls(model, grammar, "the JSON schema")
+        return cls(model, grammar, "the JSON schema",
+                   "fix the schema where the error points, or leave out a keyword llguidance does not support")
 
     @classmethod
     def json_any(cls, model: Model) -> Constraint:
@@ -77,7 +80,8 @@ class Constraint:
     def lark(cls, model: Model, grammar: str) -> Constraint:
         import llguidance
 
-        return cls(model, llguidance.LLMatcher.grammar_from_lark(grammar), "the Lark grammar")
+        return cls(model, llguidance.LLMatcher.grammar_from_lark(grammar), "the Lark grammar",
+                   "fix the grammar where the error points (llguidance's Lark dialect)")
 
     def mask(self) -> list[int]:
         """BRLE of the tokens allowed next (first run allowed), `vocab_size` values long."""

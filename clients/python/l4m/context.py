@@ -28,9 +28,6 @@ from collections.abc import AsyncIterator, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from l4m import brle
 from l4m.errors import ContextFreed, L4MError
 from l4m.sampler import Greedy, Sampler, TopDistribution
 from l4m.stop import AnyOf, MaxTokens, Stop, StopCondition, on_tokens
@@ -38,6 +35,8 @@ from l4m.tokenizer import StreamDecoder
 from l4m.v1 import common_pb2, l4m_pb2
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from l4m.constraint import Constraint
     from l4m.model import Model
 
@@ -203,6 +202,8 @@ class Context:
         outputs = list(range(start, start + len(token_ids)))
         results = await self._forward(outputs, [TopDistribution(k).to_pb()] * len(outputs))
         self.fill(token_ids[-1:])
+        import numpy as np
+
         logprobs = []
         for token_id, result in zip(token_ids, results, strict=True):
             probabilities = dict(zip(result.distribution.token_ids, result.distribution.probabilities, strict=True))
@@ -302,6 +303,11 @@ class Context:
         """Publish this context's pages under `name` (copy-free). Another instance, or a later run with
         `persistent=True`, continues from here with `Context.import_(model, name)`."""
         self._check_alive()
+        # A taken name traps the instance (protocol rule); asking first turns the common case into advice.
+        if await self.model.has_export(name):
+            raise L4MError(f"an export named {name!r} exists already: pick another name, continue from it "
+                           f"with `Context.import_(model, {name!r})`, or remove it first with "
+                           f"`model.unexport({name!r})`")
         await self._wait_dependencies()
         self.flush()
         metadata = {
@@ -468,6 +474,10 @@ class Context:
 
     def _apply_window(self) -> None:
         """Hide slots outside the window for every later pass; deallocate pages fully hidden."""
+        import numpy as np  # lazily: a controller without a window does not pay numpy's import
+
+        from l4m import brle
+
         assert self._window is not None
         num_slots = self.num_kv_slots
         hide_below = num_slots + 1 - self._window.num_window_tokens  # the next token's view
@@ -497,6 +507,8 @@ class Context:
     def _drop_pages(self, page_indices: list[int]) -> None:
         if not page_indices:
             return
+        import numpy as np
+
         keep = np.ones(self.num_kv_slots, dtype=bool)
         for index in page_indices:
             keep[index * self._page_size:(index + 1) * self._page_size] = False

@@ -31,10 +31,7 @@ import traceback
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from opentelemetry import trace
-from opentelemetry.trace import Tracer
+from typing import TYPE_CHECKING, Any
 
 from l4m.errors import ProgramError, SessionClosed, Trapped
 from l4m.instance import Instance
@@ -42,6 +39,9 @@ from l4m.model import Model
 from l4m.runtime import ChildExit, LocalRuntime, Runtime, RuntimeClient
 from l4m.session import Session
 from l4m.telemetry import configure_tracing, context_from_traceparent, shutdown_tracing, traceparent_of
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
 
 EXIT_OK = 0
 EXIT_PROGRAM_ERROR = 1
@@ -136,6 +136,8 @@ def run_span(config: ControllerConfig, program: str, tracer: Tracer | None = Non
 
     An exception leaving the block marks the span as failed; without a tracer provider the span is the
     API's no-op one and `config` comes back unchanged."""
+    from opentelemetry import trace  # lazily: a run without tracing never imports OpenTelemetry
+
     tracer = tracer or trace.get_tracer("l4m.controller")
     attributes = {"l4m.instance_id": config.instance_id, "l4m.program": Path(program).name}
     parent = context_from_traceparent(config.traceparent or "")
@@ -162,16 +164,18 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     if is_tracing:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        return _run(program, args, environ)
+        return _run(program, args, environ, is_tracing)
     finally:
         if is_tracing:
             shutdown_tracing()
 
 
-def _run(program: str, args: Sequence[str], environ: Mapping[str, str]) -> int:
+def _run(program: str, args: Sequence[str], environ: Mapping[str, str], is_tracing: bool = True) -> int:
     try:
         config = ControllerConfig.from_env(environ)
-        with run_span(config, program) as traced_config:
+        # Untraced, the span would be the no-op one and leave `config` as it is: skip it, and its import.
+        span = run_span(config, program) if is_tracing else contextlib.nullcontext(config)
+        with span as traced_config:
             result = asyncio.run(run_program(program, args, traced_config))
     except ProgramError as error:
         print(f"l4m.controller: {error}", file=sys.stderr)

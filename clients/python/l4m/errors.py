@@ -18,7 +18,9 @@ _TRAP_ADVICE = {
     l4m_pb2.TRAP_KIND_EVICTED: "an older instance needed the memory; run again when the cluster is less busy",
     l4m_pb2.TRAP_KIND_EXECUTOR_LOST: "the executor holding this instance's pages went away; run again",
     l4m_pb2.TRAP_KIND_DESTROYED: "the spawner ended this instance (terminated, or a limit was hit)",
-    l4m_pb2.TRAP_KIND_TOKEN_BUDGET: "the instance fed more tokens than its budget; raise Limits.max_tokens",
+    l4m_pb2.TRAP_KIND_TOKEN_BUDGET: (
+        "the instance fed more tokens than its budget; raise Limits.max_tokens (`l4m run --max-tokens N`)"
+    ),
     l4m_pb2.TRAP_KIND_UNSUPPORTED: "the model cannot do this; check `model.info.capabilities` first",
 }
 

@@ -8,14 +8,15 @@ function calls and nothing is exported. Resource attributes come from `OTEL_SERV
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-from opentelemetry import context as otel_context
-from opentelemetry import trace
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+if TYPE_CHECKING:
+    from opentelemetry import context as otel_context
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-_PROPAGATOR = TraceContextTextMapPropagator()
 _ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 
 
@@ -30,6 +31,7 @@ def configure_tracing(service_name: str, environ: Mapping[str, str] = os.environ
     """Install an SDK tracer provider exporting per the environment; return whether tracing is on."""
     if not tracing_requested(environ):
         return False
+    from opentelemetry import trace
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
@@ -53,6 +55,8 @@ def configure_tracing(service_name: str, environ: Mapping[str, str] = os.environ
 
 def shutdown_tracing() -> None:
     """Flush and stop the exporter (call before the process exits)."""
+    from opentelemetry import trace
+
     provider = trace.get_tracer_provider()
     shutdown = getattr(provider, "shutdown", None)
     if shutdown is not None:
@@ -61,16 +65,18 @@ def shutdown_tracing() -> None:
 
 def context_from_traceparent(traceparent: str, tracestate: str = "") -> otel_context.Context:
     """The OpenTelemetry context a W3C `traceparent` (and `tracestate`) names; empty → the root context."""
+    from opentelemetry import context as otel_context
+
     carrier = {"traceparent": traceparent} if traceparent else {}
     if traceparent and tracestate:
         carrier["tracestate"] = tracestate
-    return _PROPAGATOR.extract(carrier, context=otel_context.Context())
+    return _propagator().extract(carrier, context=otel_context.Context())
 
 
 def traceparent_of(ctx: otel_context.Context | None = None) -> tuple[str, str]:
     """(`traceparent`, `tracestate`) of the current span, or of `ctx`; empty strings when not traced."""
     carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier, context=ctx)
+    _propagator().inject(carrier, context=ctx)
     return carrier.get("traceparent", ""), carrier.get("tracestate", "")
 
 
@@ -81,3 +87,11 @@ def start_metrics_server(port: int, registry: object | None = None, host: str = 
     from prometheus_client import REGISTRY, start_http_server
 
     start_http_server(port, addr=host, registry=registry or REGISTRY)
+
+
+@functools.cache
+def _propagator() -> TraceContextTextMapPropagator:
+    # Imported on first use: a process that never propagates a trace never imports OpenTelemetry.
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    return TraceContextTextMapPropagator()

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from tokenizers import Tokenizer as HfTokenizer
-
 Message = Mapping[str, str]
 
 # SmolLM2's template adds this system turn when the conversation has none.
@@ -21,6 +19,8 @@ class Tokenizer:
     """Text <-> token ids for one model."""
 
     def __init__(self, tokenizer_json: str, chat_template: str = "", special_token_ids: Mapping[str, int] | None = None) -> None:
+        from tokenizers import Tokenizer as HfTokenizer  # lazily: ~10 ms a controller pays only when it loads
+
         self._tokenizer = HfTokenizer.from_str(tokenizer_json)
         self.tokenizer_json = tokenizer_json
         self.chat_template = chat_template

@@ -1,4 +1,5 @@
-"""Real sandboxes for the spawner's integration tests: bubblewrap, and a real Docker engine.
+"""Real sandboxes for the spawner's integration tests: bubblewrap (every launch cold, or served by a
+warm pool), and a real Docker engine.
 
 The docker fixture starts an engine with the shared scripts when `docker info` fails, builds the
 stand-in base image and the controller image once per machine (the controller tag is a content
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +67,28 @@ def spawner_id() -> str:
 def process_sandbox(spawner_id: str) -> Iterator[ProcessSandbox]:
     sandbox = ProcessSandbox(ProcessSandboxConfig(spawner_id=spawner_id))
     yield sandbox
-    sandbox.close()
+    sandbox.remove_cgroup_parents()
+
+
+@pytest.fixture(scope="session")
+def warm_socket_dir() -> Iterator[Path]:
+    """The socket directory warm sandboxes are started with; a launch naming another one starts cold."""
+    with tempfile.TemporaryDirectory(prefix="l4m-warm-sockets-") as directory:
+        os.chmod(directory, 0o755)  # the sandbox uid must enter it
+        yield Path(directory)
+
+
+@pytest.fixture(scope="session")
+def warm_process_sandbox(spawner_id: str, warm_socket_dir: Path) -> Iterator[ProcessSandbox]:
+    """A process sandbox with a warm pool of 2 (default limits as its ceilings). Its pool lives on one
+    event loop: tests run their launches through `harness.run_with`, which opens it full and closes it.
+    Its uids do not overlap `process_sandbox`'s."""
+    config = ProcessSandboxConfig(
+        spawner_id=f"{spawner_id}-warm", uid_base=120_000, warm_pool_size=2, warm_socket_dir=warm_socket_dir
+    )
+    sandbox = ProcessSandbox(config)
+    yield sandbox
+    sandbox.remove_cgroup_parents()
 
 
 @pytest.fixture(scope="session")
@@ -81,7 +104,7 @@ def docker_sandbox(spawner_id: str) -> DockerSandbox:
     return DockerSandbox(DockerSandboxConfig(image=tag, spawner_id=spawner_id))
 
 
-@pytest.fixture(params=["process", pytest.param("docker", marks=pytest.mark.docker)])
+@pytest.fixture(params=["process", "warm_process", pytest.param("docker", marks=pytest.mark.docker)])
 def sandbox(request: pytest.FixtureRequest) -> Sandbox:
     return request.getfixturevalue(f"{request.param}_sandbox")
 

@@ -1,31 +1,62 @@
 """A spawner server on loopback for integration tests, and the processes around it.
 
 `running_spawner` starts `create_server` (the same function `python -m l4m.spawner` uses) on port 0
-with a real sandbox; `ServiceProcess` runs another l4m service as a real process and prints its log
-when a test fails; `upload`, `launch` and `attach` are the user's side of SpawnerService.
+with a real sandbox; `run_with` runs a test's launches beside a sandbox's background work (a full warm
+pool); `ServiceProcess` runs another l4m service as a real process and prints its log when a test
+fails; `upload`, `launch` and `attach` are the user's side of SpawnerService.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 
 from l4m.spawner.config import SpawnerConfig
 from l4m.spawner.instances import InstanceRegistry
+from l4m.spawner.process_sandbox import ProcessSandbox
 from l4m.spawner.sandbox import Sandbox
 from l4m.spawner.server import SpawnerServer, create_server
 from l4m.v1 import spawner_pb2, spawner_pb2_grpc
 
 RPC_DEADLINE_S = 30.0
+POOL_FILL_TIMEOUT_S = 120.0
+T = TypeVar("T")
+
+
+def serves_warm(sandbox: Sandbox) -> bool:
+    """Whether launches on `sandbox` are served by a warm pool (when it is full)."""
+    return isinstance(sandbox, ProcessSandbox) and sandbox.config.warm_pool_size > 0
+
+
+async def open_full(sandbox: Sandbox) -> None:
+    """Opens the sandbox's background work and, for a warm pool, waits until it is full."""
+    await sandbox.open()
+    if isinstance(sandbox, ProcessSandbox):
+        await asyncio.wait_for(sandbox.wait_warm_pool_full(), POOL_FILL_TIMEOUT_S)
+
+
+def run_with(sandbox: Sandbox, work: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run(work)` with the sandbox opened (a warm pool full) before and closed after."""
+
+    async def go() -> T:
+        await open_full(sandbox)
+        try:
+            return await work
+        finally:
+            await sandbox.close()
+
+    return asyncio.run(go())
 
 
 @dataclass

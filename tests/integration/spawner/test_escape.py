@@ -1,9 +1,11 @@
-"""The sandbox escape suite, on both backends (real bubblewrap, a real Docker engine).
+"""The sandbox escape suite, on both backends (real bubblewrap, a real Docker engine), and on
+bubblewrap again with a warm pool, whose sandboxes were started before the launch they serve.
 
 Each hostile controller either is refused (files, network) or is stopped with the exit reason that
 names the limit it hit (processes, memory, CPU, output, wall time). A well-behaved controller runs
 next to every hostile one and again after it, and must succeed both times: one instance's abuse
 must not hurt the host or its neighbours. The Unix socket directory, the one way out, must work.
+With a warm pool, each hostile controller must have been served by a warm sandbox (asserted).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from l4m.spawner.programs import ProgramStore
 from l4m.spawner.sandbox import ExitInfo, ExitReason, Limits, Sandbox, SandboxSpec
 from l4m.spawner.supervisor import ExitEvent, InstanceSupervisor
+from tests.integration.spawner.harness import run_with, serves_warm
 
 MiB = 1024 * 1024
 HOSTILE_LIMITS = Limits(
@@ -43,6 +46,7 @@ class Run:
     exit: ExitInfo
     stdout: str
     stderr: str
+    is_warm: bool
 
 
 @pytest.fixture
@@ -60,6 +64,7 @@ async def run_program(
     socket_dir: Path | None = None,
 ) -> Run:
     program = store.put(source.encode()).program
+    socket_dir = socket_dir or default_socket_dir(sandbox)
     spec = SandboxSpec(f"t-{uuid.uuid4().hex[:12]}", program.path, args, {}, socket_dir, limits)
     supervisor = InstanceSupervisor(sandbox, spec)
     await supervisor.start()
@@ -72,7 +77,13 @@ async def run_program(
         info,
         b"".join(streams["stdout"]).decode(errors="replace"),
         b"".join(streams["stderr"]).decode(errors="replace"),
+        supervisor.is_warm,
     )
+
+
+def default_socket_dir(sandbox: Sandbox) -> Path | None:
+    """The warm pool's socket directory for a warm sandbox (a launch naming another starts cold)."""
+    return sandbox.config.warm_socket_dir if serves_warm(sandbox) else None
 
 
 def assert_bystander_ok(run: Run) -> None:
@@ -85,6 +96,7 @@ async def run_next_to_bystanders(sandbox: Sandbox, store: ProgramStore, source: 
     hostile, bystander = await asyncio.gather(
         run_program(sandbox, store, source, **kwargs), run_program(sandbox, store, WELL_BEHAVED)
     )
+    assert hostile.is_warm == serves_warm(sandbox), "the hostile controller did not take the expected path"
     assert_bystander_ok(bystander)
     assert_bystander_ok(await run_program(sandbox, store, WELL_BEHAVED))
     return hostile
@@ -126,7 +138,7 @@ for path in ("/opt/l4m/program/main.py", "/usr/lib/l4m-was-here", "/etc/l4m-was-
         "/proc/1/root/etc/shadow",
         spawner_environ,
     )
-    run = asyncio.run(run_next_to_bystanders(sandbox, store, source, args=targets))
+    run = run_with(sandbox, run_next_to_bystanders(sandbox, store, source, args=targets))
     assert run.exit.reason is ExitReason.EXITED, f"{run.exit}\n{run.stderr}"
     assert "TOP-SECRET" not in run.stdout + run.stderr
     assert "READ" not in run.stdout.replace("REFUSED", ""), run.stdout
@@ -166,7 +178,9 @@ except OSError as e:
     print("REFUSED abstract", type(e).__name__)
 """
     try:
-        run = asyncio.run(run_next_to_bystanders(sandbox, store, source, args=(str(port), abstract_name[1:])))
+        run = run_with(
+            sandbox, run_next_to_bystanders(sandbox, store, source, args=(str(port), abstract_name[1:]))
+        )
         for sock in (listener, abstract):
             with pytest.raises(BlockingIOError):
                 sock.accept()  # nothing ever connected
@@ -187,7 +201,7 @@ for _ in range(10_000):
         os._exit(0)
 print("forked 10000")
 """
-    run = asyncio.run(run_next_to_bystanders(sandbox, store, source))
+    run = run_with(sandbox, run_next_to_bystanders(sandbox, store, source))
     assert run.exit.reason is ExitReason.PROCESS_LIMIT, f"{run.exit}\n{run.stderr[-2000:]}"
     assert "forked 10000" not in run.stdout
 
@@ -198,13 +212,13 @@ block = bytearray(4 * 1024**3)
 block[:: 4096] = b"x" * len(block[:: 4096])
 print("allocated 4 GB")
 """
-    run = asyncio.run(run_next_to_bystanders(sandbox, store, source))
+    run = run_with(sandbox, run_next_to_bystanders(sandbox, store, source))
     assert run.exit.reason is ExitReason.MEMORY_LIMIT, f"{run.exit}\n{run.stderr[-2000:]}"
     assert "allocated" not in run.stdout
 
 
 def test_spinning_forever_hits_the_cpu_limit(sandbox: Sandbox, store: ProgramStore) -> None:
-    run = asyncio.run(run_next_to_bystanders(sandbox, store, "while True:\n    pass\n"))
+    run = run_with(sandbox, run_next_to_bystanders(sandbox, store, "while True:\n    pass\n"))
     assert run.exit.reason is ExitReason.CPU_TIME_LIMIT, f"{run.exit}\n{run.stderr[-2000:]}"
 
 
@@ -216,7 +230,7 @@ for _ in range(1024 * 1024):
     sys.stdout.buffer.write(line)
 print("printed 1 GB")
 """
-    run = asyncio.run(run_next_to_bystanders(sandbox, store, source))
+    run = run_with(sandbox, run_next_to_bystanders(sandbox, store, source))
     assert run.exit.reason is ExitReason.OUTPUT_LIMIT, f"{run.exit}\n{run.stderr[-2000:]}"
     assert len(run.stdout) + len(run.stderr) <= HOSTILE_LIMITS.max_output_bytes
     assert "printed 1 GB" not in run.stdout
@@ -224,27 +238,33 @@ print("printed 1 GB")
 
 def test_sleeping_forever_hits_the_wall_time_limit(sandbox: Sandbox, store: ProgramStore) -> None:
     limits = Limits(wall_time_s=1.5)
-    run = asyncio.run(run_program(sandbox, store, "import time\ntime.sleep(3600)\n", limits=limits))
+    run = run_with(sandbox, run_program(sandbox, store, "import time\ntime.sleep(3600)\n", limits=limits))
     assert run.exit.reason is ExitReason.WALL_TIME_LIMIT, run.exit
+    assert run.is_warm == serves_warm(sandbox)
 
 
 def test_terminate_stops_a_running_instance(sandbox: Sandbox, store: ProgramStore) -> None:
-    async def go() -> ExitInfo:
+    async def go() -> tuple[ExitInfo, bool]:
         program = store.put(b"import time\nprint('ready', flush=True)\ntime.sleep(3600)\n").program
-        supervisor = InstanceSupervisor(sandbox, SandboxSpec(f"t-{uuid.uuid4().hex[:12]}", program.path))
+        spec = SandboxSpec(f"t-{uuid.uuid4().hex[:12]}", program.path, socket_dir=default_socket_dir(sandbox))
+        supervisor = InstanceSupervisor(sandbox, spec)
         await supervisor.start()
         async for event in supervisor.subscribe():
             assert not isinstance(event, ExitEvent), event
             if b"ready" in event.data:
                 break
-        return await supervisor.terminate()
+        return await supervisor.terminate(), supervisor.is_warm
 
-    info = asyncio.run(go())
+    info, is_warm = run_with(sandbox, go())
     assert info.reason is ExitReason.TERMINATED, info
+    assert is_warm == serves_warm(sandbox)
 
 
-def _accessible_socket_dir(tmp_path: Path) -> Path:
+def _accessible_socket_dir(sandbox: Sandbox, tmp_path: Path) -> Path:
     # The sandbox uid must be able to enter the directory and connect to (= write) the socket.
+    warm_socket_dir = default_socket_dir(sandbox)
+    if warm_socket_dir is not None:
+        return warm_socket_dir
     socket_dir = tmp_path / "sockets"
     socket_dir.mkdir()
     socket_dir.chmod(0o755)
@@ -252,11 +272,12 @@ def _accessible_socket_dir(tmp_path: Path) -> Path:
 
 
 def test_the_socket_dir_is_reachable(sandbox: Sandbox, store: ProgramStore, tmp_path: Path) -> None:
-    socket_dir = _accessible_socket_dir(tmp_path)
+    socket_dir = _accessible_socket_dir(sandbox, tmp_path)
+    name = f"echo-{uuid.uuid4().hex[:8]}.sock"
     source = """
-import socket
+import socket, sys
 s = socket.socket(socket.AF_UNIX)
-s.connect("/run/l4m/echo.sock")
+s.connect("/run/l4m/" + sys.argv[1])
 s.sendall(b"ping from the sandbox")
 print("ECHO", s.recv(100).decode())
 """
@@ -267,22 +288,27 @@ print("ECHO", s.recv(100).decode())
             await writer.drain()
             writer.close()
 
-        server = await asyncio.start_unix_server(echo, path=str(socket_dir / "echo.sock"))
-        (socket_dir / "echo.sock").chmod(0o666)
-        async with server:
-            return await run_program(sandbox, store, source, socket_dir=socket_dir)
+        server = await asyncio.start_unix_server(echo, path=str(socket_dir / name))
+        (socket_dir / name).chmod(0o666)
+        try:
+            async with server:
+                return await run_program(sandbox, store, source, args=(name,), socket_dir=socket_dir)
+        finally:
+            (socket_dir / name).unlink(missing_ok=True)
 
-    run = asyncio.run(go())
+    run = run_with(sandbox, go())
     assert run.exit.reason is ExitReason.EXITED, f"{run.exit}\n{run.stderr}"
     assert "ECHO ping from the sandbox" in run.stdout
+    assert run.is_warm == serves_warm(sandbox)
 
 
 def test_grpc_over_the_socket_dir(sandbox: Sandbox, store: ProgramStore, tmp_path: Path) -> None:
-    socket_dir = _accessible_socket_dir(tmp_path)
+    socket_dir = _accessible_socket_dir(sandbox, tmp_path)
+    name = f"l4m-{uuid.uuid4().hex[:8]}.sock"
     source = """
-import grpc
+import grpc, sys
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-with grpc.insecure_channel("unix:///run/l4m/l4m.sock") as channel:
+with grpc.insecure_channel("unix:///run/l4m/" + sys.argv[1]) as channel:
     reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
 print("HEALTH", health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 """
@@ -290,14 +316,16 @@ print("HEALTH", health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
     async def go() -> Run:
         server = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
-        server.add_insecure_port(f"unix://{socket_dir / 'l4m.sock'}")
+        server.add_insecure_port(f"unix://{socket_dir / name}")
         await server.start()
-        (socket_dir / "l4m.sock").chmod(0o666)
+        (socket_dir / name).chmod(0o666)
         try:
-            return await run_program(sandbox, store, source, socket_dir=socket_dir)
+            return await run_program(sandbox, store, source, args=(name,), socket_dir=socket_dir)
         finally:
             await server.stop(None)
+            (socket_dir / name).unlink(missing_ok=True)
 
-    run = asyncio.run(go())
+    run = run_with(sandbox, go())
     assert run.exit.reason is ExitReason.EXITED, f"{run.exit}\n{run.stderr}"
     assert "HEALTH SERVING" in run.stdout
+    assert run.is_warm == serves_warm(sandbox)

@@ -39,3 +39,17 @@ def test_metrics_ports_follow_the_base(tmp_path: Path) -> None:
         "executor-0": 9010, "executor-1": 9011, "scheduler": 9001, "spawner": 9000,
     }
     assert all(s.metrics_port == 0 for s in service_specs(_config(tmp_path, metrics_port_base=0)))
+
+
+def test_each_state_dir_gets_its_own_spawner_id(tmp_path: Path) -> None:
+    """A spawner removes its id's leftover cgroups and containers at start: two clusters on one machine
+    must not share an id, or starting one would kill the other's controllers."""
+
+    def spawner_id(state_dir: Path) -> str:
+        argv = service_specs(ClusterConfig(state_dir=state_dir))[-1].argv
+        return argv[argv.index("--spawner-id") + 1]
+
+    first, second = spawner_id(tmp_path / "a"), spawner_id(tmp_path / "b")
+    assert first != second
+    assert first == spawner_id(tmp_path / "a")  # a restart finds its own orphans
+    assert first.replace("-", "").isalnum()  # usable in cgroup paths and container names

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import pytest
 import torch
 
-from l4m.executor.commands import Allocate, ForwardText, ResourceKind, SamplerKind, SamplerSpec
+from l4m.executor.commands import Allocate, DebugQuery, ForwardText, ResourceKind, SamplerKind, SamplerSpec
 from l4m.executor.engine import Engine, EngineConfig
 from l4m.executor.weights import LoadedModel, default_model_path, load_model
 
@@ -40,6 +41,7 @@ def make_engine(loaded: LoadedModel) -> Callable[..., Engine]:
         num_embed_slots: int = 64,
         weights: str = "auto",
         max_quantized_rows: int = 128,
+        decode_kernel: bool = True,
     ) -> Engine:
         config = EngineConfig(
             dtype=dtype,
@@ -48,10 +50,15 @@ def make_engine(loaded: LoadedModel) -> Callable[..., Engine]:
             num_embed_slots=num_embed_slots,
             weights=weights,
             max_quantized_rows=max_quantized_rows,
+            decode_kernel=decode_kernel,
         )
         return Engine(loaded, config)
 
     return make
+
+
+def engine_stats(engine: Engine) -> dict:
+    return json.loads(engine.debug_query([DebugQuery("stats")])[0])
 
 
 class LogitsRecorder:

@@ -8,7 +8,7 @@ import torch
 
 from l4m import brle
 from l4m.executor.commands import MaskKvPage, SamplerKind, SamplerSpec
-from tests.unit.executor.conftest import LogitsRecorder, PageTables
+from tests.unit.executor.conftest import LogitsRecorder, PageTables, engine_stats
 from tests.unit.executor.reference import reference_logits
 
 TOL_FP32 = 1e-3
@@ -89,6 +89,8 @@ def test_greedy_64_identical_to_reference(make_engine, loaded, prompts, weights,
         for n, res in zip(names, results, strict=True):
             generated[n].append(res.outputs[0].token_id)
             last.append(tables.item(n, [res.outputs[0].token_id]))
+    if weights == "quantized":
+        assert engine_stats(engine)["num_decode_kernel_batches"] == 63, "decode steps take the C++ stack"
     for i, n in enumerate(names):
         seq = prompts[i] + generated[n]
         ref_argmax = reference_logits(loaded, seq[:-1]).argmax(-1)[len(prompts[i]) - 1 :].tolist()

@@ -36,18 +36,32 @@ def test_blocks_decode_to_the_dense_weights(loaded, name) -> None:
 
 
 @pytest.mark.skipif(not kernels_available(), reason="needs an AVX2 CPU and a C++ compiler")
-@pytest.mark.parametrize("num_rows", [1, 3, 16, 65])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 16, 65])
 def test_kernel_matches_dense_matmul(loaded, num_rows) -> None:
+    """Every row-tile shape (fused for <= 4 rows, buffered above), and weight row counts that leave tails."""
     torch.manual_seed(num_rows)
-    for name in ("model.layers.3.mlp.down_proj.weight", "model.embed_tokens.weight"):
-        q, dense = loaded.quantized[name], loaded.tensors[name]
+    for name, out_rows in (
+        ("model.layers.3.mlp.down_proj.weight", 576),
+        ("model.layers.3.mlp.down_proj.weight", 13),
+        ("model.embed_tokens.weight", 49152),
+        ("model.embed_tokens.weight", 7),
+    ):
+        q, dense = loaded.quantized[name], loaded.tensors[name][:out_rows]
         x = torch.randn(num_rows, dense.shape[1])
-        if q.kind == "q4_1":
-            got = torch.ops.l4m_quant.q4_1_linear(x, q.qs, q.d, q.m)
-        else:
-            got = torch.ops.l4m_quant.q8_0_linear(x, q.qs, q.d)
+        m = None if q.m is None else q.m[:out_rows]
+        got = torch.ops.l4m_cpu.linear(x, q.qs[:out_rows], q.d[:out_rows], m)
         want = x.double() @ dense.double().T
+        assert got.shape == want.shape
         assert (got.double() - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+@pytest.mark.skipif(not kernels_available(), reason="needs an AVX2 CPU and a C++ compiler")
+def test_kernel_rejects_mismatched_shapes(loaded) -> None:
+    q = loaded.quantized["model.layers.3.mlp.down_proj.weight"]  # Q4_1, K = 1536
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        torch.ops.l4m_cpu.linear(torch.randn(2, 1000), q.qs, q.d, q.m)
+    with pytest.raises(RuntimeError, match="Q4_1 needs m"):
+        torch.ops.l4m_cpu.linear(torch.randn(2, 1536), q.qs, q.d, None)
 
 
 def test_weight_mode_resolution(loaded) -> None:

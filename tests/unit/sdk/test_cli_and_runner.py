@@ -10,11 +10,13 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from l4m import cli
+from l4m.client import exit_status
 from l4m.controller import ControllerConfig, load_program, run_main, run_span
 from l4m.errors import ProgramError
 from l4m.fake import FakeL4M
 from l4m.runtime import MESSAGE_PREFIX, LocalRuntime, LocalVariables
 from l4m.session import Session
+from l4m.v1 import spawner_pb2
 
 
 def test_run_arguments_after_double_dash_go_to_the_controller(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -103,3 +105,39 @@ def test_local_variables_compare_and_set_append_watch(run) -> None:
         assert variables.get("x").version == 2
 
     run(body())
+
+
+@pytest.mark.parametrize(("reason", "exit_code", "status"), [
+    ("EXIT_REASON_EXITED", 0, 0),
+    ("EXIT_REASON_CRASHED", 5, 5),  # `main` returned 5, or the program raised (1) or did not load (2)
+    ("EXIT_REASON_CRASHED", 0, 1),  # killed by a signal no limit explains
+    ("EXIT_REASON_TRAPPED", 3, 3),
+    ("EXIT_REASON_MEMORY_LIMIT", 0, 1),
+    ("EXIT_REASON_TERMINATED", 0, 1),
+])
+def test_l4m_run_exits_with_the_controllers_own_status(reason: str, exit_code: int, status: int) -> None:
+    assert exit_status(spawner_pb2.InstanceExit(reason=spawner_pb2.ExitReason.Value(reason), exit_code=exit_code)) == status
+
+
+def test_run_limits_become_the_launchs_limits_in_the_protos_units() -> None:
+    options = cli.build_parser().parse_args(["run", "p.py", "--wall-time-s", "1.5", "--memory-mib", "256",
+                                             "--max-tokens", "900", "--max-children", "2"])
+    assert cli.launch_limits(options) == spawner_pb2.Limits(wall_time_ms=1500, memory_bytes=256 * 1024 * 1024,
+                                                            max_tokens=900, max_children=2)
+    assert cli.launch_limits(cli.build_parser().parse_args(["run", "p.py"])) is None  # the spawner's defaults
+
+
+@pytest.mark.parametrize(("flag", "value", "error"), [
+    ("--wall-time-s", "0", "must be a finite number > 0 (leave the flag out for the spawner's default)"),
+    ("--cpu-time-s", "-3", "must be a finite number > 0"),
+    ("--cpu-time-s", "inf", "must be a finite number > 0"),
+    ("--max-tokens", "1.5", "'1.5' is not an integer"),
+    ("--memory-mib", "lots", "'lots' is not an integer"),
+])
+def test_bad_run_limits_are_refused_with_the_reason(flag: str, value: str, error: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["run", "p.py", flag, value])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message.startswith(f"l4m run: error: argument {flag}: ") and error in message

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from l4m.spawner.process_sandbox import ProcessSandboxConfig, UidPool, build_command
-from l4m.spawner.sandbox import Limits, SandboxSpec
+import pytest
+
+from l4m.spawner.process_sandbox import (
+    WARM_UP_CPU_S,
+    ZYGOTE_PATH,
+    ProcessSandboxConfig,
+    UidPool,
+    build_command,
+    build_warm_command,
+    warm_launch,
+    warm_refusal,
+)
+from l4m.spawner.sandbox import Limits, MiB, SandboxSpec
 
 CONFIG = ProcessSandboxConfig(
     python_prefix=Path("/work/app/.venv"),
@@ -96,3 +108,91 @@ def test_uids_are_unique_while_held_and_reused_after() -> None:
     assert {first, second} == {100_000, 100_001}
     pool.release(first)
     assert pool.acquire() == first
+
+
+# -- warm sandboxes ---------------------------------------------------------------------------------
+
+WARM_CONFIG = dataclasses.replace(
+    CONFIG,
+    warm_pool_size=2,
+    warm_socket_dir=Path("/srv/sock"),
+    warm_max_limits=Limits(cpu_time_s=600, memory_bytes=2048 * MiB, max_processes=128, max_open_files=512),
+    warm_modules=("l4m.controller", "numpy"),
+)
+
+
+def warm_command(has_memory_cgroup: bool = True) -> list[str]:
+    procs = [Path("/sys/fs/cgroup/pids/l4m/x/warm-1/cgroup.procs")]
+    return build_warm_command(WARM_CONFIG, Path("/state/warm/warm-1"), 100_008, procs, has_memory_cgroup)
+
+
+def test_a_warm_sandbox_runs_the_zygote_with_an_empty_program_directory() -> None:
+    argv = warm_command()
+    assert {kind for kind, _, _ in binds(argv)} == {"--ro-bind"}
+    assert ("--ro-bind", str(ZYGOTE_PATH), "/opt/l4m/zygote/zygote.py") in binds(argv)
+    assert ("--ro-bind", "/state/warm/warm-1", "/opt/l4m/program") in binds(argv)
+    assert ("--ro-bind", "/srv/sock", "/run/l4m") in binds(argv)
+    setpriv = argv[argv.index("setpriv") :]
+    assert "--reuid=100008" in setpriv and "--no-new-privs" in setpriv
+    assert setpriv[-3:] == ["/opt/l4m/zygote/zygote.py", "l4m.controller", "numpy"]
+
+
+def test_a_warm_sandbox_holds_no_instance_secret_until_its_launch() -> None:
+    env = setenvs(warm_command())
+    assert env["PYTHONPATH"] == "/opt/l4m/python"
+    assert not {"L4M_INSTANCE_ID", "L4M_INSTANCE_TOKEN", "TRACEPARENT"} & set(env)
+
+
+def test_a_warm_sandbox_starts_at_the_pool_ceilings() -> None:
+    argv = warm_command(has_memory_cgroup=False)
+    ceiling = WARM_CONFIG.warm_max_limits
+    cpu = 600 + WARM_UP_CPU_S
+    assert f"--cpu={cpu}:{cpu + 1}" in argv
+    assert "--nofile=512:512" in argv and "--nproc=128:128" in argv
+    assert f"--as={ceiling.memory_bytes}:{ceiling.memory_bytes}" in argv
+
+
+def test_the_launch_lowers_to_exactly_the_cold_rlimits() -> None:
+    for has_memory_cgroup in (True, False):
+        spec = SandboxSpec(
+            "i-2", Path("/store/programs/abc"), ("x",), {"L4M_INSTANCE_TOKEN": "t"}, None, Limits()
+        )
+        cold = build_command(CONFIG, spec, 100_007, [], has_memory_cgroup)
+        cold_flags = {arg for arg in cold[: cold.index("bwrap")] if arg.startswith("--")} - {"--"}
+        launch = warm_launch(spec, has_memory_cgroup)
+        flags = {f"--cpu={launch['cpu_time_s']}:{launch['cpu_time_s'] + 1}"}
+        flags |= {f"--{name[7:].lower()}={soft}:{hard}" for name, (soft, hard) in launch["rlimits"].items()}
+        assert flags == cold_flags
+        assert launch["program"] == "/opt/l4m/program/main.py"
+        assert launch["env"] == {"L4M_INSTANCE_ID": "i-2", "L4M_INSTANCE_TOKEN": "t"}
+        assert (launch["args"], launch["runner"]) == (["x"], "")
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"socket_dir": Path("/elsewhere")}, "socket directory"),
+        ({"limits": Limits(tmp_bytes=8 * MiB)}, "/tmp size"),
+        ({"limits": Limits(memory_bytes=4096 * MiB)}, "memory_bytes is above"),
+        ({"limits": Limits(cpu_time_s=601)}, "cpu_time_s is above"),
+        ({"limits": Limits(max_processes=129)}, "max_processes is above"),
+        ({"limits": Limits(max_open_files=513)}, "max_open_files is above"),
+        ({"env": {"PYTHONHASHSEED": "0"}}, "PYTHONHASHSEED"),
+        ({"env": {"OMP_NUM_THREADS": "4"}}, "OMP_NUM_THREADS"),
+    ],
+)
+def test_launches_a_warm_sandbox_cannot_serve_like_a_cold_start(change: dict, reason: str) -> None:
+    spec = dataclasses.replace(SandboxSpec("i-3", Path("/p"), socket_dir=Path("/srv/sock")), **change)
+    assert reason in warm_refusal(WARM_CONFIG, spec)
+
+
+def test_launches_within_the_ceilings_are_served_warm() -> None:
+    limits = Limits(wall_time_s=9999, cpu_time_s=600, memory_bytes=64 * MiB, max_processes=8, cpu_cores=0)
+    spec = SandboxSpec(
+        "i-4", Path("/p"), (), {"TRACEPARENT": "00-x", "L4M_INSTANCE_TOKEN": "t"}, Path("/srv/sock"), limits
+    )
+    assert warm_refusal(WARM_CONFIG, spec) == ""
+
+
+def setenvs(argv: list[str]) -> dict[str, str]:
+    return {argv[i + 1]: argv[i + 2] for i, arg in enumerate(argv) if arg == "--setenv"}

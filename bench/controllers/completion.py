@@ -1,0 +1,32 @@
+"""Benchmark text completion: `completion.py PROMPT_IDS NEW_TOKENS`, PROMPT_IDS comma-separated token ids.
+
+Feeds the prompt token-exact (no chat template), generates NEW_TOKENS greedily (end-of-sequence tokens do
+not stop it: every engine of bench/e2e.py decodes the same count), and reports:
+  - `{"first_token_id": ...}` as soon as the first token exists, so the user measures TTFT as seen by
+    the user (sent without waiting for the reply: the decode loop does not stall on it);
+  - at the end one JSON line: the token ids, each token's wall-clock time (`time.time()`, seconds, the
+    same clock as the user's on this machine) and when `main` started.
+"""
+
+import asyncio
+import json
+import time
+
+from l4m import Greedy, stop
+
+
+async def main(ctx):
+    started_at_s = time.time()
+    prompt_ids = [int(token) for token in ctx.args[0].split(",")]
+    num_new_tokens = int(ctx.args[1])
+    token_ids, token_times_s = [], []
+    first_sent = None
+    async with ctx.new_context() as context:
+        context.fill(prompt_ids)
+        async for token in context.generate(Greedy(), stop=stop.max_tokens(num_new_tokens)):
+            token_times_s.append(time.time())
+            token_ids.append(token.token_id)
+            if first_sent is None:
+                first_sent = asyncio.create_task(ctx.send(json.dumps({"first_token_id": token.token_id})))
+    await first_sent
+    await ctx.send(json.dumps({"started_at_s": started_at_s, "token_ids": token_ids, "token_times_s": token_times_s}))

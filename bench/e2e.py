@@ -1,0 +1,371 @@
+"""End-to-end throughput and latency: N concurrent text-completion controllers through the whole l4m stack
+(user client -> spawner -> sandboxed controller -> scheduler -> executor), against the executor alone and
+against peers on the same model and the same token-exact prompts, all in one run.
+
+    .venv/bin/python bench/e2e.py                                   # N = 1,16,64; prompt 100; 128 new
+    .venv/bin/python bench/e2e.py --n 1,4 --new-tokens 16 --engines l4m,l4m-executor,llama-cpp-f32
+
+Engines: `l4m` (the full stack, started here like `l4m up` with its own state directory and ports; each
+stream is one launch of bench/controllers/completion.py through `l4m.client`) and the engines of
+bench/peers.py (`l4m-executor`, `hf-fp32`, `hf-bf16`, `llama-cpp-f32`, `llama-cpp-f16`), each run in a
+fresh process. An engine whose package is missing is skipped with a printed note.
+
+Definitions (every stream's request at t = 0):
+  tok/s   all generated tokens / time from the request to the last token (prefill and, for l4m, the
+          sandbox launches included).
+  TTFT    request -> first generated token. For l4m the request is the user's Launch call and the token
+          is the one the user receives on the attach stream; `ttft_controller_*` in the JSON is the same
+          first token measured from the controller's `main` start (sandbox start-up excluded).
+  TPOT    the gap between two consecutive tokens of one stream, pooled over all streams.
+  RSS     peak resident memory sampled during the run (model loading excluded); for l4m the sum over
+          every process of the stack (executor, scheduler, spawner, sandboxes and controllers).
+For l4m the JSON also holds the scheduler's forward_text batch sizes and the CPU seconds each part of
+the stack used during the run (the profile the docs quote). Writes JSON (--out) and, with --plot, a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import peers
+from peers import Timeline, make_prompts, matching_prefix, percentile, summarize
+
+from l4m.client import Client
+from l4m.cluster import Cluster, ClusterConfig
+from l4m.v1 import spawner_pb2
+
+BENCH_DIR = Path(__file__).resolve().parent
+COMPLETION_CONTROLLER = BENCH_DIR / "controllers" / "completion.py"
+ALL_ENGINES = ("l4m", *peers.ENGINES)
+STACK_SAMPLE_PERIOD_S = 0.25  # enumerating the stack's processes costs CPU the stack is measured on
+LIMITS = spawner_pb2.Limits(wall_time_ms=900_000, cpu_time_ms=600_000)
+ROLES = ("executor", "scheduler", "spawner", "controller")
+
+
+def stack_config(args: argparse.Namespace) -> ClusterConfig:
+    return ClusterConfig(state_dir=Path(args.state_dir), spawner_port=args.spawner_port,
+                         scheduler_port=args.scheduler_port, metrics_port_base=args.metrics_port_base,
+                         echo_logs=False)
+
+
+class StackSampler:
+    """Samples every process under this one (the cluster's services and their sandboxes) in a thread:
+    the peak of their summed RSS, and the CPU seconds each role (`ROLES`, else "sandbox") used."""
+
+    def __init__(self, period_s: float = STACK_SAMPLE_PERIOD_S) -> None:
+        self._period_s = period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._first_cpu_s: dict[int, float] = {}
+        self._last_cpu_s: dict[int, float] = {}
+        self._roles: dict[int, str] = {}
+        self.peak_rss_bytes = 0
+        self.peak_rss_mib_by_role: dict[str, float] = {}  # the split of the peak sample
+
+    def __enter__(self) -> StackSampler:
+        self._sample(is_first=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def cpu_s_by_role(self) -> dict[str, float]:
+        used: dict[str, float] = {}
+        for pid, cpu_s in self._last_cpu_s.items():
+            role = self._roles[pid]
+            used[role] = used.get(role, 0.0) + cpu_s - self._first_cpu_s.get(pid, 0.0)
+        return {role: round(seconds, 2) for role, seconds in sorted(used.items())}
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period_s):
+            self._sample()
+
+    def _sample(self, is_first: bool = False) -> None:
+        import psutil
+
+        rss_by_role: dict[str, int] = {}
+        for process in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                with process.oneshot():
+                    rss = process.memory_info().rss
+                    times = process.cpu_times()
+                    if process.pid not in self._roles:
+                        command = " ".join(process.cmdline())
+                        self._roles[process.pid] = next((r for r in ROLES if f"l4m.{r}" in command), "sandbox")
+                role = self._roles[process.pid]
+                rss_by_role[role] = rss_by_role.get(role, 0) + rss
+                cpu_s = times.user + times.system
+                if is_first:
+                    self._first_cpu_s[process.pid] = cpu_s
+                self._last_cpu_s[process.pid] = cpu_s
+        total = sum(rss_by_role.values())
+        if total > self.peak_rss_bytes:
+            self.peak_rss_bytes = total
+            self.peak_rss_mib_by_role = {role: round(b / 2**20) for role, b in sorted(rss_by_role.items())}
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Every sample of a Prometheus endpoint, keyed `name{labels}`; empty if metrics are off."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    if not port:
+        return {}
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
+def batch_profile(before: dict[str, float], after: dict[str, float]) -> dict[str, object]:
+    """forward_text batches the scheduler sent during the run: how many, mean size, and per size bucket."""
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    prefix = "l4m_scheduler_batch_size"
+    count = delta(f"{prefix}_count{{kind=forward_text}}")
+    buckets, below = {}, 0.0
+    for key in sorted((k for k in after if k.startswith(f"{prefix}_bucket{{kind=forward_text,")),
+                      key=lambda k: float(k.split("le=")[1].rstrip("}"))):
+        cumulative = delta(key)
+        buckets[key.split("le=")[1].rstrip("}")] = int(cumulative - below)
+        below = cumulative
+    return {"num_forward_text_batches": int(count),
+            "mean_forward_text_batch_size": delta(f"{prefix}_sum{{kind=forward_text}}") / count if count else 0.0,
+            "forward_text_batches_by_size_le": {le: n for le, n in buckets.items() if n}}
+
+
+async def launch_stream(client: Client, program: str, prompt: list[int], new_tokens: int,
+                        origin_s: float) -> dict[str, object]:
+    """One completion through the stack; times are seconds after `origin_s` (wall clock)."""
+    instance_id = await client.launch(program, [",".join(map(str, prompt)), str(new_tokens)], LIMITS)
+    first_seen_s = summary = None
+    log_lines: list[str] = []  # shown only if the controller fails
+    async for event in client.attach(instance_id):
+        kind = event.WhichOneof("event")
+        if kind == "message":
+            message = json.loads(event.message.text)
+            if "first_token_id" in message:
+                first_seen_s = time.time() - origin_s
+            else:
+                summary = message
+        elif kind == "log":
+            log_lines.append(event.log.line)
+        elif kind == "exit" and (event.exit.reason != spawner_pb2.EXIT_REASON_EXITED or event.exit.exit_code):
+            reason = spawner_pb2.ExitReason.Name(event.exit.reason)
+            logs = "\n".join(log_lines[-20:])
+            raise RuntimeError(f"controller {instance_id} ended {reason} ({event.exit.exit_code}): "
+                               f"{event.exit.message}\n{logs}")
+    if summary is None or first_seen_s is None:
+        raise RuntimeError(f"controller {instance_id} exited without reporting its tokens")
+    return {"first_seen_s": first_seen_s, "started_s": summary["started_at_s"] - origin_s,
+            "token_ids": summary["token_ids"], "token_times_s": [t - origin_s for t in summary["token_times_s"]]}
+
+
+async def run_stack(client: Client, program: str, config: ClusterConfig, prompts: list[list[int]],
+                    new_tokens: int) -> tuple[Timeline, dict[str, object]]:
+    """N concurrent launches; the timeline (controller-side token times) and the l4m-only facts."""
+    metrics_before = scrape(config.metrics_port(1))
+    with StackSampler() as sampler:
+        origin_s = time.time()
+        streams = await asyncio.gather(*(launch_stream(client, program, p, new_tokens, origin_s) for p in prompts))
+    timeline = Timeline("l4m", [s["token_ids"] for s in streams], [s["token_times_s"] for s in streams],
+                        sampler.peak_rss_bytes)
+    first_seen = [s["first_seen_s"] for s in streams]
+    from_start = [s["token_times_s"][0] - s["started_s"] for s in streams]
+    extra = {
+        "ttft_user_s": first_seen,
+        "ttft_controller_p50_ms": 1000 * percentile(from_start, 0.5),
+        "ttft_controller_p99_ms": 1000 * percentile(from_start, 0.99),
+        "controller_start_p50_ms": 1000 * percentile([s["started_s"] for s in streams], 0.5),
+        "cpu_s_by_role": sampler.cpu_s_by_role(),
+        "peak_rss_mib_by_role": sampler.peak_rss_mib_by_role,
+        **batch_profile(metrics_before, scrape(config.metrics_port(1))),
+    }
+    return timeline, extra
+
+
+def run_peer(engine: str, num_streams: int, args: argparse.Namespace) -> Timeline | None:
+    """bench/peers.py in a fresh process (its RSS and threads its own); None when the engine is missing."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        command = [sys.executable, str(BENCH_DIR / "peers.py"), "--engine", engine, "--streams", str(num_streams),
+                   "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens),
+                   "--seed", str(args.seed), "--out", out.name]
+        env = dict(os.environ, HF_HUB_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error")
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.peer_timeout_s)
+        if done.returncode == peers.EXIT_UNAVAILABLE:
+            print(f"  skipping {engine}: {done.stderr.strip().splitlines()[-1]}", flush=True)
+            return None
+        if done.returncode != 0:
+            raise RuntimeError(f"{engine} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+        return Timeline(**json.loads(Path(out.name).read_text()))
+
+
+def row_of(timeline: Timeline, extra: dict[str, object] | None = None) -> dict[str, object]:
+    row = {"engine": timeline.engine, **summarize(timeline), "notes": timeline.notes, **(extra or {})}
+    if "ttft_user_s" in row:  # l4m: TTFT is what the user sees, not the controller's clock
+        seen = row.pop("ttft_user_s")
+        row["ttft_p50_ms"], row["ttft_p99_ms"] = 1000 * percentile(seen, 0.5), 1000 * percentile(seen, 0.99)
+    return row
+
+
+def compare_tokens(timelines: dict[str, Timeline]) -> dict[str, object]:
+    """Each engine's greedy tokens against the executor alone's: leading tokens shared on prompt 0, and
+    how many streams match exactly (the full stack should match the executor everywhere)."""
+    reference = timelines.get("l4m-executor")
+    if reference is None:
+        return {}
+    checks = {}
+    for engine, timeline in timelines.items():
+        if engine == "l4m-executor":
+            continue
+        pairs = list(zip(timeline.token_ids, reference.token_ids, strict=True))
+        checks[engine] = {"prompt0_matching_prefix": matching_prefix(*pairs[0]),
+                          "num_streams_identical": sum(a == b for a, b in pairs), "num_streams": len(pairs)}
+    return checks
+
+
+async def warm_up(client: Client, program: str) -> None:
+    """One short completion first: kernel set-up, imports and page caches are not the first stream's cost."""
+    await launch_stream(client, program, make_prompts(1, 16, seed=99)[0], 4, time.time())
+
+
+async def sweep(args: argparse.Namespace) -> dict[str, object]:
+    engines = args.engines.split(",")
+    sizes = [int(n) for n in args.n.split(",")]
+    config = stack_config(args)
+    cluster = Cluster(config, say=lambda line: print(line, flush=True)) if "l4m" in engines else None
+    results: dict[str, object] = {"rows": [], "token_checks": {}, "ratios": {}}
+    try:
+        if cluster is not None:
+            await cluster.start()
+        async with Client(config.spawner_address) as client:
+            program = await client.upload_file(COMPLETION_CONTROLLER) if cluster else ""
+            if cluster is not None:
+                await warm_up(client, program)
+            for num_streams in sizes:
+                prompts = make_prompts(num_streams, args.prompt_tokens, args.seed)
+                timelines: dict[str, Timeline] = {}
+                for engine in engines:
+                    print(f"[e2e] N={num_streams} {engine} ...", flush=True)
+                    if engine == "l4m":
+                        timeline, extra = await run_stack(client, program, config, prompts, args.new_tokens)
+                    else:
+                        timeline, extra = run_peer(engine, num_streams, args), None
+                    if timeline is None:
+                        continue
+                    timelines[engine] = timeline
+                    row = {"n": num_streams, **row_of(timeline, extra)}
+                    results["rows"].append(row)
+                    print(f"[e2e] N={num_streams} {engine}: {row['tok_s']:.1f} tok/s, TTFT p50 "
+                          f"{row['ttft_p50_ms']:.0f} ms, TPOT p50 {row['tpot_p50_ms']:.1f} ms", flush=True)
+                results["token_checks"][num_streams] = compare_tokens(timelines)
+                if "l4m" in timelines and "l4m-executor" in timelines:
+                    ratio = summarize(timelines["l4m"])["tok_s"] / summarize(timelines["l4m-executor"])["tok_s"]
+                    results["ratios"][num_streams] = ratio
+    finally:
+        if cluster is not None:
+            await cluster.stop()
+    return results
+
+
+def print_table(results: dict[str, object]) -> None:
+    print("\n| engine | N | gen tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | peak RSS MiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results["rows"]:
+        print(f"| {r['engine']} | {r['n']} | {r['tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
+              f"{r['tpot_p50_ms']:.1f} | {r['tpot_p99_ms']:.1f} | {r['peak_rss_mib']:.0f} |")
+    for n, ratio in results["ratios"].items():
+        print(f"full stack / executor alone at N={n}: {100 * ratio:.0f} %")
+    for r in results["rows"]:
+        if r["engine"] == "l4m":
+            print(f"l4m N={r['n']}: TTFT from controller start p50 {r['ttft_controller_p50_ms']:.0f} ms; "
+                  f"{r['num_forward_text_batches']} forward_text batches, mean size "
+                  f"{r['mean_forward_text_batch_size']:.1f}; CPU s by role {r['cpu_s_by_role']}; peak RSS MiB "
+                  f"by role {r['peak_rss_mib_by_role']}")
+    for n, checks in results["token_checks"].items():
+        for engine, check in checks.items():
+            print(f"tokens N={n} {engine} vs l4m-executor: prompt 0 shares {check['prompt0_matching_prefix']} "
+                  f"leading tokens; {check['num_streams_identical']}/{check['num_streams']} streams identical")
+
+
+def plot(results: dict[str, object], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for engine in dict.fromkeys(r["engine"] for r in results["rows"]):
+        rows = [r for r in results["rows"] if r["engine"] == engine]
+        axes.plot([r["n"] for r in rows], [r["tok_s"] for r in rows], marker="o", label=engine)
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("concurrent streams N")
+    axes.set_ylabel("generated tokens / s")
+    axes.set_title(results.get("title", "SmolLM2-135M, CPU"))
+    axes.grid(True, alpha=0.3)
+    axes.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", default="1,16,64", help="concurrent streams, comma separated")
+    parser.add_argument("--prompt-tokens", type=int, default=100)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0, help="of the random token-exact prompts")
+    parser.add_argument("--engines", default=",".join(ALL_ENGINES))
+    parser.add_argument("--state-dir", default="/tmp/l4m-e2e", help="the benchmark cluster's state directory")
+    parser.add_argument("--spawner-port", type=int, default=7510)
+    parser.add_argument("--scheduler-port", type=int, default=7511)
+    parser.add_argument("--metrics-port-base", type=int, default=9510)
+    parser.add_argument("--peer-timeout-s", type=float, default=1800.0)
+    parser.add_argument("--out", default="bench/results/e2e.json")
+    parser.add_argument("--plot", default="", help="write a tok/s vs N PNG here (e.g. docs/img/e2e.png)")
+    args = parser.parse_args()
+    unknown = set(args.engines.split(",")) - set(ALL_ENGINES)
+    if unknown:
+        parser.error(f"unknown engines {sorted(unknown)}; known: {', '.join(ALL_ENGINES)}")
+    try:
+        sizes = [int(n) for n in args.n.split(",")]
+    except ValueError:
+        parser.error(f"--n must be comma-separated integers, got {args.n!r}")
+    if min(sizes + [args.prompt_tokens, args.new_tokens]) < 1:
+        parser.error("--n values, --prompt-tokens and --new-tokens must be at least 1")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    load_before = os.getloadavg()
+    results = asyncio.run(sweep(args))
+    results.update(args=vars(args), load_average=[load_before, os.getloadavg()], cpu=peers.cpu_model(),
+                   num_cpus=os.cpu_count())
+    print_table(results)
+    print(f"load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after; {results['cpu']}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2, default=str))
+    if args.plot:
+        plot(results, Path(args.plot))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Smoke tests of the end-to-end benchmarks: tiny runs through a real cluster (real model, sandboxes,
+gRPC) whose JSON must hold sane numbers, and the clear errors their flags give."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def run_bench(script: str, *args: str, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(REPO / "bench" / script), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout_s)
+
+
+def cluster_flags(tmp_path: Path) -> list[str]:
+    spawner, scheduler = free_ports(2)
+    # metrics ports: base+0 spawner, +1 scheduler, +10 executor; a free base found the same way
+    base = free_ports(1)[0]
+    return ["--state-dir", str(tmp_path / "state"), "--spawner-port", str(spawner),
+            "--scheduler-port", str(scheduler), "--metrics-port-base", str(min(base, 60000))]
+
+
+@pytest.mark.slow
+def test_e2e_full_stack_and_executor_alone(tmp_path: Path) -> None:
+    out = tmp_path / "e2e.json"
+    done = run_bench("e2e.py", "--n", "2", "--new-tokens", "4", "--engines", "l4m,l4m-executor",
+                     "--out", str(out), *cluster_flags(tmp_path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    rows = {row["engine"]: row for row in results["rows"]}
+    assert set(rows) == {"l4m", "l4m-executor"}
+    for row in rows.values():
+        assert row["n"] == 2 and row["generated_tokens"] == 8
+        assert row["tok_s"] > 0 and row["peak_rss_mib"] > 0
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
+        assert 0 < row["tpot_p50_ms"] <= row["tpot_p99_ms"]
+    stack = rows["l4m"]
+    assert stack["ttft_controller_p50_ms"] > 0
+    assert stack["num_forward_text_batches"] >= 4  # one prefill and three decode steps at least
+    assert stack["cpu_s_by_role"]["executor"] > 0
+    # the full stack decodes greedily with the same executor: the same tokens as the executor alone
+    assert results["token_checks"]["2"]["l4m"] == {"prompt0_matching_prefix": 4, "num_streams_identical": 2,
+                                                  "num_streams": 2}
+    assert results["ratios"]["2"] > 0
+    assert "| l4m | 2 |" in done.stdout
+
+
+@pytest.mark.slow
+def test_agentic_variants_agree(tmp_path: Path) -> None:
+    out = tmp_path / "agentic.json"
+    done = run_bench("agentic.py", "--repeats", "1", "--prefix-tokens", "40", "--branches", "2",
+                     "--branch-tokens", "3", "--tool-calls", "1", "--turn-tokens", "3",
+                     "--observation-tokens", "5", "--out", str(out), *cluster_flags(tmp_path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {row["workload"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"branches", "agent"}
+    for row in rows.values():
+        assert row["same_tokens"] is True
+        assert row["baseline_wall_s"] > 0 and row["stateful_wall_s"] > 0
+        assert row["stateful_tokens_fed"] < row["baseline_tokens_fed"]  # the point of keeping KV
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        ("e2e.py", ["--engines", "l4m,vllm"], "unknown engines ['vllm']"),
+        ("e2e.py", ["--n", "1,x"], "--n must be comma-separated integers"),
+        ("e2e.py", ["--new-tokens", "0"], "must be at least 1"),
+        ("agentic.py", ["--workloads", "chess"], "unknown workloads ['chess']"),
+        ("agentic.py", ["--branches", "0"], "must be at least 1"),
+        ("peers.py", ["--engine", "l4m-executor", "--streams", "0"], "must be at least 1"),
+    ],
+)
+def test_bad_flags_are_refused_clearly(script: str, args: list[str], message: str) -> None:
+    done = run_bench(script, *args, timeout_s=60)
+    assert done.returncode == 2
+    assert message in done.stderr

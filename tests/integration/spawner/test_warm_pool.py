@@ -1,0 +1,400 @@
+"""The process sandbox's warm pool with real bubblewrap.
+
+A warm sandbox was started before its launch, so these tests check what could leak through that:
+one launch's program, files or uid reaching another; a launch running under the pool's ceilings
+instead of its own limits; a sandbox serving twice. Then the pool's life: it refills, more launches
+than it holds start cold, a launch it cannot serve starts cold, the token and environment arrive
+through the spawner's API, and a spawner that stops (or crashes) leaves no sandbox process behind.
+The escape suite (test_escape.py) runs every hostile controller on a warm sandbox as well.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from l4m.spawner.config import SpawnerConfig
+from l4m.spawner.process_sandbox import ProcessSandbox, ProcessSandboxConfig
+from l4m.spawner.programs import ProgramStore
+from l4m.spawner.sandbox import ExitInfo, ExitReason, Limits, MiB, SandboxSpec
+from l4m.spawner.supervisor import ExitEvent, InstanceSupervisor
+from l4m.v1 import spawner_pb2
+from tests.integration.spawner.harness import (
+    attach,
+    exit_of,
+    open_full,
+    run_with,
+    running_spawner,
+    upload,
+)
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+DEFAULT_LIMITS = Limits()
+WAIT_S = 120.0  # for conditions that must come true; no assertion depends on how fast
+
+
+@dataclass(frozen=True)
+class Run:
+    exit: ExitInfo
+    stdout: str
+    stderr: str
+    is_warm: bool
+
+    def value(self, key: str) -> str:
+        for line in self.stdout.splitlines():
+            if line.startswith(f"{key} "):
+                return line[len(key) + 1 :]
+        raise AssertionError(f"no {key!r} line in:\n{self.stdout}\n{self.stderr}")
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> ProgramStore:
+    return ProgramStore(tmp_path / "store")
+
+
+def start(
+    sandbox: ProcessSandbox,
+    store: ProgramStore,
+    source: str,
+    limits: Limits = DEFAULT_LIMITS,
+    args: tuple[str, ...] = (),
+) -> InstanceSupervisor:
+    program = store.put(source.encode()).program
+    spec = SandboxSpec(
+        f"w-{uuid.uuid4().hex[:12]}", program.path, args, {}, sandbox.config.warm_socket_dir, limits
+    )
+    return InstanceSupervisor(sandbox, spec)
+
+
+async def run_program(
+    sandbox: ProcessSandbox, store: ProgramStore, source: str, limits: Limits = DEFAULT_LIMITS
+) -> Run:
+    supervisor = start(sandbox, store, source, limits)
+    await supervisor.start()
+    return await collect(supervisor)
+
+
+async def collect(supervisor: InstanceSupervisor) -> Run:
+    streams: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
+    async for event in supervisor.subscribe():
+        if not isinstance(event, ExitEvent):
+            streams[event.stream.value].append(event.data)
+    return Run(
+        await supervisor.wait(),
+        b"".join(streams["stdout"]).decode(errors="replace"),
+        b"".join(streams["stderr"]).decode(errors="replace"),
+        supervisor.is_warm,
+    )
+
+
+FIRST = """
+import os, time
+open("/tmp/first-was-here", "w").write("FIRST-SECRET")
+print("uid", os.getuid(), flush=True)
+time.sleep(600)
+"""
+SECOND = """
+import os, sys
+# SECOND-MARKER
+print("uid", os.getuid())
+print("programs", sorted(os.listdir("/opt/l4m/program")))
+source = open(sys.argv[0]).read()
+print("own-source", "SECOND-MARKER" in source, "FIRST-" + "SECRET" in source)
+print("tmp", sorted(os.listdir("/tmp")))
+print("processes", sorted(p for p in os.listdir("/proc") if p.isdigit()))
+"""
+
+
+def test_concurrent_warm_launches_see_neither_each_others_programs_nor_files(
+    warm_process_sandbox: ProcessSandbox, store: ProgramStore
+) -> None:
+    async def go() -> tuple[Run, Run]:
+        first = start(warm_process_sandbox, store, FIRST)
+        await first.start()
+        async for event in first.subscribe():
+            assert not isinstance(event, ExitEvent), event
+            if event.data.startswith(b"uid"):
+                break
+        second = await run_program(warm_process_sandbox, store, SECOND)
+        await first.terminate()
+        return await collect(first), second
+
+    first, second = run_with(warm_process_sandbox, go())
+    assert first.is_warm and second.is_warm
+    assert first.exit.reason is ExitReason.TERMINATED, first.exit
+    assert second.exit.reason is ExitReason.EXITED, f"{second.exit}\n{second.stderr}"
+    assert first.value("uid") != second.value("uid")
+    assert second.value("programs") == "['main.py']"
+    assert second.value("own-source") == "True False"
+    assert "first-was-here" not in second.value("tmp")
+    assert second.value("processes") in ("['1']", "['1', '2']")  # bwrap's init and itself only
+
+
+def test_a_warm_sandbox_serves_one_launch_and_is_replaced(
+    warm_process_sandbox: ProcessSandbox, store: ProgramStore
+) -> None:
+    source = """
+import os, sys
+print("found", sorted(name for name in os.listdir("/tmp") if name.startswith("was-here")))
+open(f"/tmp/was-here-{sys.argv[1] if len(sys.argv) > 1 else 'x'}", "w").close()
+"""
+
+    async def go() -> tuple[list[Run], object, object]:
+        before = warm_process_sandbox.warm_pool_stats()
+        runs = []
+        for number in range(4):
+            await asyncio.wait_for(warm_process_sandbox.wait_warm_pool_full(), WAIT_S)
+            supervisor = start(warm_process_sandbox, store, source, args=(str(number),))
+            await supervisor.start()
+            runs.append(await collect(supervisor))
+        await asyncio.wait_for(warm_process_sandbox.wait_warm_pool_full(), WAIT_S)
+        return runs, before, warm_process_sandbox.warm_pool_stats()
+
+    runs, before, after = run_with(warm_process_sandbox, go())
+    for run in runs:
+        assert run.exit.reason is ExitReason.EXITED, f"{run.exit}\n{run.stderr}"
+        assert run.is_warm
+        assert run.value("found") == "[]"  # no file from an earlier launch: no sandbox served twice
+    assert (before.num_taken, before.num_started, before.num_ready) == (0, 2, 2)
+    # Four taken, each replaced by a fresh sandbox: 2 + 4 started, 2 ready.
+    assert (after.num_taken, after.num_started, after.num_ready) == (4, 6, 2)
+
+
+def test_more_concurrent_launches_than_the_pool_holds_start_cold(
+    warm_process_sandbox: ProcessSandbox, store: ProgramStore
+) -> None:
+    async def go() -> list[Run]:
+        return list(
+            await asyncio.gather(
+                *(run_program(warm_process_sandbox, store, "print('ok')\n") for _ in range(5))
+            )
+        )
+
+    runs = run_with(warm_process_sandbox, go())
+    assert [run.exit.reason for run in runs] == [ExitReason.EXITED] * 5, runs
+    assert all(run.stdout == "ok\n" for run in runs)
+    assert sum(run.is_warm for run in runs) == 2
+
+
+LIMITS_PROBE = """
+import resource
+for name in ("NOFILE", "NPROC", "CPU", "FSIZE", "CORE"):
+    print(name, *resource.getrlimit(getattr(resource, "RLIMIT_" + name)))
+"""
+
+
+def test_a_warm_launch_runs_under_its_own_rlimits(
+    warm_process_sandbox: ProcessSandbox, process_sandbox: ProcessSandbox, store: ProgramStore
+) -> None:
+    limits = Limits(cpu_time_s=7, max_processes=33, max_open_files=77)
+    warm = run_with(warm_process_sandbox, run_program(warm_process_sandbox, store, LIMITS_PROBE, limits))
+    cold = asyncio.run(run_program(process_sandbox, store, LIMITS_PROBE, limits))
+    assert warm.is_warm and not cold.is_warm
+    for name in ("NOFILE", "NPROC", "FSIZE", "CORE"):
+        assert warm.value(name) == cold.value(name), name
+    assert cold.value("NOFILE") == "77 77" and cold.value("NPROC") == "33 33"
+    # RLIMIT_CPU counts from the process's start: the warm one adds what its imports used (< 1 s).
+    soft, hard = map(int, warm.value("CPU").split())
+    assert cold.value("CPU") == "7 8"
+    assert soft in (7, 8, 9) and hard == soft + 1
+
+
+MEMORY_HOG = """
+block = bytearray(200 * 1024 * 1024)
+block[::4096] = b"x" * len(block[::4096])
+print("allocated 200 MiB")
+"""
+THREAD_HOG = """
+import threading, time
+threads = [threading.Thread(target=time.sleep, args=(30,)) for _ in range(20)]
+for thread in threads:
+    thread.start()
+print("started 20 threads")
+"""
+
+
+def test_a_warm_launch_hits_its_own_memory_and_process_limits_below_the_pools(
+    warm_process_sandbox: ProcessSandbox, store: ProgramStore
+) -> None:
+    ceiling = warm_process_sandbox.config.warm_max_limits
+    memory_limits = Limits(memory_bytes=96 * MiB)
+    process_limits = Limits(max_processes=8)
+    assert ceiling.memory_bytes > 200 * MiB and ceiling.max_processes > 20  # the ceilings would allow both
+
+    async def go() -> tuple[Run, Run]:
+        memory = await run_program(warm_process_sandbox, store, MEMORY_HOG, memory_limits)
+        await asyncio.wait_for(warm_process_sandbox.wait_warm_pool_full(), WAIT_S)
+        processes = await run_program(warm_process_sandbox, store, THREAD_HOG, process_limits)
+        return memory, processes
+
+    memory, processes = run_with(warm_process_sandbox, go())
+    assert memory.is_warm and processes.is_warm
+    assert memory.exit.reason is ExitReason.MEMORY_LIMIT, f"{memory.exit}\n{memory.stderr[-2000:]}"
+    assert "allocated" not in memory.stdout
+    assert processes.exit.reason is ExitReason.PROCESS_LIMIT, f"{processes.exit}\n{processes.stderr[-2000:]}"
+    assert "started 20 threads" not in processes.stdout
+
+
+def test_a_launch_above_the_pools_ceilings_starts_cold(
+    warm_process_sandbox: ProcessSandbox, store: ProgramStore
+) -> None:
+    ceiling = warm_process_sandbox.config.warm_max_limits
+    limits = Limits(memory_bytes=ceiling.memory_bytes + MiB)
+
+    async def go() -> tuple[Run, object]:
+        run = await run_program(warm_process_sandbox, store, "print('ok')\n", limits)
+        return run, warm_process_sandbox.warm_pool_stats()
+
+    run, stats = run_with(warm_process_sandbox, go())
+    assert run.exit.reason is ExitReason.EXITED and run.stdout == "ok\n", run
+    assert not run.is_warm
+    assert (stats.num_taken, stats.num_ready) == (0, 2)  # the pool was left as it was
+
+
+# -- through the spawner ---------------------------------------------------------------------------
+
+RUNTIME_HELLO = """
+import os, grpc
+from l4m.v1 import spawner_pb2 as pb, spawner_pb2_grpc
+md = (("l4m-instance-token", os.environ["L4M_INSTANCE_TOKEN"]),)
+rt = spawner_pb2_grpc.RuntimeServiceStub(grpc.insecure_channel(os.environ["L4M_RUNTIME_ADDR"]))
+rt.SendToUser(pb.SendToUserRequest(text="hello from " + os.environ["L4M_INSTANCE_ID"]), metadata=md, timeout=30)
+print("traceparent", os.environ.get("TRACEPARENT", ""))
+"""
+
+
+def warm_pids(spawner_id: str) -> set[int]:
+    """Host pids of every process in this spawner id's warm sandboxes (from their pids cgroups)."""
+    pids: set[int] = set()
+    for procs in (CGROUP_ROOT / "pids" / "l4m" / spawner_id).glob("warm-*/cgroup.procs"):
+        with contextlib.suppress(OSError):
+            pids.update(int(line) for line in procs.read_text().split())
+    return pids
+
+
+def warm_cgroups(spawner_id: str) -> list[Path]:
+    return sorted((CGROUP_ROOT / "pids" / "l4m" / spawner_id).glob("warm-*"))
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+
+
+@pytest.fixture
+def server_sandbox(spawner_id: str, tmp_path: Path) -> Iterator[ProcessSandbox]:
+    if not (CGROUP_ROOT / "pids" / "cgroup.procs").exists():
+        pytest.fail("these tests find warm sandboxes through the pids cgroup, which this machine lacks")
+    config = ProcessSandboxConfig(
+        spawner_id=f"{spawner_id}-srv-{uuid.uuid4().hex[:6]}",
+        uid_base=125_000,
+        warm_pool_size=2,
+        warm_socket_dir=tmp_path / "sockets",
+    )
+    sandbox = ProcessSandbox(config)
+    yield sandbox
+    sandbox.remove_cgroup_parents()
+
+
+def test_a_warm_launch_through_the_spawner_gets_its_token_and_stopping_leaves_nothing(
+    server_sandbox: ProcessSandbox, tmp_path: Path
+) -> None:
+    spawner_id = server_sandbox.config.spawner_id
+    config = SpawnerConfig(
+        state_dir=tmp_path / "state",
+        socket_dir=tmp_path / "sockets",
+        spawner_id=spawner_id,
+        controller_runner="",
+    )
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+    async def go() -> tuple[list[spawner_pb2.AttachResponse], str, bool, set[int]]:
+        async with running_spawner(config, server_sandbox) as spawner:
+            await open_full(server_sandbox)
+            sha = await upload(spawner.stub, RUNTIME_HELLO)
+            launched = await spawner.stub.Launch(
+                spawner_pb2.LaunchRequest(program=sha), metadata=(("traceparent", traceparent),), timeout=30
+            )
+            events = await attach(spawner.stub, launched.instance_id)
+            is_warm = spawner.server.manager.get(launched.instance_id).supervisor.is_warm
+            assert spawner.server.manager.metrics.warm_launches._value.get() == 1
+            await asyncio.wait_for(server_sandbox.wait_warm_pool_full(), WAIT_S)
+            pids = warm_pids(spawner_id)
+        return events, launched.instance_id, is_warm, pids
+
+    events, instance_id, is_warm, pids = asyncio.run(go())
+    assert exit_of(events).reason == spawner_pb2.EXIT_REASON_EXITED, events
+    assert is_warm
+    assert [e.message.text for e in events if e.HasField("message")] == [f"hello from {instance_id}"]
+    logged = [e.log.line for e in events if e.HasField("log")]
+    assert any(line.startswith("traceparent 00-4bf92f3577b34da6a3ce929d0e0e4736-") for line in logged), logged
+    assert len(pids) >= 2  # both warm sandboxes were up before the spawner stopped
+    assert not [pid for pid in pids if is_alive(pid)]
+    assert warm_cgroups(spawner_id) == []
+
+
+def spawner_process(spawner_id: str, state_dir: Path, log_path: Path) -> subprocess.Popen[bytes]:
+    args = ["--listen", "127.0.0.1:0", "--state-dir", str(state_dir), "--spawner-id", spawner_id]
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "l4m.spawner", *args, "--warm-pool-size", "2"], stdout=log, stderr=log
+        )
+
+
+def wait_for_warm_sandboxes(spawner_id: str, process: subprocess.Popen[bytes], log_path: Path) -> set[int]:
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline and process.poll() is None:
+        # Each warm sandbox holds bwrap, bwrap's init and the zygote once started.
+        groups = warm_cgroups(spawner_id)
+        if len(groups) == 2 and all(len((g / "cgroup.procs").read_text().split()) >= 3 for g in groups):
+            return warm_pids(spawner_id)
+        time.sleep(0.1)
+    raise AssertionError(f"the spawner's warm pool did not fill:\n{log_path.read_text()[-4000:]}")
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGKILL], ids=["stopped", "crashed"])
+def test_a_spawner_process_that_ends_leaves_no_warm_sandbox_running(
+    spawner_id: str, tmp_path: Path, stop_signal: signal.Signals
+) -> None:
+    spawner_id = f"{spawner_id}-proc-{uuid.uuid4().hex[:6]}"
+    state_dir = tmp_path / "state"
+    log_path = tmp_path / "spawner.log"
+    process = spawner_process(spawner_id, state_dir, log_path)
+    try:
+        pids = wait_for_warm_sandboxes(spawner_id, process, log_path)
+        process.send_signal(stop_signal)
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=60)
+    deadline = time.monotonic() + WAIT_S  # a crashed spawner's sandboxes die with it, not at once
+    while [pid for pid in pids if is_alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in pids if is_alive(pid)], log_path.read_text()[-4000:]
+    if stop_signal == signal.SIGTERM:
+        assert warm_cgroups(spawner_id) == [], log_path.read_text()[-4000:]
+        assert list((state_dir / "warm").iterdir()) == [], log_path.read_text()[-4000:]
+        assert not (CGROUP_ROOT / "pids" / "l4m" / spawner_id).exists()  # its parent group too
+        return
+    # A crash leaves the warm sandboxes' cgroups and directories: the next start removes them as orphans.
+    assert len(warm_cgroups(spawner_id)) == 2
+    restarted = ProcessSandbox(ProcessSandboxConfig(spawner_id=spawner_id, warm_dir=state_dir / "warm"))
+    assert asyncio.run(restarted.cleanup_orphans()) >= 2
+    assert warm_cgroups(spawner_id) == []
+    assert list((state_dir / "warm").iterdir()) == []
+    restarted.remove_cgroup_parents()
