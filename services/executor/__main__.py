@@ -39,6 +39,11 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, int]:
         help="intra-op CPU threads; 0 = torch's default (all cores). On a CPU shared with other busy "
         "processes, 1 avoids ~16 ms stalls of multi-threaded small ops waiting for a descheduled thread",
     )
+    parser.add_argument(
+        "--decode-kernel", default="on", choices=["on", "off"],
+        help="on: batches where every item feeds one token run all layers in one C++ call on the 4-bit "
+        "weights (CPU, quantized weights); off: always the torch path",
+    )
     parser.add_argument("--page-size", type=int, default=16, help="token slots per KV page")
     parser.add_argument("--num-pages", type=int, default=0, help="KV pages; 0 = size from free memory")
     parser.add_argument("--num-embed-slots", type=int, default=1024)
@@ -56,6 +61,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, int]:
         num_embed_slots=args.num_embed_slots,
         max_batch_tokens=args.max_batch_tokens,
         weights=args.weights,
+        decode_kernel=args.decode_kernel == "on",
     )
     config = ExecutorConfig(listen=args.listen, model_path=str(args.model or default_model_path()), engine=engine)
     return config, args.metrics_port
@@ -65,7 +71,9 @@ async def serve(config: ExecutorConfig, metrics_port: int = 0) -> None:
     print(f"l4m executor: loading {config.model_path} on {config.engine.device} ({config.engine.dtype}) ...", flush=True)
     started = time.monotonic()
     server, port = await create_server(config)
-    print(f"l4m executor: model ready in {time.monotonic() - started:.1f} s ({server.engine.weights} weights)", flush=True)
+    print(f"l4m executor: model ready in {time.monotonic() - started:.1f} s ({server.engine.weights} weights, "
+          f"decode kernel {'on' if server.engine.model.has_decode_kernel and config.engine.decode_kernel else 'off'})",
+          flush=True)
     start_metrics_server(metrics_port, executor_registry(server.engine))
     address = (
         config.listen if config.listen.startswith("unix:") else f"{config.listen.rsplit(':', 1)[0]}:{port}"
