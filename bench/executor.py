@@ -39,11 +39,21 @@ L4M_ENGINES = {  # name -> (dtype, weights, decode kernel: single-token batches 
 }
 
 
-def bench_l4m(loaded, name: str, batch: int, prompt_len: int, new_tokens: int) -> tuple[float, float]:
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def bench_l4m(
+    loaded, name: str, batch: int, prompt_len: int, new_tokens: int, device: str = "cpu"
+) -> tuple[float, float]:
     dtype, weights, decode_kernel = L4M_ENGINES[name]
+    if weights == "quantized" and device != "cpu":
+        raise peers.PeerUnavailable(f"{name} multiplies with the GGUF blocks on the CPU only")
     page_size = 16
     pages_per_seq = -(-(prompt_len + new_tokens) // page_size)
     config = EngineConfig(
+        device=device,
         dtype=dtype,
         page_size=page_size,
         num_pages=batch * pages_per_seq + 1,
@@ -64,6 +74,9 @@ def bench_l4m(loaded, name: str, batch: int, prompt_len: int, new_tokens: int) -
             pages, last, tuple(tokens), tuple(range(start, total)), (), (len(tokens) - 1,), (GREEDY,)
         )
 
+    # Warm-up (as for HF): the first forward pays one-off set-up (CUDA kernels and cuBLAS handles).
+    engine.forward_text([item(0, prompts[0][:8], 0)])
+    _sync(device)
     t0 = time.perf_counter()
     results = engine.forward_text([item(b, prompts[b], 0) for b in range(batch)])
     prefill_s = time.perf_counter() - t0
@@ -77,24 +90,26 @@ def bench_l4m(loaded, name: str, batch: int, prompt_len: int, new_tokens: int) -
     return batch * prompt_len / prefill_s, batch / statistics.median(steps)
 
 
-def bench_hf(dtype: str, batch: int, prompt_len: int, new_tokens: int) -> tuple[float, float]:
+def bench_hf(dtype: str, batch: int, prompt_len: int, new_tokens: int, device: str = "cpu") -> tuple[float, float]:
     from transformers import AutoModelForCausalLM
 
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, torch_dtype=getattr(torch, dtype)
-    ).eval()
-    ids = torch.randint(100, 40000, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
+    ).eval().to(device)
+    ids = torch.randint(100, 40000, (batch, prompt_len), generator=torch.Generator().manual_seed(0)).to(device)
     mask = torch.ones_like(ids)
     with torch.inference_mode():
         # Warm-up: the first generate pays one-off setup that would otherwise count as prefill.
         model.generate(
             ids[:1, :8], attention_mask=mask[:1, :8], max_new_tokens=2, do_sample=False, pad_token_id=2
         )
+        _sync(device)
         t0 = time.perf_counter()
         model.generate(
             ids, attention_mask=mask, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=2
         )
+        _sync(device)
         prefill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         model.generate(
@@ -105,11 +120,16 @@ def bench_hf(dtype: str, batch: int, prompt_len: int, new_tokens: int) -> tuple[
             do_sample=False,
             pad_token_id=2,
         )
+        _sync(device)
         total_s = time.perf_counter() - t0
     return batch * prompt_len / prefill_s, batch * (new_tokens - 1) / max(total_s - prefill_s, 1e-9)
 
 
-def bench_llama_cpp(precision: str, batch: int, prompt_len: int, new_tokens: int) -> tuple[float, float]:
+def bench_llama_cpp(
+    precision: str, batch: int, prompt_len: int, new_tokens: int, device: str = "cpu"
+) -> tuple[float, float]:
+    if device != "cpu":
+        raise peers.PeerUnavailable("llama-cpp-python is built for the CPU here")
     prompts = peers.make_prompts(batch, prompt_len)
     timeline = peers.run_llama_cpp(prompts, new_tokens, precision, torch.get_num_threads())
     return peers.prefill_decode_rates(timeline, prompt_len)
@@ -125,6 +145,7 @@ def main() -> None:
     parser.add_argument("--engines", default="l4m-q4,l4m-fp32,l4m-bf16,hf-fp32,llama-cpp-f32,llama-cpp-f16")
     parser.add_argument("--repeats", type=int, default=1, help="runs per (engine, batch); medians shown")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0 = default")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda:N (the CPU-only engines are skipped on CUDA)")
     parser.add_argument("--out", default="bench/results/executor.json")
     args = parser.parse_args()
     if args.threads > 0:
@@ -139,13 +160,13 @@ def main() -> None:
             for engine in engines:
                 try:
                     if engine.startswith("l4m"):
-                        result = bench_l4m(loaded, engine, batch, args.prompt_tokens, args.new_tokens)
+                        result = bench_l4m(loaded, engine, batch, args.prompt_tokens, args.new_tokens, args.device)
                     elif engine.startswith("llama-cpp-"):
                         precision = engine.rsplit("-", 1)[1]
-                        result = bench_llama_cpp(precision, batch, args.prompt_tokens, args.new_tokens)
+                        result = bench_llama_cpp(precision, batch, args.prompt_tokens, args.new_tokens, args.device)
                     else:
                         dtype = "float32" if engine.endswith("fp32") else "bfloat16"
-                        result = bench_hf(dtype, batch, args.prompt_tokens, args.new_tokens)
+                        result = bench_hf(dtype, batch, args.prompt_tokens, args.new_tokens, args.device)
                 except (ImportError, peers.PeerUnavailable) as exc:
                     print(f"skipping {engine}: {exc}")
                     continue
@@ -168,7 +189,8 @@ def main() -> None:
     ]
     load_after = os.getloadavg()
     print(
-        f"\nprompt {args.prompt_tokens} tokens, {args.new_tokens} new, {torch.get_num_threads()} threads, "
+        f"\n{peers.cpu_model() if args.device == 'cpu' else torch.cuda.get_device_name(args.device)}; "
+        f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new, {torch.get_num_threads()} threads, "
         f"medians of {args.repeats}; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after"
     )
     print("| engine | batch | prefill tok/s | decode tok/s |\n|---|---:|---:|---:|")
@@ -177,6 +199,7 @@ def main() -> None:
     out = {
         "args": vars(args),
         "threads": torch.get_num_threads(),
+        "device": args.device,
         "load_average": [load_before, load_after],
         "rows": rows,
     }

@@ -54,8 +54,8 @@ class LlamaModel:
         self.device = device
         t = loaded.tensors
 
-        def w(name: str) -> torch.Tensor:
-            return t[name].to(device=device, dtype=dtype).contiguous()
+        def w(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
+            return t[name].to(device=device, dtype=as_dtype).contiguous()
 
         def linear(*names: str, dense: torch.Tensor | None = None) -> Linear:
             if dense is None:
@@ -69,16 +69,17 @@ class LlamaModel:
             self.head = linear("lm_head.weight")  # [V, hidden]
         else:
             self.head = linear("model.embed_tokens.weight", dense=self.embed)  # tied
-        self.final_norm = w("model.norm.weight")
+        # Norm weights stay float32: the residual stream is float32 whatever `dtype` (see `forward`).
+        self.final_norm = w("model.norm.weight", torch.float32)
         self.layers = []
         for i in range(self.config.num_layers):
             p = f"model.layers.{i}."
             self.layers.append(
                 LayerWeights(
-                    input_norm=w(p + "input_layernorm.weight"),
+                    input_norm=w(p + "input_layernorm.weight", torch.float32),
                     qkv=linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
                     o=linear(p + "self_attn.o_proj.weight"),
-                    post_norm=w(p + "post_attention_layernorm.weight"),
+                    post_norm=w(p + "post_attention_layernorm.weight", torch.float32),
                     gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                     down=linear(p + "mlp.down_proj.weight"),
                 )
@@ -150,15 +151,20 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Run all layers on `hidden` `[N, hidden]`, writing K/V into the cache.
 
-        Returns the final-normed hidden states of `output_rows` (`[M, hidden]`), the LM head's input.
+        Returns the final-normed hidden states of `output_rows` (`[M, hidden]`, `dtype`), the LM head's
+        input. The residual stream and the norms are float32 whatever `dtype` (as llama.cpp keeps its
+        activations): with bfloat16 only the matmul inputs, the attention and the KV cache are rounded,
+        which halves the logit error against float32 (a bfloat16 residual accumulates a rounding per layer).
         """
         cfg = self.config
         num_tokens = hidden.shape[0]
+        hidden = hidden.float()
+        dtype = self.dtype
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         cos = self.rope_cos[positions].to(self.dtype)[:, None, :]  # [N, 1, D]
         sin = self.rope_sin[positions].to(self.dtype)[:, None, :]
         for layer, kv in zip(self.layers, cache.layers, strict=True):
-            h = F.rms_norm(hidden, (cfg.hidden_size,), layer.input_norm, cfg.rms_norm_eps)
+            h = F.rms_norm(hidden, (cfg.hidden_size,), layer.input_norm, cfg.rms_norm_eps).to(dtype)
             q, k, v = layer.qkv(h).split([q_dim, kv_dim, kv_dim], dim=-1)
             q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
             k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -166,11 +172,11 @@ class LlamaModel:
             k = k * cos + _rotate_half(k) * sin
             kv[plan.write_pages, :, plan.write_offsets] = torch.stack((k, v.view_as(k)), dim=1)
             attn = paged_attention(q, kv, plan)  # [N, H * D]
-            hidden = hidden + layer.o(attn)
-            h = F.rms_norm(hidden, (cfg.hidden_size,), layer.post_norm, cfg.rms_norm_eps)
+            hidden = hidden + layer.o(attn).float()
+            h = F.rms_norm(hidden, (cfg.hidden_size,), layer.post_norm, cfg.rms_norm_eps).to(dtype)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            hidden = hidden + layer.down(F.silu(gate) * up)
-        return F.rms_norm(hidden[output_rows], (cfg.hidden_size,), self.final_norm, cfg.rms_norm_eps)
+            hidden = hidden + layer.down(F.silu(gate) * up).float()
+        return F.rms_norm(hidden[output_rows], (cfg.hidden_size,), self.final_norm, cfg.rms_norm_eps).to(dtype)
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """`[M, hidden]` -> float32 logits `[M, vocab]`."""

@@ -1,8 +1,13 @@
-"""Executor fixtures: the model is loaded once per session (seconds), engines are cheap to build."""
+"""Executor fixtures: the model is loaded once per session (seconds), engines are cheap to build.
+
+`L4M_TEST_DEVICE=cuda:0` runs the engine tests on a GPU (the reference stays a CPU float32 forward);
+the tests of the CPU-only paths (the GGUF-block kernels, the C++ decode step) skip themselves there.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 
 import pytest
@@ -11,6 +16,10 @@ import torch
 from l4m.executor.commands import Allocate, DebugQuery, ForwardText, ResourceKind, SamplerKind, SamplerSpec
 from l4m.executor.engine import Engine, EngineConfig
 from l4m.executor.weights import LoadedModel, default_model_path, load_model
+
+TEST_DEVICE = os.environ.get("L4M_TEST_DEVICE", "cpu")
+ON_CPU = torch.device(TEST_DEVICE).type == "cpu"
+cpu_only = pytest.mark.skipif(not ON_CPU, reason=f"a CPU-only path (L4M_TEST_DEVICE={TEST_DEVICE})")
 
 PROMPTS = [
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
@@ -43,7 +52,10 @@ def make_engine(loaded: LoadedModel) -> Callable[..., Engine]:
         max_quantized_rows: int = 128,
         decode_kernel: bool = True,
     ) -> Engine:
+        if weights == "quantized" and not ON_CPU:
+            pytest.skip(f"quantized weights are a CPU-only path (L4M_TEST_DEVICE={TEST_DEVICE})")
         config = EngineConfig(
+            device=TEST_DEVICE,
             dtype=dtype,
             page_size=page_size,
             num_pages=num_pages,
@@ -70,7 +82,7 @@ class LogitsRecorder:
 
         def record(normed: torch.Tensor) -> torch.Tensor:
             out = inner(normed)
-            self.calls.append(out.clone())
+            self.calls.append(out.float().cpu())  # a copy: compared on the CPU with the reference
             return out
 
         engine.model.logits = record  # type: ignore[method-assign]

@@ -14,9 +14,11 @@ import torch
 
 from l4m.executor.commands import Allocate, EmbedText, Forward, MaskKvPage, ResourceKind, SampleTopK
 from l4m.executor.quant import kernels_available
-from tests.unit.executor.conftest import LogitsRecorder, PageTables, engine_stats
+from tests.unit.executor.conftest import LogitsRecorder, PageTables, cpu_only, engine_stats
 from tests.unit.executor.reference import reference_logits
 from tests.unit.executor.test_forward import TOL_FP32, causal, rows_of
+
+pytestmark = cpu_only  # the C++ decode step is a CPU path
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 needs_kernels = pytest.mark.skipif(not kernels_available(), reason="needs an AVX2 CPU and a C++ compiler")

@@ -23,6 +23,7 @@ from l4m.executor.commands import (
     SampleTopK,
 )
 from l4m.executor.errors import CapabilityError, InvalidCommand, UnknownResource
+from tests.unit.executor.conftest import TEST_DEVICE
 
 PAGE = ResourceKind.KV_PAGE
 SLOT = ResourceKind.EMBED_SLOT
@@ -177,7 +178,7 @@ BAD_BATCHES = [
 def engine(loaded):
     from l4m.executor.engine import Engine, EngineConfig
 
-    engine = Engine(loaded, EngineConfig(page_size=4, num_pages=16, num_embed_slots=4))
+    engine = Engine(loaded, EngineConfig(device=TEST_DEVICE, page_size=4, num_pages=16, num_embed_slots=4))
     engine.allocate([Allocate(PAGE, (0, 1)), Allocate(SLOT, (0,))])
     engine.forward_text([ForwardText((0,), 2, (1, 2), (0, 1))])  # two context tokens in page 0
     engine.embed_text([EmbedText((0,), (5,), (0,))])

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from l4m.executor.commands import SamplerKind, SamplerSpec
 from l4m.executor.engine import Engine, EngineConfig
 from l4m.executor.weights import llama3_freq_factors, load_model
-from tests.unit.executor.conftest import LogitsRecorder, PageTables
+from tests.unit.executor.conftest import TEST_DEVICE, LogitsRecorder, PageTables
 
 # SmolLM2's vocabulary lacks the byte tokens of control characters and of UTF-8 lead bytes past
 # plane 3 (as does its HF tokenizer), so those bytes cannot round-trip through any faithful build.
@@ -82,7 +82,9 @@ def test_safetensors_loader_matches_gguf_loader(loaded, prompts, tmp_path) -> No
     assert from_hf.tokenizer.eos_token_ids == (2,) and from_hf.tokenizer.special_tokens["<|im_start|>"] == 1
     logits = []
     for model in (loaded, from_hf):
-        config = EngineConfig(page_size=4, num_pages=16, num_embed_slots=0, weights="dequantized")
+        config = EngineConfig(
+            device=TEST_DEVICE, page_size=4, num_pages=16, num_embed_slots=0, weights="dequantized"
+        )
         engine = Engine(model, config)  # dense for both: the loaders must agree bit for bit
         recorder = LogitsRecorder(engine)
         engine.forward_text(

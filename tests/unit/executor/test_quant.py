@@ -8,6 +8,9 @@ import torch
 
 from l4m.executor.engine import EngineConfig, resolve_weights
 from l4m.executor.quant import BLOCK_SIZE, QuantizedTensor, kernels_available
+from tests.unit.executor.conftest import cpu_only
+
+pytestmark = cpu_only  # the GGUF-block kernels are a CPU path
 
 
 def dequantize(q: QuantizedTensor) -> torch.Tensor:
