@@ -89,7 +89,7 @@ class FireTarget(Protocol):
 class BatchQueue:
     """Queued items of one kind for one executor, one deque per priority level."""
 
-    __slots__ = ("kind", "target", "levels", "num_items", "is_forward", "max_batch_tokens")
+    __slots__ = ("kind", "target", "levels", "num_items", "is_forward", "max_batch_tokens", "awaited", "hold_until")
 
     def __init__(self, kind: str, target: FireTarget, max_batch_tokens: int) -> None:
         self.kind = kind
@@ -98,10 +98,19 @@ class BatchQueue:
         self.num_items = 0
         self.is_forward = kind in FORWARD_KINDS
         self.max_batch_tokens = max_batch_tokens if self.is_forward else 1 << 62
+        # Adaptive regrouping: streams of the batch that just returned which have not sent their next
+        # item yet, and until when the next fire may wait for them.
+        self.awaited: dict[Stream, None] = {}
+        self.hold_until = 0.0
 
     def push(self, command: Command, level: int) -> None:
         self.levels[level].append(command)
         self.num_items += 1
+        if self.awaited:
+            self.awaited.pop(command.stream, None)
+
+    def streams(self) -> set[Stream]:
+        return {command.stream for level in self.levels for command in level}
 
     def oldest_arrival(self) -> float:
         return min(level[0].arrived_at for level in self.levels if level)
@@ -191,15 +200,47 @@ class KOrT:
 
 
 class Adaptive:
-    """One forward batch in flight per executor; when it returns, everything queued fires."""
+    """One forward batch in flight per executor; when it returns, what is queued fires, after waiting
+    (briefly, bounded) for the streams of the returned batch to send their next item.
 
-    name = "adaptive"
+    Without the wait, lock-step streams (decode loops) split into groups that alternate: while group
+    A's batch runs, group B's items queue; when A returns B fires at once, before A's streams have
+    had time to answer, so A queues behind B, and so on for ever, each step costing N / 2-item
+    batches instead of one N-item batch. So when a batch returns (`forward_returned`), its streams
+    that have nothing queued become awaited: the queue fires once none is awaited (each arrival
+    removes itself) or at `hold_until` = return + min(`max_hold_s`, `hold_fraction` x the batch's
+    execution time), whichever comes first. A lone stream that answers at once is never held; a stream
+    that ended is no longer awaited; one that went silent delays the others by the bound at most, once.
+    `max_hold_s` = 0 turns the wait off.
+    """
+
+    def __init__(self, max_hold_s: float = 0.050, hold_fraction: float = 0.5) -> None:
+        self.max_hold_s = max_hold_s
+        self.hold_fraction = hold_fraction
+        self.name = "adaptive" if max_hold_s == 0.050 else f"adaptive:{max_hold_s * 1000:g}"
 
     def take(self, queue: BatchQueue, now: float) -> int:
-        return queue.num_items if queue.target.num_forward_in_flight == 0 else 0
+        if queue.target.num_forward_in_flight:
+            return 0
+        if queue.awaited:
+            if now < queue.hold_until:
+                return 0
+            queue.awaited.clear()
+        return queue.num_items
 
     def deadline(self, queue: BatchQueue) -> float | None:
+        if queue.awaited and queue.target.num_forward_in_flight == 0:
+            return queue.hold_until
         return None
+
+    def returned(self, queue: BatchQueue, streams: list[Stream], now: float, duration_s: float) -> None:
+        hold = min(self.max_hold_s, self.hold_fraction * max(duration_s, 0.0))
+        if hold <= 0:
+            queue.awaited.clear()
+            return
+        queued = queue.streams() if queue.num_items else set()
+        queue.awaited = {s: None for s in streams if s not in queued and s.instance.is_alive}
+        queue.hold_until = now + hold
 
 
 Strategy = Eager | TOnly | KOnly | KOrT | Adaptive
@@ -207,11 +248,14 @@ EAGER = Eager()
 
 
 def parse_strategy(spec: str) -> Strategy:
-    """"adaptive" | "t-only:<t_ms>" | "k-only:<k>" | "k-or-t:<k>:<t_ms>"; ValueError when malformed."""
+    """"adaptive" | "adaptive:<max_hold_ms>" | "t-only:<t_ms>" | "k-only:<k>" | "k-or-t:<k>:<t_ms>";
+    ValueError when malformed."""
     name, *args = spec.split(":")
     try:
         if name == "adaptive" and not args:
             return Adaptive()
+        if name == "adaptive" and len(args) == 1 and float(args[0]) >= 0:
+            return Adaptive(float(args[0]) / 1000)
         if name == "eager" and not args:
             return Eager()
         if name == "t-only" and len(args) == 1:
@@ -224,7 +268,10 @@ def parse_strategy(spec: str) -> Strategy:
             return KOrT(int(args[0]), float(args[1]) / 1000)
     except ValueError:
         pass
-    raise ValueError(f"bad batching strategy {spec!r}; use adaptive, t-only:<t_ms>, k-only:<k> or k-or-t:<k>:<t_ms>")
+    raise ValueError(
+        f"bad batching strategy {spec!r}; use adaptive, adaptive:<max_hold_ms>, t-only:<t_ms>, k-only:<k> "
+        "or k-or-t:<k>:<t_ms>"
+    )
 
 
 # Route a command at the head of its stream: its executor's batch queue, or None when it was
@@ -266,8 +313,11 @@ class Batcher:
 
     def drop_stream(self, stream: Stream) -> None:
         """Forget a stream's pending commands (its instance ended); queued items are removed by
-        `remove_instance` on the queues."""
+        `remove_instance` on the queues. No queue waits for it any more."""
         stream.pending.clear()
+        for queue in self.queues:
+            if queue.awaited:
+                queue.awaited.pop(stream, None)
         if stream.is_ready:
             self._ready[stream.level].pop(stream, None)
             stream.is_ready = False
@@ -324,6 +374,12 @@ class Batcher:
                 fire(queue, commands)
                 num_fired += 1
         return num_fired
+
+    def forward_returned(self, queue: BatchQueue, streams: list[Stream], now: float, duration_s: float) -> None:
+        """A forward batch fired from `queue` was answered after `duration_s`; `streams` sent its items."""
+        returned = getattr(self.forward_strategy, "returned", None)
+        if returned is not None:
+            returned(queue, streams, now, duration_s)
 
     def next_deadline(self) -> float | None:
         deadlines = [

@@ -470,6 +470,11 @@ class Scheduler:
             return
         if queue_is_forward(batch.kind):
             executor.num_forward_in_flight -= 1
+            queue = executor.queues.get(batch.kind)
+            if queue is not None:  # the streams that get an answer now will likely send their next step
+                now = self.clock()
+                answered = [c.stream for c in batch.commands if c.has_reply]
+                self.batcher.forward_returned(queue, answered, now, now - batch.sent_at)
         result = response.WhichOneof("result")
         commands = batch.commands
         if result == "error":

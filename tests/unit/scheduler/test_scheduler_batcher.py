@@ -210,13 +210,189 @@ def test_dropped_stream_and_removed_instance_leave_the_queues() -> None:
 
 @pytest.mark.parametrize(
     ("spec", "name"),
-    [("adaptive", "adaptive"), ("t-only:5", "t-only:5"), ("k-only:8", "k-only:8"), ("k-or-t:8:2.5", "k-or-t:8:2.5")],
+    [
+        ("adaptive", "adaptive"),
+        ("adaptive:50", "adaptive"),
+        ("adaptive:0", "adaptive:0"),
+        ("adaptive:7.5", "adaptive:7.5"),
+        ("t-only:5", "t-only:5"),
+        ("k-only:8", "k-only:8"),
+        ("k-or-t:8:2.5", "k-or-t:8:2.5"),
+    ],
 )
 def test_parse_strategy(spec: str, name: str) -> None:
     assert parse_strategy(spec).name == name
 
 
-@pytest.mark.parametrize("spec", ["", "fast", "k-only:0", "k-only:x", "t-only", "t-only:-1", "k-or-t:1", "adaptive:1"])
+@pytest.mark.parametrize("spec", ["", "fast", "k-only:0", "k-only:x", "t-only", "t-only:-1", "k-or-t:1", "adaptive:-1", "adaptive:x", "adaptive:1:2"])
 def test_parse_strategy_rejects_malformed_specs(spec: str) -> None:
     with pytest.raises(ValueError, match="bad batching strategy"):
         parse_strategy(spec)
+
+
+# ---- adaptive regrouping: lock-step streams share one batch ----
+
+
+class DecodeRig(Rig):
+    """Adaptive with regrouping; `answer` plays the executor returning the batch in flight."""
+
+    def __init__(self, strategy: Adaptive | None = None) -> None:
+        super().__init__(strategy or Adaptive(max_hold_s=0.050, hold_fraction=0.5))
+        self.in_flight: list[Stream] = []
+        self.by_id: dict[int, Stream] = {}
+
+    def stream(self) -> Stream:
+        stream = super().stream()
+        self.by_id[id(stream)] = stream
+        return stream
+
+    def fire(self, queue: BatchQueue, commands: list[Command]) -> None:
+        super().fire(queue, commands)
+        self.in_flight = [c.stream for c in commands]
+        self.sent_at = self.now
+
+    def answer(self) -> list[Stream]:
+        """The batch in flight returns now: the batcher learns which streams were answered."""
+        returned, self.in_flight = self.in_flight, []
+        self.executor.num_forward_in_flight = 0
+        self.batcher.forward_returned(self.queues["forward_text"], returned, self.now, self.now - self.sent_at)
+        self.step()
+        return returned
+
+    def batch_sizes(self) -> list[int]:
+        return [len(items) for _, items in self.fired]
+
+
+def test_regrouping_merges_two_alternating_groups_into_one_batch() -> None:
+    rig = DecodeRig()
+    group_a = [rig.stream() for _ in range(3)]
+    group_b = [rig.stream() for _ in range(3)]
+    request = iter(range(1000))
+    for s in group_a:
+        rig.submit(s, "forward_text", next(request))
+    rig.step()  # A fires alone
+    rig.now = 0.010
+    for s in group_b:  # B arrives while A runs
+        rig.submit(s, "forward_text", next(request))
+    rig.step()
+    assert rig.batch_sizes() == [3]
+    rig.now = 0.100  # A returns after 100 ms: B is queued, but A's streams are awaited
+    returned = rig.answer()
+    assert rig.batch_sizes() == [3], "B must wait for A's streams (hold = min(50 ms, 0.5 x 100 ms))"
+    assert rig.batcher.next_deadline() == pytest.approx(0.150)
+    rig.now = 0.102
+    for s in returned[:2]:
+        rig.submit(s, "forward_text", next(request))
+        rig.step()
+    assert rig.batch_sizes() == [3], "one of A's streams is still awaited"
+    rig.submit(returned[2], "forward_text", next(request))
+    rig.step()  # the last awaited stream arrived: everything fires at once, before the deadline
+    assert rig.batch_sizes() == [3, 6]
+    assert rig.batcher.next_deadline() is None
+
+
+def test_a_lone_stream_is_never_held() -> None:
+    rig = DecodeRig()
+    s = rig.stream()
+    rig.submit(s, "forward_text", 0)
+    rig.step()
+    for step in range(1, 4):
+        rig.now += 0.020
+        rig.answer()
+        assert rig.batcher.next_deadline() is None  # nothing queued: no timer
+        rig.submit(s, "forward_text", step)
+        rig.step()
+        assert len(rig.fired) == step + 1, "its next step fires the moment it arrives"
+
+
+def test_a_silent_stream_delays_the_others_by_the_bound_once() -> None:
+    rig = DecodeRig()
+    quiet, busy, other = rig.stream(), rig.stream(), rig.stream()
+    rig.submit(quiet, "forward_text", 0)
+    rig.submit(busy, "forward_text", 1)
+    rig.step()
+    rig.now = 0.010
+    rig.submit(other, "forward_text", 2)
+    rig.step()
+    rig.now = 0.210  # the batch took 200 ms: hold = min(50 ms, 100 ms) = 50 ms
+    rig.answer()
+    rig.submit(busy, "forward_text", 3)
+    rig.step()
+    assert rig.batch_sizes() == [2], "`quiet` is still awaited"
+    assert rig.batcher.next_deadline() == pytest.approx(0.260)
+    rig.now = 0.259
+    rig.step()
+    assert rig.batch_sizes() == [2]
+    rig.now = 0.260  # the deadline: fire without `quiet`, and stop waiting for it
+    rig.step()
+    assert rig.fired_ids()[-1] == [2, 3]
+    assert not rig.queues["forward_text"].awaited
+
+
+def test_the_hold_is_a_fraction_of_the_batch_time_for_fast_batches() -> None:
+    rig = DecodeRig()
+    a, b = rig.stream(), rig.stream()
+    rig.submit(a, "forward_text", 0)
+    rig.step()
+    rig.submit(b, "forward_text", 1)
+    rig.now = 0.004  # a 4 ms batch (a GPU): hold 2 ms, not 50
+    rig.answer()
+    assert rig.batcher.next_deadline() == pytest.approx(0.006)
+
+
+def test_an_ended_instance_is_no_longer_awaited() -> None:
+    rig = DecodeRig()
+    leaving, staying, waiting = rig.stream(), rig.stream(), rig.stream()
+    rig.submit(leaving, "forward_text", 0)
+    rig.submit(staying, "forward_text", 1)
+    rig.step()
+    rig.submit(waiting, "forward_text", 2)
+    rig.now = 0.050
+    rig.answer()
+    rig.submit(staying, "forward_text", 3)
+    rig.step()
+    assert rig.batch_sizes() == [2]
+    rig.batcher.drop_stream(leaving)  # its instance ended
+    rig.step()
+    assert rig.fired_ids()[-1] == [2, 3]
+
+
+def test_streams_already_queued_again_are_not_awaited() -> None:
+    """A stream that pipelined its next step before the reply came is in the queue: no hold for it."""
+    rig = DecodeRig()
+    a, b = rig.stream(), rig.stream()
+    rig.submit(a, "forward_text", 0)
+    rig.step()
+    rig.submit(a, "forward_text", 1)  # sent ahead of the reply
+    rig.submit(b, "forward_text", 2)
+    rig.step()
+    rig.now = 0.030
+    rig.answer()
+    assert rig.fired_ids()[-1] == [1, 2]
+
+
+def test_adaptive_0_fires_at_once_as_before() -> None:
+    rig = DecodeRig(Adaptive(max_hold_s=0.0))
+    a, b = rig.stream(), rig.stream()
+    rig.submit(a, "forward_text", 0)
+    rig.step()
+    rig.submit(b, "forward_text", 1)
+    rig.now = 0.100
+    rig.answer()
+    assert rig.batch_sizes() == [1, 1]
+
+
+def test_priorities_still_order_a_regrouped_batch() -> None:
+    rig = DecodeRig()
+    low, high = rig.stream(), rig.stream()
+    rig.batcher.set_priority(low, 1)
+    rig.batcher.set_priority(high, 3)
+    rig.submit(low, "forward_text", 0)
+    rig.submit(high, "forward_text", 1)
+    rig.step()
+    rig.now = 0.020
+    rig.answer()
+    rig.submit(low, "forward_text", 2)
+    rig.submit(high, "forward_text", 3)
+    rig.step()
+    assert rig.fired_ids() == [[1, 0], [3, 2]]
