@@ -135,6 +135,7 @@ def main() -> None:
     parser.add_argument("--spawner-port", type=int, default=7520)
     parser.add_argument("--scheduler-port", type=int, default=7521)
     parser.add_argument("--metrics-port-base", type=int, default=9520)
+    parser.add_argument("--batching", default="adaptive", help="the l4m scheduler's forward-batch strategy")
     parser.add_argument("--out", default="bench/results/agentic.json")
     args = parser.parse_args()
     unknown = set(args.workloads.split(",")) - set(WORKLOADS)

@@ -56,7 +56,7 @@ ROLES = ("executor", "scheduler", "spawner", "controller")
 def stack_config(args: argparse.Namespace) -> ClusterConfig:
     return ClusterConfig(state_dir=Path(args.state_dir), spawner_port=args.spawner_port,
                          scheduler_port=args.scheduler_port, metrics_port_base=args.metrics_port_base,
-                         echo_logs=False)
+                         batching=args.batching, echo_logs=False)
 
 
 class StackSampler:
@@ -338,6 +338,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--scheduler-port", type=int, default=7511)
     parser.add_argument("--metrics-port-base", type=int, default=9510)
     parser.add_argument("--peer-timeout-s", type=float, default=1800.0)
+    parser.add_argument("--batching", default="adaptive", help="the l4m scheduler's forward-batch strategy")
     parser.add_argument("--out", default="bench/results/e2e.json")
     parser.add_argument("--plot", default="", help="write a tok/s vs N PNG here (e.g. docs/img/e2e.png)")
     args = parser.parse_args()

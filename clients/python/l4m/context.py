@@ -25,12 +25,12 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from l4m.errors import ContextFreed, L4MError
 from l4m.sampler import Greedy, Sampler, TopDistribution
-from l4m.stop import AnyOf, MaxTokens, Stop, StopCondition, on_tokens
+from l4m.stop import AnyOf, MaxTokens, Stop, StopCondition, needs_text, on_tokens
 from l4m.tokenizer import StreamDecoder
 from l4m.v1 import common_pb2, l4m_pb2
 
@@ -52,28 +52,90 @@ class Window:
     num_sink_tokens: int = 0
 
 
-@dataclass(frozen=True)
 class Token:
-    """One generated token and the text it adds to the visible output (may be "" while held back)."""
+    """One generated token and the text it adds to the visible output (may be "" while held back).
 
-    token_id: int
-    logprob: float
-    text: str
-    forced: bool = False  # fast-forwarded by a constraint, not sampled
+    Immutable. When no stop condition needs the text, `text` is decoded on first access (a controller
+    that only reads token ids never loads the tokenizer); its value is the same either way."""
+
+    __slots__ = ("token_id", "logprob", "forced", "_text", "_generation", "_index")
+
+    def __init__(self, token_id: int, logprob: float, text: str, forced: bool = False) -> None:
+        object.__setattr__(self, "token_id", token_id)
+        object.__setattr__(self, "logprob", logprob)
+        object.__setattr__(self, "forced", forced)  # fast-forwarded by a constraint, not sampled
+        object.__setattr__(self, "_text", text)
+        object.__setattr__(self, "_generation", None)
+
+    @classmethod
+    def _lazy(cls, token_id: int, logprob: float, forced: bool, generation: Generation, index: int) -> Token:
+        token = cls(token_id, logprob, "", forced)
+        object.__setattr__(token, "_text", None)
+        object.__setattr__(token, "_generation", generation)
+        object.__setattr__(token, "_index", index)
+        return token
+
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            object.__setattr__(self, "_text", self._generation._delta_of(self._index))
+            object.__setattr__(self, "_generation", None)
+        return self._text
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"Token is immutable (cannot set {name!r})")
+
+    def _key(self) -> tuple[int, float, str, bool]:
+        return (self.token_id, self.logprob, self.text, self.forced)
+
+    def __eq__(self, other: object) -> bool:
+        return self._key() == other._key() if isinstance(other, Token) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return f"Token(token_id={self.token_id!r}, logprob={self.logprob!r}, text={self.text!r}, forced={self.forced!r})"
 
 
-@dataclass
 class Completion:
-    """The whole result of a generation."""
+    """The whole result of a generation. `text` may be decoded on first access (see `Token`)."""
 
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    stop: Stop | None = None
+    def __init__(self, text: str = "", token_ids: list[int] | None = None, logprobs: list[float] | None = None,
+                 stop: Stop | None = None) -> None:
+        self._text: str | None = text
+        self._text_source: Generation | None = None
+        self.token_ids: list[int] = [] if token_ids is None else token_ids
+        self.logprobs: list[float] = [] if logprobs is None else logprobs
+        self.stop = stop
+
+    @property
+    def text(self) -> str:
+        if self._text_source is not None:
+            self._text = self._text_source._visible_text_of(len(self.token_ids))
+            if self.stop is not None:
+                self._text_source = None  # final
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._text, self._text_source = value, None
 
     @property
     def logprob(self) -> float:
         return float(sum(self.logprobs))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Completion):
+            return NotImplemented
+        return (self.text, self.token_ids, self.logprobs, self.stop) == (other.text, other.token_ids,
+                                                                          other.logprobs, other.stop)
+
+    __hash__ = None  # mutable, as the dataclass it replaces
+
+    def __repr__(self) -> str:
+        return (f"Completion(text={self.text!r}, token_ids={self.token_ids!r}, logprobs={self.logprobs!r}, "
+                f"stop={self.stop!r})")
 
 
 class Context:
@@ -527,16 +589,26 @@ def _ignore_failure(future: asyncio.Future[Any]) -> None:
 
 
 class Generation:
-    """A generation in progress: async-iterate for `Token`s, or await for the `Completion`."""
+    """A generation in progress: async-iterate for `Token`s, or await for the `Completion`.
+
+    When the stop condition does not read the text (token ids, length), the text is not decoded while
+    generating: `Token.text` and `Completion.text` decode it on first access, in token order (the same
+    values as decoding as we go, without loading the tokenizer for controllers that never ask)."""
 
     def __init__(self, context: Context, sampler: Sampler, stop: StopCondition, constraint: Constraint | None) -> None:
         self._context = context
         self._sampler = sampler
         self._stop = stop
         self._constraint = constraint
-        self._decoder = StreamDecoder(context.model.tokenizer)
+        self._is_text_lazy = not needs_text(stop)
+        self._decoder: StreamDecoder | None = None
         self._num_emitted_chars = 0
+        self._num_decoded = 0  # lazy: tokens whose text was computed
+        self._deltas: list[str] = []  # lazy: the text each token added
+        self._visible_text = ""
         self.completion = Completion()
+        if self._is_text_lazy:
+            self.completion._text_source = self
 
     def __aiter__(self) -> AsyncIterator[Token]:
         return self._run()
@@ -550,7 +622,7 @@ class Generation:
         return self.completion
 
     async def _run(self) -> AsyncIterator[Token]:
-        context, constraint = self._context, self._constraint
+        context, constraint, sampler = self._context, self._constraint, self._sampler
         step_index = 0
         if constraint is not None:
             # Overlap: the prompt is fed while the first mask is computed.
@@ -562,28 +634,71 @@ class Generation:
                 if self.completion.stop is not None:
                     return
             mask = await asyncio.to_thread(constraint.mask) if constraint is not None else None
-            result = await context.step(self._sampler, mask, step_index)
+            token = (await context.step(sampler, mask, step_index)).token
             step_index += 1
-            context.fill([result.token.token_id])
-            yield self._accept(result.token.token_id, result.token.logprob)
+            token_id = token.token_id
+            context.fill((token_id,))
+            yield self._accept(token_id, token.logprob)
 
     def _accept(self, token_id: int, logprob: float, forced: bool = False) -> Token:
         completion = self.completion
         completion.token_ids.append(token_id)
         completion.logprobs.append(logprob)
-        self._decoder.push(token_id)
-        text = self._decoder.text
-        stop = self._stop.check(completion.token_ids, text)
+        if self._is_text_lazy:
+            stop = self._stop.check(completion.token_ids, "")
+            stop = self._check_constraint(token_id, stop)
+            if stop is not None:
+                completion.stop = stop
+            return Token._lazy(token_id, logprob, forced, self, len(completion.token_ids) - 1)
+        text = self._push_text(token_id)
+        stop = self._check_constraint(token_id, self._stop.check(completion.token_ids, text))
+        if stop is not None:
+            completion.stop = stop
+        return Token(token_id, logprob, self._emit(text, stop), forced)
+
+    def _check_constraint(self, token_id: int, stop: Stop | None) -> Stop | None:
         if stop is None and self._constraint is not None:
             self._constraint.consume(token_id)  # raises ConstraintError on a token the grammar refuses
             if self._constraint.is_finished():
-                stop = Stop("constraint")
+                return Stop("constraint")
+        return stop
+
+    def _push_text(self, token_id: int) -> str:
+        if self._decoder is None:
+            self._decoder = StreamDecoder(self._context.model.tokenizer)
+        self._decoder.push(token_id)
+        return self._decoder.text
+
+    def _emit(self, text: str, stop: Stop | None) -> str:
+        """Cut the visible text after a token; the part of it not emitted yet."""
         if stop is not None:
-            completion.stop = stop
             visible_end = len(text) if stop.text_end is None else stop.text_end
         else:
             visible_end = len(text) - self._stop.holdback(text)
-        completion.text = text[:visible_end]
-        delta = completion.text[self._num_emitted_chars:]
-        self._num_emitted_chars = max(self._num_emitted_chars, len(completion.text))
-        return Token(token_id, logprob, delta, forced)
+        visible = text[:visible_end] if visible_end < len(text) else text
+        if self._is_text_lazy:
+            self._visible_text = visible
+        else:
+            self.completion.text = visible
+        delta = visible[self._num_emitted_chars:]
+        self._num_emitted_chars = max(self._num_emitted_chars, len(visible))
+        return delta
+
+    def _decode_up_to(self, num_tokens: int) -> None:
+        """Lazy text: decode the tokens before `num_tokens` not decoded yet, as `_accept` would have."""
+        token_ids = self.completion.token_ids
+        while self._num_decoded < num_tokens:
+            index = self._num_decoded
+            text = self._push_text(token_ids[index])
+            # Only the last token stopped; a lazy stop never cuts text (no text_end, no holdback).
+            stop = self.completion.stop if index == len(token_ids) - 1 else None
+            self._deltas.append(self._emit(text, stop))
+            self._num_decoded += 1
+
+    def _delta_of(self, index: int) -> str:
+        self._decode_up_to(index + 1)
+        return self._deltas[index]
+
+    def _visible_text_of(self, num_tokens: int) -> str:
+        self._decode_up_to(num_tokens)
+        return self._visible_text

@@ -100,3 +100,10 @@ def max_tokens(n: int) -> MaxTokens:
 
 def any_of(*conditions: StopCondition) -> AnyOf:
     return AnyOf(tuple(conditions))
+
+
+def needs_text(condition: StopCondition) -> bool:
+    """Whether `condition` reads the decoded text; a condition of a type not known here is assumed to."""
+    if type(condition) is AnyOf:
+        return any(needs_text(c) for c in condition.conditions)
+    return type(condition) not in (StopOnTokens, MaxTokens)

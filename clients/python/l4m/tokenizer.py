@@ -25,7 +25,13 @@ class Tokenizer:
         self.tokenizer_json = tokenizer_json
         self.chat_template = chat_template
         self.special_token_ids = dict(special_token_ids or {})
-        self._jinja_template = _compile_jinja(chat_template)
+        self._jinja_template: object | None = None  # compiled on first use: jinja2's import is ~20 ms
+        self._is_jinja_compiled = False
+        # Byte-level decoding is concatenative at character boundaries: decode(a + b) == decode(a) +
+        # decode(b) whenever a's bytes end with a whole character (StreamDecoder relies on it).
+        from tokenizers import decoders
+
+        self.is_byte_level = isinstance(self._tokenizer.decoder, decoders.ByteLevel)
 
     @property
     def vocab_size(self) -> int:
@@ -44,6 +50,9 @@ class Tokenizer:
     def apply_chat_template(self, messages: Iterable[Message], add_generation_prompt: bool = True) -> str:
         """The prompt text for a conversation, as the model was trained to read it."""
         messages = [dict(m) for m in messages]
+        if not self._is_jinja_compiled:
+            self._jinja_template = _compile_jinja(self.chat_template)
+            self._is_jinja_compiled = True
         if self._jinja_template is not None:
             return self._jinja_template.render(messages=messages, add_generation_prompt=add_generation_prompt)
         return render_chatml(messages, add_generation_prompt, self._default_system())
@@ -53,18 +62,31 @@ class Tokenizer:
 
 
 class StreamDecoder:
-    """Decodes a growing list of tokens into text deltas without splitting a UTF-8 character."""
+    """Decodes a growing list of tokens into text deltas without splitting a UTF-8 character.
+
+    With a byte-level tokenizer each push decodes only the tokens since the last character boundary
+    (O(1) per token); otherwise the whole list is decoded again. Both give `decode(token_ids)`.
+    """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self.token_ids: list[int] = []
         self.text = ""
+        self._is_incremental = getattr(tokenizer, "is_byte_level", False)
+        self._num_committed = 0  # token_ids[:_num_committed] decode to `text` and end on a character boundary
 
     def push(self, token_id: int) -> str:
         """Add a token; returns the new text it completes (possibly empty)."""
         self.token_ids.append(token_id)
+        if self._is_incremental:
+            tail = self._tokenizer.decode(self.token_ids[self._num_committed:])
+            if tail.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
+                return ""
+            self._num_committed = len(self.token_ids)
+            self.text += tail
+            return tail
         text = self._tokenizer.decode(self.token_ids)
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
+        if text.endswith("\ufffd"):
             return ""
         delta, self.text = text[len(self.text):], text
         return delta
