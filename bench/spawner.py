@@ -1,50 +1,86 @@
-"""Sandbox launch latency: launch → first output line of a controller that has imported what the
-SDK's runner (`python -m l4m.controller`) imports before its first command (grpc, protobuf, the
-session, model, runtime and context layers). The first command itself is a round trip to the
-scheduler on top, which this benchmark leaves out so that it needs no scheduler.
+"""Launch-to-first-command latency: from a user's `Launch` call to the moment the scheduler has answered
+the controller's first L4M command.
 
-    .venv/bin/python bench/spawner.py                      # every backend
-    .venv/bin/python bench/spawner.py --backends process,process-warm --launches 50
+    flock -x /tmp/l4m-bench.lock .venv/bin/python bench/spawner.py          # every backend
+    flock -x /tmp/l4m-bench.lock .venv/bin/python bench/spawner.py --backends process,process-warm --launches 50
+
+The benchmark starts a real scheduler (`python -m l4m.scheduler`, listening on `scheduler.sock` in the
+sandbox socket directory) on a simulated executor (`python -m l4m.scheduler.simulated`: no model, so
+the command's answer costs the executor nothing), and for each backend a real spawner in this process
+(`create_server`, the function `python -m l4m.spawner` serves with), launching through its
+SpawnerService over gRPC as a user would. Each launch runs `CONTROLLER`, an `async def main(ctx)`
+program, through the SDK's runner (`python -m l4m.controller`): the spawner registers the instance's
+token with the scheduler, starts the sandbox; the runner imports the SDK, opens its L4M session with
+the token and sends GetInfo (`Model.load`); once the scheduler has answered, `main` prints one line.
+The latency is `Launch` called → that line read by the spawner (the instance's first output, checked
+to be that line).
 
 Backends: `process` (bubblewrap, every launch cold), `process-warm` (bubblewrap with a warm pool of
 `--pool-size` sandboxes that have imported the SDK already), `docker`. For each: `--launches`
-launches one after another (p50/p99 of launch-to-first-output), then `--concurrent` launches at once
-(the same latencies under load, and the wall time for all of them). `process-warm` runs the
-sequential launches twice: "refilled" waits (untimed) for a full pool before each launch, the
-latency while launches come slower than the pool refills; "back-to-back" does not wait, so launches
-that find the pool empty start cold. The `warm` column counts launches served by a warm sandbox.
-Runs as root (the process sandbox switches uids); the docker backend needs a running engine and
-builds the controller image on first use. Target: process sandbox p50 ≤ 150 ms.
+launches one after another (p50/p99), then `--concurrent` launches at once (the same latencies under
+load, and the wall time for all of them). `process-warm` runs the sequential launches twice:
+"refilled" waits (untimed) for a full pool before each launch, the latency while launches come slower
+than the pool refills; "back-to-back" does not wait, so launches that find the pool empty start cold.
+The `warm` column counts launches served by a warm sandbox. Runs as root (the process sandbox switches
+uids); the docker backend needs a running engine (`scripts/ci/docker-engine.sh` starts one,
+`scripts/ci/base-image.sh` builds the base image) and builds the controller image on first use.
+Target: process sandbox p50 ≤ 150 ms.
+
+`--refill` measures the warm pool's refill instead (warm sandboxes start at idle CPU priority, see
+docs/operations.md): `--rounds` times, a burst of `--pool-size` launches takes the whole pool and the
+time until it is full again is printed, first on a quiet machine, then with `--hogs` busy loops
+(`while True: pass`, nice 0, each in its own session like a separate service), with the share of a
+core each hog kept meanwhile. A refill waits for idle CPU, so with a hog per core it takes as long as
+the hogs leave none (up to `--max-wait-s`).
+
+    flock -x /tmp/l4m-bench.lock .venv/bin/python bench/spawner.py --refill --hogs 2 --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from l4m.spawner.programs import ProgramStore
-from l4m.spawner.sandbox import ExitReason, Limits, Sandbox, SandboxSpec
-from l4m.spawner.supervisor import InstanceSupervisor
+import grpc
 
+from l4m.spawner.config import SpawnerConfig
+from l4m.spawner.sandbox import ExitReason
+from l4m.spawner.server import SpawnerServer, create_server
+from l4m.spawner.supervisor import ExitEvent, InstanceSupervisor
+from l4m.v1 import spawner_pb2, spawner_pb2_grpc
+
+MARKER = b"first command answered"
 CONTROLLER = b"""
-import l4m.controller
-print("ready", flush=True)
+async def main(ctx):
+    # The runner's Model.load sent GetInfo, this instance's first L4M command, and the scheduler
+    # answered it before main was called: this line ends the timed interval.
+    print("first command answered by", ctx.model.name, flush=True)
 """
+HOG = "while True: pass"
+HOG_SETTLE_S = 1.0
 TARGET_PROCESS_P50_MS = 150.0
 POOL_FILL_TIMEOUT_S = 120.0
+SERVICE_START_TIMEOUT_S = 60.0
+RPC_DEADLINE_S = 120.0
+_LISTENING_RE = re.compile(rb"listening on [\w.]+:(\d+)")
 
 
 @dataclass(frozen=True)
 class Launch:
-    latency_ms: float | None  # None: it did not exit cleanly
+    latency_ms: float | None  # None: it did not exit cleanly, or its first output was not MARKER
     is_warm: bool
 
 
@@ -61,19 +97,78 @@ class Row:
     wall_s: float
 
 
-async def launch_once(sandbox: Sandbox, program: Path) -> Launch:
-    """Milliseconds from launch to the first output line, and whether a warm sandbox served it."""
-    spec = SandboxSpec(
-        f"bench-{uuid.uuid4().hex[:12]}", program, limits=Limits(wall_time_s=120, cpu_time_s=60)
+@dataclass(frozen=True)
+class Cluster:
+    socket_dir: Path
+    registry_address: str  # the spawner's --scheduler
+
+
+async def start_service(
+    module: str, args: list[str], log_path: Path
+) -> tuple[asyncio.subprocess.Process, int]:
+    """`python -m MODULE ARGS`, its output in `log_path`; returns once it prints its port."""
+    log = open(log_path, "wb")  # noqa: SIM115 - the child holds it; closed when this process ends
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", module, *args, stdout=log, stderr=asyncio.subprocess.STDOUT
     )
-    supervisor = InstanceSupervisor(sandbox, spec)
-    await supervisor.start()
+    deadline = time.monotonic() + SERVICE_START_TIMEOUT_S
+    while time.monotonic() < deadline and process.returncode is None:
+        match = _LISTENING_RE.search(log_path.read_bytes())
+        if match:
+            return process, int(match.group(1))
+        await asyncio.sleep(0.05)
+    process.kill()
+    raise RuntimeError(f"{module} did not start:\n{log_path.read_bytes()[-4000:].decode(errors='replace')}")
+
+
+@contextlib.asynccontextmanager
+async def scheduler_cluster(root: Path) -> AsyncIterator[Cluster]:
+    """A simulated executor and a scheduler whose Unix socket lies in the sandbox socket directory. Not
+    anonymous: every session must present a token the spawner registered, as in production."""
+    socket_dir = root / "sockets"
+    socket_dir.mkdir(mode=0o755)
+    processes = []
+    try:
+        executor, executor_port = await start_service(
+            "l4m.scheduler.simulated", ["--listen", "127.0.0.1:0"], root / "executor.log"
+        )
+        processes.append(executor)
+        scheduler_socket = socket_dir / "scheduler.sock"
+        scheduler, _ = await start_service(
+            "l4m.scheduler",
+            ["--executor", f"127.0.0.1:{executor_port}", "--listen", "127.0.0.1:0",
+             "--listen-unix", str(scheduler_socket), "--log-level", "WARNING"],
+            root / "scheduler.log",
+        )  # fmt: skip
+        processes.append(scheduler)
+        yield Cluster(socket_dir, f"unix:{scheduler_socket}")
+    finally:
+        for process in reversed(processes):
+            if process.returncode is None:
+                process.terminate()
+            await process.wait()
+
+
+async def launch_once(server: SpawnerServer, stub: spawner_pb2_grpc.SpawnerServiceStub, sha: str) -> Launch:
+    """Milliseconds from `Launch` to the controller's line after its first command, and whether a warm
+    sandbox served it."""
+    started = time.monotonic()
+    launched = await stub.Launch(spawner_pb2.LaunchRequest(program=sha), timeout=RPC_DEADLINE_S)
+    supervisor = server.manager.get(launched.instance_id).supervisor
     info = await supervisor.wait()
-    if info.reason is not ExitReason.EXITED or supervisor.first_output_at_monotonic_s is None:
-        print(f"  launch failed: {info}", file=sys.stderr)
+    first = await first_output(supervisor)
+    if info.reason is not ExitReason.EXITED or not first.startswith(MARKER):
+        print(f"  launch failed: {info}; first output {first[:200]!r}", file=sys.stderr)
         return Launch(None, supervisor.is_warm)
-    latency_ms = (supervisor.first_output_at_monotonic_s - supervisor.started_at_monotonic_s) * 1000
-    return Launch(latency_ms, supervisor.is_warm)
+    assert supervisor.first_output_at_monotonic_s is not None
+    return Launch((supervisor.first_output_at_monotonic_s - started) * 1000, supervisor.is_warm)
+
+
+async def first_output(supervisor: InstanceSupervisor) -> bytes:
+    """The first chunk the instance wrote (on either stream), from the supervisor's replay."""
+    async for event in supervisor.subscribe():
+        return b"" if isinstance(event, ExitEvent) else event.data
+    return b""
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -91,21 +186,61 @@ def summarize(backend: str, mode: str, launches: list[Launch], wall_s: float) ->
     return Row(backend, mode, len(launches), len(ok), num_warm, p50, p99, max(ok), wall_s)
 
 
-async def sequential(sandbox: Sandbox, program: Path, num_launches: int, wait_refilled: bool) -> list[Launch]:
-    launches = []
-    for _ in range(num_launches):
-        if wait_refilled:
-            await asyncio.wait_for(wait_pool_full(sandbox), POOL_FILL_TIMEOUT_S)
-        launches.append(await launch_once(sandbox, program))
-    return launches
+async def wait_pool_full(server: SpawnerServer) -> None:
+    wait = getattr(server.manager.sandbox, "wait_warm_pool_full", None)
+    if wait is not None:
+        await asyncio.wait_for(wait(), POOL_FILL_TIMEOUT_S)
+
+
+@dataclass(frozen=True)
+class Spawner:
+    server: SpawnerServer
+    stub: spawner_pb2_grpc.SpawnerServiceStub
+    program_sha256: str  # CONTROLLER, uploaded
+
+
+@contextlib.asynccontextmanager
+async def running_spawner(
+    backend: str, cluster: Cluster, root: Path, pool_size: int
+) -> AsyncIterator[Spawner]:
+    """A spawner for `backend` in this process, `CONTROLLER` uploaded, its warm pool (if any) full."""
+    config = SpawnerConfig(
+        state_dir=root / backend,
+        socket_dir=cluster.socket_dir,
+        listen_address="127.0.0.1:0",
+        spawner_id=f"bench-{uuid.uuid4().hex[:6]}",
+        sandbox_kind="docker" if backend == "docker" else "process",
+        scheduler_registry_address=cluster.registry_address,
+        warm_pool_size=pool_size if backend == "process-warm" else 0,
+    )
+    server = await create_server(config)
+    print(f"{backend}: {json.dumps(server.manager.sandbox.enforcement())}", file=sys.stderr)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = spawner_pb2_grpc.SpawnerServiceStub(channel)
+            upload = [
+                spawner_pb2.UploadProgramRequest(
+                    header=spawner_pb2.ProgramHeader(size_bytes=len(CONTROLLER))
+                ),
+                spawner_pb2.UploadProgramRequest(chunk=CONTROLLER),
+            ]
+            sha = (await stub.UploadProgram(iter(upload), timeout=RPC_DEADLINE_S)).sha256
+            await wait_pool_full(server)
+            yield Spawner(server, stub, sha)
+    finally:
+        await server.stop(None)
+        remove_cgroup_parents = getattr(server.manager.sandbox, "remove_cgroup_parents", None)
+        if remove_cgroup_parents is not None:
+            remove_cgroup_parents()
 
 
 async def bench_backend(
-    backend: str, sandbox: Sandbox, program: Path, num_launches: int, num_concurrent: int
+    backend: str, cluster: Cluster, root: Path, pool_size: int, num_launches: int, num_concurrent: int
 ) -> list[Row]:
-    await sandbox.open()
-    try:
-        await launch_once(sandbox, program)  # warm the page cache (and, for docker, the image layers)
+    async with running_spawner(backend, cluster, root, pool_size) as spawner:
+        server, stub, sha = spawner.server, spawner.stub, spawner.program_sha256
+        await launch_once(server, stub, sha)  # warms the page cache (for docker, the image layers)
         modes = (
             [("refilled", True), ("back-to-back", False)]
             if backend == "process-warm"
@@ -113,39 +248,88 @@ async def bench_backend(
         )
         rows = []
         for mode, wait_refilled in modes:
-            started = time.monotonic()
-            launches = await sequential(sandbox, program, num_launches, wait_refilled)
+            started, launches = time.monotonic(), []
+            for _ in range(num_launches):
+                if wait_refilled:
+                    await wait_pool_full(server)
+                launches.append(await launch_once(server, stub, sha))
             rows.append(summarize(backend, mode, launches, time.monotonic() - started))
-        await asyncio.wait_for(wait_pool_full(sandbox), POOL_FILL_TIMEOUT_S)
+        await wait_pool_full(server)
         started = time.monotonic()
-        concurrent = await asyncio.gather(*(launch_once(sandbox, program) for _ in range(num_concurrent)))
+        concurrent = await asyncio.gather(*(launch_once(server, stub, sha) for _ in range(num_concurrent)))
         rows.append(
             summarize(backend, f"{num_concurrent} at once", list(concurrent), time.monotonic() - started)
         )
         return rows
+
+
+# -- refill under load ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Refill:
+    num_hogs: int
+    refill_s: float | None  # None: the pool was not full again within the wait
+    hog_cpu_percent: list[float]  # each hog's share of one core during the refill
+    num_start_failures: int
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (/proc/<pid>/stat, fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def refill_once(spawner: Spawner, pool_size: int, num_hogs: int, max_wait_s: float) -> Refill:
+    """Takes the whole pool with `pool_size` launches while `num_hogs` busy loops run, and times how
+    long the pool takes to be full again, from the first launch."""
+    # Each hog in a session of its own, as a separate service (the executor) would be.
+    hogs = [subprocess.Popen([sys.executable, "-c", HOG], start_new_session=True) for _ in range(num_hogs)]
+    try:
+        await asyncio.sleep(HOG_SETTLE_S)
+        started, cpu_before = time.monotonic(), [process_cpu_s(hog.pid) for hog in hogs]
+        launches = [
+            launch_once(spawner.server, spawner.stub, spawner.program_sha256) for _ in range(pool_size)
+        ]
+        served = await asyncio.gather(*launches)
+        assert all(launch.is_warm for launch in served), "the pool was not full before the round"
+        refill_s: float | None = None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(spawner.server.manager.sandbox.wait_warm_pool_full(), max_wait_s)
+            refill_s = time.monotonic() - started
+        elapsed_s = time.monotonic() - started
+        shares = [
+            100 * (process_cpu_s(hog.pid) - before) / elapsed_s
+            for hog, before in zip(hogs, cpu_before, strict=True)
+        ]
     finally:
-        await sandbox.close()
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    await wait_pool_full(spawner.server)
+    stats = spawner.server.manager.sandbox.warm_pool_stats()
+    return Refill(num_hogs, refill_s, shares, stats.num_start_failures)
 
 
-async def wait_pool_full(sandbox: Sandbox) -> None:
-    wait = getattr(sandbox, "wait_warm_pool_full", None)
-    if wait is not None:
-        await wait()
+async def bench_refill(
+    cluster: Cluster, root: Path, pool_size: int, num_hogs: int, num_rounds: int, max_wait_s: float
+) -> list[Refill]:
+    async with running_spawner("process-warm", cluster, root, pool_size) as spawner:
+        return [
+            await refill_once(spawner, pool_size, hogs, max_wait_s)
+            for hogs in (0, num_hogs)
+            for _ in range(num_rounds)
+        ]
 
 
-def make_sandbox(backend: str, pool_size: int) -> Sandbox:
-    spawner_id = f"bench-{uuid.uuid4().hex[:6]}"
-    if backend in ("process", "process-warm"):
-        from l4m.spawner.process_sandbox import ProcessSandbox, ProcessSandboxConfig
-
-        size = pool_size if backend == "process-warm" else 0
-        return ProcessSandbox(ProcessSandboxConfig(spawner_id=spawner_id, warm_pool_size=size))
-    import docker
-    from l4m.spawner.docker_image import ensure_controller_image
-    from l4m.spawner.docker_sandbox import DockerSandbox, DockerSandboxConfig
-
-    image = ensure_controller_image(docker.from_env())
-    return DockerSandbox(DockerSandboxConfig(image=image, spawner_id=spawner_id))
+def print_refills(refills: list[Refill], max_wait_s: float) -> None:
+    print(f"{'hogs':>4} {'refill s':>9} {'hog CPU % of a core':<22} {'start failures':>14}")
+    for refill in refills:
+        refill_s = (
+            f"{refill.refill_s:9.2f}" if refill.refill_s is not None else f"{'>' + str(int(max_wait_s)):>9}"
+        )
+        shares = ", ".join(f"{share:.0f}" for share in refill.hog_cpu_percent) or "-"
+        print(f"{refill.num_hogs:>4} {refill_s} {shares:<22} {refill.num_start_failures:>14}")
 
 
 def print_table(rows: list[Row]) -> None:
@@ -168,17 +352,33 @@ async def main() -> int:
     parser.add_argument("--launches", type=int, default=30, help="sequential launches per backend")
     parser.add_argument("--concurrent", type=int, default=50, help="launches started at once")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument(
+        "--refill",
+        action="store_true",
+        help="instead: time process-warm pool refills with and without --hogs busy loops",
+    )
+    parser.add_argument("--hogs", type=int, default=2, help="busy loops for --refill (one per core)")
+    parser.add_argument("--rounds", type=int, default=3, help="refills timed per number of hogs")
+    parser.add_argument("--max-wait-s", type=float, default=300.0, help="how long a refill may take")
     args = parser.parse_args()
 
     rows: list[Row] = []
-    with tempfile.TemporaryDirectory(prefix="l4m-bench-") as root:
-        program = ProgramStore(Path(root)).put(CONTROLLER).program.path
-        for backend in args.backends.split(","):
-            sandbox = make_sandbox(backend, args.pool_size)
-            print(f"{backend}: {json.dumps(sandbox.enforcement(), indent=None)}", file=sys.stderr)
-            rows += await bench_backend(backend, sandbox, program, args.launches, args.concurrent)
-            if hasattr(sandbox, "remove_cgroup_parents"):
-                sandbox.remove_cgroup_parents()
+    with tempfile.TemporaryDirectory(prefix="l4m-bench-") as directory:
+        root = Path(directory)
+        async with scheduler_cluster(root) as cluster:
+            if args.refill:
+                refills = await bench_refill(
+                    cluster, root, args.pool_size, args.hogs, args.rounds, args.max_wait_s
+                )
+                print_refills(refills, args.max_wait_s)
+                if args.json:
+                    args.json.parent.mkdir(parents=True, exist_ok=True)
+                    args.json.write_text(json.dumps([asdict(refill) for refill in refills], indent=1))
+                return 0
+            for backend in args.backends.split(","):
+                rows += await bench_backend(
+                    backend, cluster, root, args.pool_size, args.launches, args.concurrent
+                )
     print_table(rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

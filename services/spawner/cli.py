@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=non_negative_int,
         default=defaults.warm_pool_size,
         help="process sandboxes kept started ahead of demand, each serving one launch "
-        "(about 50 MiB each; 0: every launch starts cold)",
+        "(about 50 MiB each, started on idle CPU only; 0: every launch starts cold)",
     )
     add("--wall-time-s", type=float, default=limits.wall_time_s, help="default wall time limit")
     add("--cpu-time-s", type=float, default=limits.cpu_time_s, help="default CPU time limit")

@@ -44,7 +44,7 @@ class SpawnerConfig:
     # the program's `async def main(ctx)`); empty: `python PROGRAM ARGS`, for plain scripts.
     controller_runner: str = "l4m.controller"
     # Process sandboxes started ahead of demand, each serving one launch (see process_sandbox.py); about
-    # 50 MiB of memory each while they wait. 0: every launch starts cold.
+    # 50 MiB of memory each while they wait, started on idle CPU only. 0: every launch starts cold.
     warm_pool_size: int = 2
     # The OTLP/gRPC endpoint controllers' spans are forwarded to through the runtime socket (the
     # spawner's own exporter endpoint); empty: controllers are not asked to export spans.

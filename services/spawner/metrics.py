@@ -7,7 +7,11 @@ messages). The core calls its methods; it never touches a metric directly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from l4m.spawner.warm_pool import WarmPoolStats
 
 # From a warm bubblewrap start (tens of ms) to a cold container start (seconds).
 LAUNCH_LATENCY_BUCKETS_S = (0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -52,6 +56,19 @@ class SpawnerMetrics:
             registry=self.registry,
         )
 
+    def bind_warm_pool(self, stats: Callable[[], WarmPoolStats | None]) -> None:
+        """Gauges of the warm pool, read from `stats()` at scrape time (None: the sandbox has no pool)."""
+        sandboxes = Gauge(
+            "l4m_spawner_warm_sandboxes",
+            "Warm sandboxes in the pool, by state (ready: waiting for a launch; starting: at idle CPU priority)",
+            ["state"],
+            registry=self.registry,
+        )
+        sandboxes.labels("ready").set_function(lambda: _field(stats(), "num_ready"))
+        sandboxes.labels("starting").set_function(lambda: _field(stats(), "num_starting"))
+        size = Gauge("l4m_spawner_warm_pool_size", "Warm sandboxes the pool keeps ready", registry=self.registry)
+        size.set_function(lambda: _field(stats(), "size"))
+
     def launch_started(self) -> None:
         self.instances.labels("starting").inc()
 
@@ -73,3 +90,7 @@ class SpawnerMetrics:
     def count_output_bytes(self, num_bytes: int) -> None:
         if num_bytes > 0:
             self.output_bytes.inc(num_bytes)
+
+
+def _field(stats: WarmPoolStats | None, name: str) -> float:
+    return float(getattr(stats, name)) if stats is not None else 0.0

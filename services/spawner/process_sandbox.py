@@ -3,6 +3,7 @@
 The chain started for one instance, each step exec'ing the next:
 
     sh      joins the instance's cgroups (writes its pid into each cgroup.procs)
+    chrt    warm sandboxes only: `--idle 0`, SCHED_IDLE from here on (see the warm pool below)
     prlimit sets RLIMIT_CPU, NOFILE, NPROC, FSIZE, CORE (and AS where there is no memory cgroup)
     bwrap   as root: new mount/pid/net/ipc/uts/cgroup namespaces; binds only /usr, the Python
             installation, the venv, the SDK, the program and the socket directory, all read-only
@@ -29,6 +30,16 @@ launch and ends with it; the pool refills behind it. A launch the pool cannot se
 cold start would (`warm_refusal`: another socket directory or /tmp size, a limit above the pool's
 ceilings, interpreter variables in its environment) starts cold, as does any launch while the pool
 is empty or when a hand-off fails.
+
+A warm sandbox starts at idle CPU priority, since it is work done ahead of demand: its chain runs
+under SCHED_IDLE, and instead of its own cpu cgroup it joins the spawner's idle one (cgroups.py,
+`cpu.idle` = 1). Both are needed: CFS weighs a group as one entity among its siblings, so SCHED_IDLE
+tasks inside an ordinary group (their own cpu cgroup, or the session autogroup bubblewrap's
+`--new-session` gives them) would still get that group's full share. The hand-off, before the launch
+is written, moves every process of the sandbox into its own cpu cgroup (the CPU bandwidth limit a
+cold start runs under) and sets every thread to SCHED_OTHER at the spawner's nice value, what a cold
+start inherits; if that fails, the launch starts cold. A start waiting for an idle CPU is not broken: its timeout
+(`WARM_START_TIMEOUT_S`) counts only the time it was not waiting for one (`cpu_priority.StartClock`).
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ import shlex
 import shutil
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -52,6 +64,7 @@ from pathlib import Path, PurePosixPath
 import l4m
 from l4m.spawner import zygote
 from l4m.spawner.cgroups import CgroupManager, InstanceCgroup
+from l4m.spawner.cpu_priority import StartClock, run_delays_ns, sandbox_tree, set_normal_priority
 from l4m.spawner.sandbox import (
     SANDBOX_PROGRAM_DIR,
     SANDBOX_SDK_DIR,
@@ -83,12 +96,15 @@ SDK_WARM_MODULES = ("l4m.controller", "l4m.brle", "l4m.constraint", "l4m.search"
 # CPU seconds a warm sandbox may use before its launch (the imports take well under one); the launch
 # then gets its own limit on top of what was used (see zygote.lower_rlimits).
 WARM_UP_CPU_S = 30
-WARM_START_TIMEOUT_S = 120.0  # from start to READY, generous for a loaded machine
+# From start to READY, not counting time spent waiting for a CPU (a start runs at idle priority, so on
+# a busy machine it waits as long as the machine stays busy): only a stuck start reaches it.
+WARM_START_TIMEOUT_S = 120.0
+READY_POLL_S = 1.0  # how often a start's clock is advanced
 HANDOFF_TIMEOUT_S = 10.0  # from writing the launch to GO
 _INSTANCE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _READ_CHUNK_BYTES = 64 * 1024
 _STDERR_TAIL_BYTES = 8 * 1024
-_REQUIRED_TOOLS = ("bwrap", "setpriv", "prlimit")
+_REQUIRED_TOOLS = ("bwrap", "setpriv", "prlimit", "chrt")
 
 
 def _default_sdk_path() -> Path:
@@ -193,6 +209,7 @@ def build_command(
         cgroup_procs,
         has_memory_cgroup,
         cpu_rlimit_s(spec.limits),
+        is_idle=False,
     )
 
 
@@ -204,7 +221,8 @@ def build_warm_command(
     has_memory_cgroup: bool,
 ) -> list[str]:
     """The chain for a warm sandbox: the zygote instead of a program, the pool's ceilings as limits,
-    and `program_dir` (empty until a launch) bound read-only where the program goes."""
+    `program_dir` (empty until a launch) bound read-only where the program goes, and SCHED_IDLE.
+    `cgroup_procs` comes from `warm_cgroup_joins`."""
     limits = config.warm_max_limits
     return _chain(
         config,
@@ -217,7 +235,20 @@ def build_warm_command(
         cgroup_procs,
         has_memory_cgroup,
         cpu_rlimit_s(limits) + WARM_UP_CPU_S,
+        is_idle=True,
     )
+
+
+def warm_cgroup_joins(cgroup: InstanceCgroup | None, idle_cpu_group: Path | None) -> list[Path]:
+    """The cgroup.procs files a warm sandbox's shell joins: its own groups but the cpu one (joined at
+    the hand-off; with cpuacct co-mounted, accounting starts there too), then the idle cpu group, only
+    when the hand-off has a cpu group to move it out to. The idle group comes last because every
+    cgroup.procs write takes a lock that forks across the host wait on, and the shell must not hold it
+    at idle priority."""
+    joins = cgroup.procs_files(defer_cpu=True) if cgroup is not None else []
+    if cgroup is not None and "cpu" in cgroup.dirs and idle_cpu_group is not None:
+        joins.append(idle_cpu_group / "cgroup.procs")
+    return joins
 
 
 def _chain(
@@ -231,6 +262,8 @@ def _chain(
     cgroup_procs: list[Path],
     has_memory_cgroup: bool,
     cpu_soft_s: int,
+    *,
+    is_idle: bool,
 ) -> list[str]:
     python_binds, python_exe = _python_layout(config)
     ro_binds = [*python_binds, (config.sdk_path, SANDBOX_SDK_DIR), *program_binds]
@@ -294,7 +327,9 @@ def _chain(
     prlimit.append("--")
 
     join = "".join(f"echo $$ > {shlex.quote(str(path))} || exit 125; " for path in cgroup_procs)
-    return ["/bin/sh", "-c", join + 'exec "$@"', "l4m-sandbox", *prlimit, *bwrap, *setpriv]
+    # After the joins, not before: the shell writes cgroup.procs at normal priority (see warm_cgroup_joins).
+    idle = ["chrt", "--idle", "0"] if is_idle else []
+    return ["/bin/sh", "-c", join + 'exec "$@"', "l4m-sandbox", *idle, *prlimit, *bwrap, *setpriv]
 
 
 _PRLIMIT_FLAGS = {
@@ -512,7 +547,8 @@ class ProcessSandbox(Sandbox):
             program_dir.mkdir(mode=0o755)
             if self._cgroups is not None:
                 cgroup = self._cgroups.create(name, self.config.warm_max_limits)
-            procs = cgroup.procs_files() if cgroup else []
+            idle_cpu_group = self._cgroups.idle_cpu_group if self._cgroups is not None else None
+            procs = warm_cgroup_joins(cgroup, idle_cpu_group)
             has_memory = cgroup is not None and "memory" in cgroup.dirs
             command = build_warm_command(self.config, program_dir, uid, procs, has_memory)
             process = await asyncio.create_subprocess_exec(
@@ -523,8 +559,7 @@ class ProcessSandbox(Sandbox):
                 start_new_session=True,
             )
             warm = WarmSandbox(process, cgroup, uid, program_dir)
-            async with asyncio.timeout(WARM_START_TIMEOUT_S):
-                line = await process.stdout.readline()
+            line = await self._read_ready(warm)
             if line != zygote.READY_LINE:
                 raise SandboxError(f"a warm sandbox did not start: {await _stderr_tail(process)}")
             return warm
@@ -537,8 +572,53 @@ class ProcessSandbox(Sandbox):
                 self._release(uid, program_dir)
             raise
 
+    async def _read_ready(self, warm: WarmSandbox) -> bytes:
+        """The warm sandbox's first line, or SandboxError once it has spent WARM_START_TIMEOUT_S
+        without it while not waiting for a CPU."""
+        reading = asyncio.ensure_future(warm.process.stdout.readline())
+        clock = StartClock(time.monotonic())
+        try:
+            while not reading.done():
+                await asyncio.wait((reading,), timeout=READY_POLL_S)
+                if reading.done():
+                    break
+                delays_ns = await asyncio.to_thread(lambda: run_delays_ns(self._sandbox_pids(warm)))
+                if clock.advance(time.monotonic(), delays_ns) > WARM_START_TIMEOUT_S:
+                    raise SandboxError(
+                        f"a warm sandbox was not ready after {WARM_START_TIMEOUT_S:.0f} s of not waiting "
+                        f"for a CPU: {await _stderr_tail(warm.process)}"
+                    )
+            return reading.result()
+        finally:
+            reading.cancel()
+
+    def _sandbox_pids(self, warm: WarmSandbox) -> set[int]:
+        """Host pids of every process of the sandbox: from a group it joined as it started (exact, and
+        cheap), else from the process tree under its first process."""
+        if warm.cgroup is not None and warm.cgroup.procs_files(defer_cpu=True):
+            return warm.cgroup.pids(defer_cpu=True)
+        return sandbox_tree(warm.process.pid)
+
+    def _promote(self, warm: WarmSandbox) -> None:
+        """Gives a warm sandbox what a cold start runs under: its own cpu cgroup (CPU bandwidth limit,
+        accounting with cpuacct co-mounted) and, for every thread, the spawner's policy and nice value
+        (SCHED_OTHER). Raises when any of it fails: the launch must then start cold, never idle."""
+        joined: set[int] = set()
+
+        def list_and_join() -> set[int]:
+            pids = self._sandbox_pids(warm)
+            if not pids:
+                raise SandboxError("the warm sandbox has no process left")
+            if warm.cgroup is not None and "cpu" in warm.cgroup.dirs:
+                warm.cgroup.join_cpu(pids - joined)
+                joined.update(pids)
+            return pids
+
+        set_normal_priority(list_and_join, os.getpriority(os.PRIO_PROCESS, 0))
+
     async def _hand_off(self, warm: WarmSandbox, spec: SandboxSpec) -> ProcessHandle:
-        """Turns a warm sandbox into `spec`'s instance: its limits, its program, then GO."""
+        """Turns a warm sandbox into `spec`'s instance: its limits, its program, its CPU priority, then
+        GO."""
         if not warm.is_alive():
             raise SandboxError("the warm sandbox died before its launch")
         if warm.cgroup is not None and self._cgroups is not None:
@@ -546,6 +626,7 @@ class ProcessSandbox(Sandbox):
         program = warm.program_dir / program_file_name(spec.program_path)
         shutil.copyfile(spec.program_path, program)
         os.chmod(program, 0o644)
+        await asyncio.to_thread(self._promote, warm)
         has_memory = warm.cgroup is not None and "memory" in warm.cgroup.dirs
         stdin = warm.process.stdin
         stdin.write(json.dumps(warm_launch(spec, has_memory)).encode())
@@ -555,6 +636,8 @@ class ProcessSandbox(Sandbox):
             line = await warm.process.stdout.readline()
         if line != zygote.GO_LINE:
             raise SandboxError(f"the warm sandbox refused the launch: {await _stderr_tail(warm.process)}")
+        # What the group counted before GO is not the launch's: the imports, or with cpu and cpuacct
+        # co-mounted (a group joined only at the promotion), the hand-off alone.
         baseline_s = (warm.cgroup.cpu_time_s() if warm.cgroup else None) or 0.0
         return ProcessHandle(
             spec,

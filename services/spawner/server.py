@@ -398,7 +398,10 @@ async def create_server(
             else NoScheduler()
         )
     store = ProgramStore(config.state_dir / "store", config.max_program_bytes)
-    manager = InstanceManager(config, store, sandbox, registry, metrics or SpawnerMetrics(sandbox.kind))
+    metrics = metrics or SpawnerMetrics(sandbox.kind)
+    warm_pool_stats = getattr(sandbox, "warm_pool_stats", None)  # the process backend's pool
+    metrics.bind_warm_pool(warm_pool_stats if warm_pool_stats is not None else lambda: None)
+    manager = InstanceManager(config, store, sandbox, registry, metrics)
 
     public = grpc.aio.server()
     spawner_pb2_grpc.add_SpawnerServiceServicer_to_server(SpawnerServicer(manager), public)

@@ -7,7 +7,10 @@ Invariants:
 - one background task refills the pool until `size` items are ready, starting at most
   `max_concurrent_starts` at once (starts are CPU-bound: more than the cores only slows each);
 - a start that fails is retried after a delay that doubles up to `max_retry_delay_s`, so a broken
-  set-up costs a log line now and then, not a loop of failing starts;
+  set-up costs a log line now and then, not a loop of failing starts. A slow start is not a failure:
+  the pool sets no deadline, and the backend's own (see process_sandbox.py) does not count time a
+  start spent waiting for a CPU, since its starts run at idle priority and a busy machine may keep
+  them waiting for as long as it stays busy;
 - an item that died while waiting is destroyed (found when taken, or by a sweep every
   `sweep_interval_s`) and replaced;
 - `close` stops the refilling (cancelling a start in flight, which must clean up after itself) and

@@ -1,7 +1,8 @@
 """What a warm sandbox runs: import the SDK ahead of demand, then become exactly one launch.
 
 The process backend starts this file in a sandbox (bubblewrap, the pool's uid, cgroups and rlimits at
-the pool's ceilings), bound read-only at /opt/l4m/zygote/zygote.py, and keeps it in its warm pool:
+the pool's ceilings, idle CPU priority until the launch), bound read-only at /opt/l4m/zygote/zygote.py,
+and keeps it in its warm pool:
 
     python /opt/l4m/zygote/zygote.py MODULE...
 

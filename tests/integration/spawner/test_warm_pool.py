@@ -262,6 +262,113 @@ def test_a_launch_above_the_pools_ceilings_starts_cold(
     assert (stats.num_taken, stats.num_ready) == (0, 2)  # the pool was left as it was
 
 
+# -- CPU priority ----------------------------------------------------------------------------------
+
+PRIORITY_PROBE = """
+import os, threading, time
+print("policy", os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0), flush=True)
+thread = threading.Thread(target=lambda: print("thread-policy", os.sched_getscheduler(0), flush=True))
+thread.start()
+thread.join()
+print("sees-cgroupfs", os.path.exists("/sys/fs/cgroup"), flush=True)
+time.sleep(600)
+"""
+
+
+def group_pids(group: Path) -> set[int]:
+    with contextlib.suppress(FileNotFoundError):
+        return {int(line) for line in (group / "cgroup.procs").read_text().split()}
+    return set()
+
+
+def thread_schedules(pids: set[int]) -> set[tuple[int, int]]:
+    """(policy, nice) of every thread of `pids`."""
+    schedules = set()
+    for pid in pids:
+        for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+            schedules.add((os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)))
+    return schedules
+
+
+def test_a_warm_sandbox_waits_at_idle_priority_and_its_launch_runs_at_normal_priority_in_its_cpu_group(
+    warm_process_sandbox: ProcessSandbox, store: ProgramStore
+) -> None:
+    spawner_id = warm_process_sandbox.config.spawner_id
+    if not {"pids", "cpu"} <= set(warm_process_sandbox.cgroup_controllers):
+        pytest.fail("this test finds warm sandboxes through the pids cgroup and needs the cpu one")
+    pids_groups = CGROUP_ROOT / "pids" / "l4m" / spawner_id
+    cpu_groups = CGROUP_ROOT / "cpu" / "l4m" / spawner_id
+    idle_group = CGROUP_ROOT / "cpu" / "l4m-idle" / spawner_id
+    normal = (os.SCHED_OTHER, os.getpriority(os.PRIO_PROCESS, 0))  # what a cold start inherits
+
+    async def go() -> Run:
+        waiting = {group.name: group_pids(group) for group in warm_cgroups(spawner_id)}
+        for name, pids in waiting.items():
+            # bwrap, bwrap's init and the zygote: all idle, in the idle cpu group, none in its own.
+            assert len(pids) >= 3, (name, pids)
+            assert thread_schedules(pids) == {(os.SCHED_IDLE, normal[1])}, name
+            assert pids <= group_pids(idle_group), name
+            assert group_pids(cpu_groups / name) == set(), name
+        supervisor = start(warm_process_sandbox, store, PRIORITY_PROBE)
+        await supervisor.start()
+        try:
+            async for event in supervisor.subscribe():
+                assert not isinstance(event, ExitEvent), event
+                if b"sees-cgroupfs" in event.data:
+                    break
+            launched = [name for name in waiting if group_pids(cpu_groups / name)]
+            assert len(launched) == 1, launched
+            pids = group_pids(pids_groups / launched[0])
+            assert group_pids(cpu_groups / launched[0]) == pids
+            assert not pids & group_pids(idle_group)
+            # Every thread of the launch, the program's own included, runs as a cold start would.
+            assert thread_schedules(pids) == {normal}
+        finally:
+            await supervisor.terminate()
+        return await collect(supervisor)
+
+    run = run_with(warm_process_sandbox, go())
+    assert run.is_warm and run.exit.reason is ExitReason.TERMINATED, f"{run.exit}\n{run.stderr}"
+    assert run.value("policy") == f"{os.SCHED_OTHER} {normal[1]}"
+    assert run.value("thread-policy") == str(os.SCHED_OTHER)
+    assert run.value("sees-cgroupfs") == "False"  # no way to move itself back out of its cpu group
+
+
+def test_without_cgroups_the_launch_is_found_by_its_process_tree_and_promoted(
+    spawner_id: str, warm_socket_dir: Path, store: ProgramStore
+) -> None:
+    config = ProcessSandboxConfig(
+        spawner_id=f"{spawner_id}-nocg",
+        uid_base=127_000,
+        use_cgroups=False,
+        warm_pool_size=1,
+        warm_socket_dir=warm_socket_dir,
+    )
+    sandbox = ProcessSandbox(config)
+    source = "import os\nprint('policy', os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0))\n"
+    run = run_with(sandbox, run_program(sandbox, store, source))
+    assert run.is_warm and run.exit.reason is ExitReason.EXITED, f"{run.exit}\n{run.stderr}"
+    assert run.value("policy") == f"{os.SCHED_OTHER} {os.getpriority(os.PRIO_PROCESS, 0)}"
+
+
+def test_a_launch_whose_promotion_fails_starts_cold(
+    warm_process_sandbox: ProcessSandbox, store: ProgramStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(*args: object) -> None:
+        raise PermissionError("sched_setscheduler refused")
+
+    monkeypatch.setattr("l4m.spawner.process_sandbox.set_normal_priority", refuse)
+
+    async def go() -> tuple[Run, object]:
+        run = await run_program(warm_process_sandbox, store, "import os\nprint(os.sched_getscheduler(0))\n")
+        return run, warm_process_sandbox.warm_pool_stats()
+
+    run, stats = run_with(warm_process_sandbox, go())
+    assert run.exit.reason is ExitReason.EXITED and run.stdout == f"{os.SCHED_OTHER}\n", run
+    assert not run.is_warm
+    assert stats.num_taken == 1  # taken, refused, destroyed
+
+
 # -- through the spawner ---------------------------------------------------------------------------
 
 RUNTIME_HELLO = """

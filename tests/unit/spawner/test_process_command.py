@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from l4m.spawner.cgroups import InstanceCgroup
 from l4m.spawner.process_sandbox import (
     WARM_UP_CPU_S,
     ZYGOTE_PATH,
@@ -14,6 +15,7 @@ from l4m.spawner.process_sandbox import (
     UidPool,
     build_command,
     build_warm_command,
+    warm_cgroup_joins,
     warm_launch,
     warm_refusal,
 )
@@ -192,6 +194,74 @@ def test_launches_within_the_ceilings_are_served_warm() -> None:
         "i-4", Path("/p"), (), {"TRACEPARENT": "00-x", "L4M_INSTANCE_TOKEN": "t"}, Path("/srv/sock"), limits
     )
     assert warm_refusal(WARM_CONFIG, spec) == ""
+
+
+# -- CPU priority of warm sandboxes ------------------------------------------------------------------
+
+GROUPS = Path("/sys/fs/cgroup")
+IDLE_GROUP = GROUPS / "cpu" / "l4m-idle" / "x"
+
+
+def instance_cgroup(*controllers: str, co_mounted: bool = False) -> InstanceCgroup:
+    dirs = {c: GROUPS / c / "l4m" / "x" / "warm-1" for c in controllers}
+    if co_mounted:
+        dirs["cpuacct"] = dirs["cpu"] = GROUPS / "cpu,cpuacct" / "l4m" / "x" / "warm-1"
+    return InstanceCgroup(dirs)
+
+
+def exec_target(argv: list[str]) -> list[str]:
+    """What the joining shell execs: the arguments after its script and $0."""
+    assert argv[:2] == ["/bin/sh", "-c"] and argv[3] == "l4m-sandbox"
+    return argv[4:]
+
+
+def test_a_warm_chain_runs_under_sched_idle_from_after_its_cgroup_joins_on() -> None:
+    argv = warm_command()
+    assert exec_target(argv)[:4] == ["chrt", "--idle", "0", "prlimit"]
+    assert argv.count("chrt") == 1
+
+
+def test_a_cold_chain_runs_at_the_spawners_own_priority() -> None:
+    argv = command()
+    assert exec_target(argv)[0] == "prlimit"
+    assert "chrt" not in argv and "--idle" not in argv
+
+
+def test_a_warm_sandbox_defers_its_cpu_group_and_joins_the_idle_one_last() -> None:
+    cgroup = instance_cgroup("memory", "pids", "cpu", "cpuacct")
+    joins = warm_cgroup_joins(cgroup, IDLE_GROUP)
+    assert cgroup.dirs["cpu"] / "cgroup.procs" not in joins
+    assert joins == [
+        cgroup.dirs["memory"] / "cgroup.procs",
+        cgroup.dirs["pids"] / "cgroup.procs",
+        cgroup.dirs["cpuacct"] / "cgroup.procs",
+        IDLE_GROUP / "cgroup.procs",
+    ]
+    script = build_warm_command(WARM_CONFIG, Path("/state/warm/warm-1"), 100_008, joins, True)[2]
+    assert str(cgroup.dirs["cpu"]) not in script
+    assert script.index("/memory/") < script.index("/cpuacct/") < script.index("/l4m-idle/")
+    # A cold start joins its cpu group at once.
+    assert cgroup.dirs["cpu"] / "cgroup.procs" in cgroup.procs_files()
+
+
+def test_with_cpu_and_cpuacct_co_mounted_accounting_is_deferred_too() -> None:
+    cgroup = instance_cgroup("memory", "pids", co_mounted=True)
+    joins = warm_cgroup_joins(cgroup, IDLE_GROUP)
+    assert joins == [
+        cgroup.dirs["memory"] / "cgroup.procs",
+        cgroup.dirs["pids"] / "cgroup.procs",
+        IDLE_GROUP / "cgroup.procs",
+    ]
+    assert cgroup.procs_files().count(cgroup.dirs["cpu"] / "cgroup.procs") == 1
+
+
+def test_without_an_idle_group_or_a_cpu_controller_a_warm_sandbox_joins_no_cpu_group() -> None:
+    with_cpu = instance_cgroup("memory", "cpu")
+    assert warm_cgroup_joins(with_cpu, None) == [with_cpu.dirs["memory"] / "cgroup.procs"]
+    without_cpu = instance_cgroup("memory", "pids")
+    # No cpu group to move it into at its launch: it must never enter the idle one.
+    assert IDLE_GROUP / "cgroup.procs" not in warm_cgroup_joins(without_cpu, IDLE_GROUP)
+    assert warm_cgroup_joins(None, IDLE_GROUP) == []
 
 
 def setenvs(argv: list[str]) -> dict[str, str]:

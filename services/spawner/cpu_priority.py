@@ -1,0 +1,115 @@
+"""CPU priority of warm sandboxes: idle while they wait in the pool, normal from their launch on.
+
+A warm sandbox's start (bubblewrap, then Python importing the SDK) is work done ahead of demand, so it
+runs under SCHED_IDLE (and in the idle cpu cgroup, see cgroups.py): on a busy machine it waits for CPU
+nobody else wants instead of taking it from the executor serving the launches that emptied the pool.
+Everything here reads or writes /proc as root and is used by the process backend only:
+
+- `sandbox_tree` finds a sandbox's processes from its first pid when no cgroup lists them;
+- `set_normal_priority` gives every thread of a launch the policy and nice value a cold start inherits
+  from the spawner, before any of the launch's code runs;
+- `StartClock` tells a start that is waiting for an idle CPU (not broken) from one that is stuck: it
+  counts only the time the sandbox's tasks did not spend waiting on a run queue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from l4m.spawner.sandbox import SandboxError
+
+PROC = Path("/proc")
+MAX_PROMOTION_ROUNDS = 10  # a sandbox waiting for its launch starts no thread; a few rounds are plenty
+
+
+def thread_ids(pid: int) -> set[int]:
+    try:
+        return {int(name) for name in os.listdir(PROC / str(pid) / "task")}
+    except FileNotFoundError:
+        return set()
+
+
+def parent_pids() -> dict[int, int]:
+    """pid -> parent pid for every process on the host."""
+    parents: dict[int, int] = {}
+    for entry in os.scandir(PROC):
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            stat = Path(entry.path, "stat").read_text()
+            # The command name (field 2) may hold spaces and parentheses: the fields after it are
+            # found from the last ')'. The parent pid is the second of them.
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return parents
+
+
+def sandbox_tree(root_pid: int) -> set[int]:
+    """`root_pid` and every process descending from it. /proc/<pid>/task/<tid>/children would be
+    cheaper, but kernels built without CONFIG_PROC_CHILDREN (this repository's test machine) lack it."""
+    parents = parent_pids()
+    if root_pid not in parents:
+        return set()
+    children: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    found, frontier = set(), [root_pid]
+    while frontier:
+        pid = frontier.pop()
+        if pid not in found:
+            found.add(pid)
+            frontier.extend(children.get(pid, ()))
+    return found
+
+
+def set_normal_priority(list_pids: Callable[[], set[int]], nice: int) -> set[int]:
+    """Sets every thread of every process `list_pids` names to SCHED_OTHER at `nice`, listing again
+    until a round finds no new thread (one started meanwhile inherits its creator's policy, maybe still
+    idle). Returns the last list. Raises OSError when the kernel refuses a change, SandboxError when
+    the sandbox keeps starting threads."""
+    done: set[int] = set()
+    for _ in range(MAX_PROMOTION_ROUNDS):
+        pids = list_pids()
+        new = {tid for pid in pids for tid in thread_ids(pid)} - done
+        if not new:
+            return pids
+        for tid in sorted(new):
+            # A thread that exited meanwhile runs at no priority at all: nothing to change.
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+        done |= new
+    raise SandboxError("the warm sandbox kept starting threads while it was being handed a launch")
+
+
+def run_delays_ns(pids: Iterable[int]) -> dict[int, int]:
+    """tid -> nanoseconds it has spent runnable but waiting for a CPU (schedstat's second field; empty
+    on kernels without CONFIG_SCHED_INFO)."""
+    delays: dict[int, int] = {}
+    for pid in pids:
+        for tid in thread_ids(pid):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                delays[tid] = int((PROC / str(pid) / "task" / str(tid) / "schedstat").read_text().split()[1])
+    return delays
+
+
+class StartClock:
+    """The time a starting sandbox has spent not waiting for a CPU: wall time between `advance` calls,
+    less what its tasks' run-queue delays grew by meanwhile. An idle-priority start on a busy machine
+    barely advances it however long it waits; a start that hangs (sleeping, not runnable) advances it
+    at wall-clock speed. A task first seen counts all of its delay (it began after the clock did); one
+    that ended since the last call counts none of its last stretch, which can only make the clock
+    run ahead of the truth, never behind it."""
+
+    def __init__(self, now_s: float) -> None:
+        self._last_s = now_s
+        self._last_delays_ns: dict[int, int] = {}
+        self.progress_s = 0.0
+
+    def advance(self, now_s: float, delays_ns: dict[int, int]) -> float:
+        waited_ns = sum(max(0, ns - self._last_delays_ns.get(tid, 0)) for tid, ns in delays_ns.items())
+        self.progress_s += max(0.0, (now_s - self._last_s) - waited_ns / 1e9)
+        self._last_s, self._last_delays_ns = now_s, delays_ns
+        return self.progress_s
