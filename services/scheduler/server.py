@@ -59,7 +59,7 @@ class L4MServicer(l4m_pb2_grpc.L4MServiceServicer):
 
     async def GetInfo(self, request: l4m_pb2.GetInfoRequest, context: grpc.aio.ServicerContext) -> l4m_pb2.GetInfoResponse:
         try:
-            return self.scheduler.get_info()
+            return self.scheduler.get_info(request.omit_tokenizer_json)
         except TrapError as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, error.reason)
             raise
@@ -84,6 +84,9 @@ class L4MServicer(l4m_pb2_grpc.L4MServiceServicer):
             scheduler.open_session(instance, sink, metadata.get("traceparent"))
         except ValueError as error:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        # Tells the controller the session is accepted: it waits for this before its first write, so a
+        # refusal above reaches it as its own status (see the Session rpc's comment).
+        await context.send_initial_metadata(())
         reader = asyncio.create_task(self._read(request_iterator, instance))
         try:
             queue = sink.queue

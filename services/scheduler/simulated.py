@@ -40,6 +40,7 @@ class SimulatedExecutorConfig:
     default_latency_s: float = 0.0
     per_token_latency_s: float = 0.0
     capabilities: tuple[str, ...] = ("text",)
+    tokenizer_json: str = ""  # served as is in ModelInfo (the simulator never tokenizes)
 
 
 class BatchRejected(Exception):
@@ -84,7 +85,7 @@ class SimulatedExecutor:
         model = common_pb2.ModelInfo(
             name="simulated", architecture="none", vocab_size=c.vocab_size, num_layers=1, hidden_size=8,
             num_attention_heads=1, num_kv_heads=1, head_dim=8, max_context_tokens=c.max_context_tokens,
-            stop_token_ids=[0], capabilities=list(c.capabilities),
+            stop_token_ids=[0], capabilities=list(c.capabilities), tokenizer_json=c.tokenizer_json,
         )
         return executor_pb2.ExecutorServiceGetInfoResponse(
             model=model, device="simulated", dtype="float32", kv_page_size=c.kv_page_size,

@@ -107,8 +107,11 @@ class Client:
         try:
             return await awaitable
         except grpc.aio.AioRpcError as error:
-            raise L4MError(f"{what} failed ({error.code().name}): {error.details()} -- is the spawner running at "
-                           f"{self.address}?") from error
+            # Only a spawner we could not reach (or that did not answer) is worth asking about; a refusal
+            # (a program that is not valid Python, an unknown instance) says itself what is wrong.
+            hint = (f" -- is the spawner running at {self.address}?"
+                    if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else "")
+            raise L4MError(f"{what} failed ({error.code().name}): {error.details()}{hint}") from error
 
 
 def exit_status(exit_: spawner_pb2.InstanceExit) -> int:

@@ -91,6 +91,7 @@ class FakeStats:
     num_forward_passes: int = 0
     num_forward_tokens: int = 0
     num_sessions: int = 0
+    num_get_info: int = 0
     per_session_forward_tokens: dict[int, int] = field(default_factory=dict)
 
 
@@ -138,7 +139,16 @@ class FakeL4M:
 
     async def GetInfo(self, request: l4m_pb2.GetInfoRequest, timeout: float | None = None,
                       metadata: Any = None) -> l4m_pb2.GetInfoResponse:  # noqa: N802 (gRPC's name)
-        return self.info()
+        return self.get_info_blocking(request, timeout, metadata)
+
+    def get_info_blocking(self, request: l4m_pb2.GetInfoRequest, timeout: float | None = None,
+                          metadata: Any = None) -> l4m_pb2.GetInfoResponse:
+        """GetInfo for `Session(..., blocking_get_info=fake.get_info_blocking)`."""
+        self.stats.num_get_info += 1
+        info = self.info()
+        if request.omit_tokenizer_json:
+            info.model.ClearField("tokenizer_json")
+        return info
 
     def Session(self, metadata: Any = None) -> FakeCall:  # noqa: N802 (gRPC's name)
         self.stats.num_sessions += 1
@@ -215,6 +225,9 @@ class FakeCall:
             response.stream_id = request.stream_id
             response.request_id = request.request_id
             self._responses.put_nowait(response)
+
+    async def initial_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()  # the fake accepts every session at once
 
     async def read(self) -> Any:
         return await self._responses.get()

@@ -53,11 +53,16 @@ class Model:
 
     @classmethod
     async def load(cls, session: Session) -> Model:
-        return cls(session, await session.get_info())
+        """The model a session serves. The tokenizer (the bulk of the answer) is left out when the session
+        can fetch it later: a controller that only feeds and reads token ids never transfers it."""
+        return cls(session, await session.get_info(omit_tokenizer_json=session.can_get_info_blocking))
 
     @property
     def tokenizer(self) -> Tokenizer:
+        """Built on first use; when `load` left the tokenizer out, fetched then, in one blocking call."""
         if self._tokenizer is None:
+            if not self.info.tokenizer_json:
+                self.info = self.session.get_info_blocking().model
             self._tokenizer = Tokenizer(self.info.tokenizer_json, self.info.chat_template, self.info.special_token_ids)
         return self._tokenizer
 

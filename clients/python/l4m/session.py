@@ -23,6 +23,8 @@ from l4m.errors import SessionClosed, Trapped
 from l4m.v1 import l4m_pb2, l4m_pb2_grpc
 
 TOKEN_METADATA_KEY = "l4m-instance-token"
+# A synchronous GetInfo: (request, timeout_s, metadata) -> GetInfoResponse.
+BlockingGetInfo = Callable[[l4m_pb2.GetInfoRequest, float, Any], l4m_pb2.GetInfoResponse]
 DEFAULT_CALL_TIMEOUT_S = 30.0
 
 # Commands answered by an event; every other command is fire-and-forget.
@@ -54,6 +56,20 @@ def grpc_target(address: str) -> str:
     return address
 
 
+_STREAM_END_HINTS = {
+    grpc.StatusCode.UNAVAILABLE: " -- is the scheduler still running?",
+    grpc.StatusCode.UNAUTHENTICATED: (
+        " -- run the controller through the spawner (`l4m run`), which gives it a token, or start the "
+        "scheduler with --allow-anonymous (`l4m up --allow-anonymous`) for local runs"
+    ),
+}
+
+
+def _get_info_failure(error: grpc.RpcError) -> str:
+    return (f"GetInfo failed ({error.code().name}): {error.details()} -- is the scheduler running at the "
+            "address in L4M_SCHEDULER_ADDR?")
+
+
 class Session:
     """An open L4M command stream plus the unary `GetInfo` call."""
 
@@ -63,8 +79,12 @@ class Session:
         metadata: Sequence[tuple[str, str]] = (),
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
         channel: grpc.aio.Channel | None = None,
+        blocking_get_info: BlockingGetInfo | None = None,
     ) -> None:
         self._stub = stub
+        # A synchronous GetInfo, for what synchronous code must fetch once (the tokenizer). None: the
+        # session cannot make one, so `Model.load` asks for everything up front.
+        self._blocking_get_info = blocking_get_info
         self._metadata = tuple(metadata)
         self._call_timeout_s = call_timeout_s
         self._channel = channel
@@ -91,20 +111,39 @@ class Session:
         """Open a channel to the scheduler at `address` (e.g. `unix:///run/l4m/scheduler.sock`)."""
         options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
         channel = grpc.aio.insecure_channel(grpc_target(address), options=options)
-        session = cls(l4m_pb2_grpc.L4MServiceStub(channel), call_metadata(token, traceparent), call_timeout_s, channel)
-        return session
 
-    async def get_info(self) -> l4m_pb2.GetInfoResponse:
+        def blocking_get_info(request: l4m_pb2.GetInfoRequest, timeout: float, metadata: Any) -> Any:
+            with grpc.insecure_channel(grpc_target(address), options=options) as blocking_channel:
+                return l4m_pb2_grpc.L4MServiceStub(blocking_channel).GetInfo(
+                    request, timeout=timeout, metadata=metadata
+                )
+
+        return cls(l4m_pb2_grpc.L4MServiceStub(channel), call_metadata(token, traceparent), call_timeout_s, channel,
+                   blocking_get_info)
+
+    async def get_info(self, omit_tokenizer_json: bool = False) -> l4m_pb2.GetInfoResponse:
         """Model and capacities (a unary call with a deadline; needs no open stream)."""
         try:
             return await self._stub.GetInfo(
-                l4m_pb2.GetInfoRequest(), timeout=self._call_timeout_s, metadata=self._metadata
+                l4m_pb2.GetInfoRequest(omit_tokenizer_json=omit_tokenizer_json), timeout=self._call_timeout_s,
+                metadata=self._metadata,
             )
         except grpc.aio.AioRpcError as error:
-            raise SessionClosed(
-                f"GetInfo failed ({error.code().name}): {error.details()} -- is the scheduler running at the "
-                "address in L4M_SCHEDULER_ADDR?"
-            ) from error
+            raise SessionClosed(_get_info_failure(error)) from error
+
+    @property
+    def can_get_info_blocking(self) -> bool:
+        return self._blocking_get_info is not None
+
+    def get_info_blocking(self) -> l4m_pb2.GetInfoResponse:
+        """`get_info()` (everything, the tokenizer included) for synchronous code: blocks the event loop
+        for the call (tens of ms for SmolLM2's tokenizer), on a channel of its own that is closed after."""
+        if self._blocking_get_info is None:
+            raise SessionClosed("this session cannot make blocking calls")
+        try:
+            return self._blocking_get_info(l4m_pb2.GetInfoRequest(), self._call_timeout_s, self._metadata)
+        except grpc.RpcError as error:
+            raise SessionClosed(_get_info_failure(error)) from error
 
     def open(self) -> None:
         """Open the command stream and start the writer and reader tasks."""
@@ -175,6 +214,13 @@ class Session:
             await self._channel.close()
 
     async def _write_loop(self) -> None:
+        # The scheduler sends the stream's initial metadata once it accepted the session. Writing before
+        # that races a refusal (no token, unknown token, no executor): grpcio may then report the failed
+        # write's INTERNAL instead of the refusal's status, which says what is wrong.
+        try:
+            await self._call.initial_metadata()
+        except Exception:  # noqa: BLE001 - the read loop reports the stream's end
+            return
         while True:
             request = await self._send_queue.get()
             if request is None:
@@ -197,9 +243,8 @@ class Session:
                     return
                 self._dispatch(response)
         except grpc.aio.AioRpcError as error:
-            self._fail(SessionClosed(
-                f"the L4M stream ended ({error.code().name}): {error.details()} -- is the scheduler still running?"
-            ))
+            self._fail(SessionClosed(f"the L4M stream ended ({error.code().name}): {error.details()}"
+                                     f"{_STREAM_END_HINTS.get(error.code(), '')}"))
         except asyncio.CancelledError:
             raise
         except Exception as error:

@@ -39,7 +39,7 @@ export class L4MSession {
   /** Model, page size and capacities (a unary call; needs no open stream). */
   getInfo(): Promise<GetInfoResponse> {
     return new Promise((resolve, reject) =>
-      this.stub.getInfo({}, this.metadata, { deadline: Date.now() + this.timeoutMs }, (error, reply) =>
+      this.stub.getInfo({ omitTokenizerJson: false }, this.metadata, { deadline: Date.now() + this.timeoutMs }, (error, reply) =>
         error ? reject(new L4MError(`GetInfo failed: ${error.message} -- is the scheduler at ${this.address}?`)) : resolve(reply!),
       ),
     );

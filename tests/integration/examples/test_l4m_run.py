@@ -72,6 +72,15 @@ def test_no_spawner_exits_2_asking_whether_it_runs(tmp_path: Path) -> None:
     assert proc.stderr.strip().endswith(f"is the spawner running at {address}?")
 
 
+def test_a_refused_upload_says_why_without_asking_whether_the_spawner_runs(
+    l4m_run: Callable[..., CliRun], tmp_path: Path
+) -> None:
+    run = l4m_run(program(tmp_path, "async def main(ctx)\n    pass\n"))  # no colon: not valid Python
+    assert run.returncode == 2
+    assert "upload failed (INVALID_ARGUMENT): the program is not valid Python" in run.stderr
+    assert "is the spawner running" not in run.stderr
+
+
 def test_a_wall_time_limit_ends_the_run_with_that_reason(l4m_run: Callable[..., CliRun], tmp_path: Path) -> None:
     source = "import asyncio\n\nasync def main(ctx):\n    await ctx.send('waiting')\n    await asyncio.sleep(600)\n"
     run = l4m_run(program(tmp_path, source), options=["--wall-time-s", "2"])

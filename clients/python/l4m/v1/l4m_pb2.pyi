@@ -39,8 +39,10 @@ TRAP_KIND_TOKEN_BUDGET: TrapKind
 TRAP_KIND_UNSUPPORTED: TrapKind
 
 class GetInfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("omit_tokenizer_json",)
+    OMIT_TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
+    omit_tokenizer_json: bool
+    def __init__(self, omit_tokenizer_json: _Optional[bool] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
     __slots__ = ("protocol_version", "model", "kv_page_size", "max_kv_pages_per_instance", "max_embed_slots_per_instance", "num_free_kv_pages", "num_executors")
@@ -103,8 +105,10 @@ class SessionRequest(_message.Message):
     def __init__(self, stream_id: _Optional[int] = ..., request_id: _Optional[int] = ..., get_info: _Optional[_Union[GetInfoCommand, _Mapping]] = ..., allocate: _Optional[_Union[_common_pb2.AllocateItem, _Mapping]] = ..., deallocate: _Optional[_Union[_common_pb2.DeallocateItem, _Mapping]] = ..., embed_text: _Optional[_Union[_common_pb2.EmbedTextItem, _Mapping]] = ..., forward: _Optional[_Union[_common_pb2.ForwardItem, _Mapping]] = ..., forward_text: _Optional[_Union[_common_pb2.ForwardTextItem, _Mapping]] = ..., sample_top_k: _Optional[_Union[_common_pb2.SampleTopKItem, _Mapping]] = ..., copy_kv_page: _Optional[_Union[_common_pb2.CopyKvPageItem, _Mapping]] = ..., mask_kv_page: _Optional[_Union[_common_pb2.MaskKvPageItem, _Mapping]] = ..., export_kv_pages: _Optional[_Union[ExportKvPagesCommand, _Mapping]] = ..., unexport_kv_pages: _Optional[_Union[UnexportKvPagesCommand, _Mapping]] = ..., import_kv_pages: _Optional[_Union[ImportKvPagesCommand, _Mapping]] = ..., list_exports: _Optional[_Union[ListExportsCommand, _Mapping]] = ..., synchronize: _Optional[_Union[SynchronizeCommand, _Mapping]] = ..., set_stream_priority: _Optional[_Union[SetStreamPriorityCommand, _Mapping]] = ..., embed_image: _Optional[_Union[_common_pb2.EmbedImageItem, _Mapping]] = ..., debug_query: _Optional[_Union[DebugQueryCommand, _Mapping]] = ...) -> None: ...
 
 class GetInfoCommand(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("omit_tokenizer_json",)
+    OMIT_TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
+    omit_tokenizer_json: bool
+    def __init__(self, omit_tokenizer_json: _Optional[bool] = ...) -> None: ...
 
 class ExportKvPagesCommand(_message.Message):
     __slots__ = ("name", "kv_page_ids", "persistent", "metadata")

@@ -59,7 +59,10 @@ class L4MServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Session(self, request_iterator, context):
-        """One instance's command stream (see the file comment).
+        """One instance's command stream (see the file comment). The scheduler sends the stream's initial
+        metadata as soon as it accepted the session (token checked, an executor connected); a client that
+        waits for it before its first write learns why a session was refused (UNAUTHENTICATED,
+        UNAVAILABLE) from the status, not from a failed write.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -19,7 +19,10 @@ const _ = grpc.SupportPackageIsVersion7
 type L4MServiceClient interface {
 	// Model, page size, capacities and tokenizer. Needs no session.
 	GetInfo(ctx context.Context, in *GetInfoRequest, opts ...grpc.CallOption) (*GetInfoResponse, error)
-	// One instance's command stream (see the file comment).
+	// One instance's command stream (see the file comment). The scheduler sends the stream's initial
+	// metadata as soon as it accepted the session (token checked, an executor connected); a client that
+	// waits for it before its first write learns why a session was refused (UNAUTHENTICATED,
+	// UNAVAILABLE) from the status, not from a failed write.
 	Session(ctx context.Context, opts ...grpc.CallOption) (L4MService_SessionClient, error)
 }
 
@@ -77,7 +80,10 @@ func (x *l4MServiceSessionClient) Recv() (*SessionResponse, error) {
 type L4MServiceServer interface {
 	// Model, page size, capacities and tokenizer. Needs no session.
 	GetInfo(context.Context, *GetInfoRequest) (*GetInfoResponse, error)
-	// One instance's command stream (see the file comment).
+	// One instance's command stream (see the file comment). The scheduler sends the stream's initial
+	// metadata as soon as it accepted the session (token checked, an executor connected); a client that
+	// waits for it before its first write learns why a session was refused (UNAUTHENTICATED,
+	// UNAVAILABLE) from the status, not from a failed write.
 	Session(L4MService_SessionServer) error
 	mustEmbedUnimplementedL4MServiceServer()
 }

@@ -186,6 +186,11 @@ export function trapKindToJSON(object: TrapKind): string {
 }
 
 export interface GetInfoRequest {
+  /**
+   * Leave `model.tokenizer_json` empty. It is the bulk of the answer (about 1.5 MB for SmolLM2); a
+   * client that may never tokenize asks without it, and asks again with it when it first needs it.
+   */
+  omitTokenizerJson: boolean;
 }
 
 export interface GetInfoResponse {
@@ -239,6 +244,8 @@ export interface SessionRequest {
 
 /** Replied with `info`. */
 export interface GetInfoCommand {
+  /** As `GetInfoRequest.omit_tokenizer_json`. */
+  omitTokenizerJson: boolean;
 }
 
 /**
@@ -353,11 +360,14 @@ export interface Trap {
 }
 
 function createBaseGetInfoRequest(): GetInfoRequest {
-  return {};
+  return { omitTokenizerJson: false };
 }
 
 export const GetInfoRequest: MessageFns<GetInfoRequest> = {
-  encode(_: GetInfoRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+  encode(message: GetInfoRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.omitTokenizerJson !== false) {
+      writer.uint32(8).bool(message.omitTokenizerJson);
+    }
     return writer;
   },
 
@@ -374,6 +384,14 @@ export const GetInfoRequest: MessageFns<GetInfoRequest> = {
       while (reader.pos < end) {
         const tag = reader.uint32();
         switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.omitTokenizerJson = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -386,20 +404,30 @@ export const GetInfoRequest: MessageFns<GetInfoRequest> = {
     }
   },
 
-  fromJSON(_: any): GetInfoRequest {
-    return {};
+  fromJSON(object: any): GetInfoRequest {
+    return {
+      omitTokenizerJson: isSet(object.omitTokenizerJson)
+        ? globalThis.Boolean(object.omitTokenizerJson)
+        : isSet(object.omit_tokenizer_json)
+        ? globalThis.Boolean(object.omit_tokenizer_json)
+        : false,
+    };
   },
 
-  toJSON(_: GetInfoRequest): unknown {
+  toJSON(message: GetInfoRequest): unknown {
     const obj: any = {};
+    if (message.omitTokenizerJson !== false) {
+      obj.omitTokenizerJson = message.omitTokenizerJson;
+    }
     return obj;
   },
 
   create<I extends Exact<DeepPartial<GetInfoRequest>, I>>(base?: I): GetInfoRequest {
     return GetInfoRequest.fromPartial(base ?? ({} as any));
   },
-  fromPartial<I extends Exact<DeepPartial<GetInfoRequest>, I>>(_: I): GetInfoRequest {
+  fromPartial<I extends Exact<DeepPartial<GetInfoRequest>, I>>(object: I): GetInfoRequest {
     const message = createBaseGetInfoRequest();
+    message.omitTokenizerJson = object.omitTokenizerJson ?? false;
     return message;
   },
 };
@@ -1098,11 +1126,14 @@ export const SessionRequest: MessageFns<SessionRequest> = {
 };
 
 function createBaseGetInfoCommand(): GetInfoCommand {
-  return {};
+  return { omitTokenizerJson: false };
 }
 
 export const GetInfoCommand: MessageFns<GetInfoCommand> = {
-  encode(_: GetInfoCommand, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+  encode(message: GetInfoCommand, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.omitTokenizerJson !== false) {
+      writer.uint32(8).bool(message.omitTokenizerJson);
+    }
     return writer;
   },
 
@@ -1119,6 +1150,14 @@ export const GetInfoCommand: MessageFns<GetInfoCommand> = {
       while (reader.pos < end) {
         const tag = reader.uint32();
         switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.omitTokenizerJson = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1131,20 +1170,30 @@ export const GetInfoCommand: MessageFns<GetInfoCommand> = {
     }
   },
 
-  fromJSON(_: any): GetInfoCommand {
-    return {};
+  fromJSON(object: any): GetInfoCommand {
+    return {
+      omitTokenizerJson: isSet(object.omitTokenizerJson)
+        ? globalThis.Boolean(object.omitTokenizerJson)
+        : isSet(object.omit_tokenizer_json)
+        ? globalThis.Boolean(object.omit_tokenizer_json)
+        : false,
+    };
   },
 
-  toJSON(_: GetInfoCommand): unknown {
+  toJSON(message: GetInfoCommand): unknown {
     const obj: any = {};
+    if (message.omitTokenizerJson !== false) {
+      obj.omitTokenizerJson = message.omitTokenizerJson;
+    }
     return obj;
   },
 
   create<I extends Exact<DeepPartial<GetInfoCommand>, I>>(base?: I): GetInfoCommand {
     return GetInfoCommand.fromPartial(base ?? ({} as any));
   },
-  fromPartial<I extends Exact<DeepPartial<GetInfoCommand>, I>>(_: I): GetInfoCommand {
+  fromPartial<I extends Exact<DeepPartial<GetInfoCommand>, I>>(object: I): GetInfoCommand {
     const message = createBaseGetInfoCommand();
+    message.omitTokenizerJson = object.omitTokenizerJson ?? false;
     return message;
   },
 };
@@ -2562,7 +2611,12 @@ export const L4MServiceService = {
     responseSerialize: (value: GetInfoResponse): Buffer => Buffer.from(GetInfoResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): GetInfoResponse => GetInfoResponse.decode(value),
   },
-  /** One instance's command stream (see the file comment). */
+  /**
+   * One instance's command stream (see the file comment). The scheduler sends the stream's initial
+   * metadata as soon as it accepted the session (token checked, an executor connected); a client that
+   * waits for it before its first write learns why a session was refused (UNAUTHENTICATED,
+   * UNAVAILABLE) from the status, not from a failed write.
+   */
   session: {
     path: "/l4m.v1.L4MService/Session" as const,
     requestStream: true as const,
@@ -2577,7 +2631,12 @@ export const L4MServiceService = {
 export interface L4MServiceServer extends UntypedServiceImplementation {
   /** Model, page size, capacities and tokenizer. Needs no session. */
   getInfo: handleUnaryCall<GetInfoRequest, GetInfoResponse>;
-  /** One instance's command stream (see the file comment). */
+  /**
+   * One instance's command stream (see the file comment). The scheduler sends the stream's initial
+   * metadata as soon as it accepted the session (token checked, an executor connected); a client that
+   * waits for it before its first write learns why a session was refused (UNAUTHENTICATED,
+   * UNAVAILABLE) from the status, not from a failed write.
+   */
   session: handleBidiStreamingCall<SessionRequest, SessionResponse>;
 }
 
@@ -2598,7 +2657,12 @@ export interface L4MServiceClient extends Client {
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: GetInfoResponse) => void,
   ): ClientUnaryCall;
-  /** One instance's command stream (see the file comment). */
+  /**
+   * One instance's command stream (see the file comment). The scheduler sends the stream's initial
+   * metadata as soon as it accepted the session (token checked, an executor connected); a client that
+   * waits for it before its first write learns why a session was refused (UNAUTHENTICATED,
+   * UNAVAILABLE) from the status, not from a failed write.
+   */
   session(): ClientDuplexStream<SessionRequest, SessionResponse>;
   session(options: Partial<CallOptions>): ClientDuplexStream<SessionRequest, SessionResponse>;
   session(metadata: Metadata, options?: Partial<CallOptions>): ClientDuplexStream<SessionRequest, SessionResponse>;
