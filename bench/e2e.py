@@ -56,20 +56,21 @@ ROLES = ("executor", "scheduler", "spawner", "controller")
 def stack_config(args: argparse.Namespace) -> ClusterConfig:
     return ClusterConfig(state_dir=Path(args.state_dir), spawner_port=args.spawner_port,
                          scheduler_port=args.scheduler_port, metrics_port_base=args.metrics_port_base,
-                         batching=args.batching, echo_logs=False)
+                         batching=args.batching, warm_pool_size=args.warm_pool_size, echo_logs=False)
 
 
 class StackSampler:
     """Samples every process under this one (the cluster's services and their sandboxes) in a thread:
-    the peak of their summed RSS, and the CPU seconds each role (`ROLES`, else "sandbox") used."""
+    the peak of their summed RSS, and the CPU seconds each role (`ROLES`; "warm-up" for a sandbox
+    still waiting in the warm pool at idle priority, else "sandbox") used between samples."""
 
     def __init__(self, period_s: float = STACK_SAMPLE_PERIOD_S) -> None:
         self._period_s = period_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
-        self._first_cpu_s: dict[int, float] = {}
         self._last_cpu_s: dict[int, float] = {}
-        self._roles: dict[int, str] = {}
+        self._commands: dict[int, str] = {}
+        self._cpu_s_by_role: dict[str, float] = {}
         self.peak_rss_bytes = 0
         self.peak_rss_mib_by_role: dict[str, float] = {}  # the split of the peak sample
 
@@ -84,15 +85,19 @@ class StackSampler:
         self._sample()
 
     def cpu_s_by_role(self) -> dict[str, float]:
-        used: dict[str, float] = {}
-        for pid, cpu_s in self._last_cpu_s.items():
-            role = self._roles[pid]
-            used[role] = used.get(role, 0.0) + cpu_s - self._first_cpu_s.get(pid, 0.0)
-        return {role: round(seconds, 2) for role, seconds in sorted(used.items())}
+        return {role: round(seconds, 2) for role, seconds in sorted(self._cpu_s_by_role.items())}
 
     def _run(self) -> None:
         while not self._stop.wait(self._period_s):
             self._sample()
+
+    def _role(self, pid: int, command: str) -> str:
+        role = next((r for r in ROLES if f"l4m.{r}" in command), "sandbox")
+        if role in ("controller", "sandbox"):
+            with contextlib.suppress(OSError):
+                if os.sched_getscheduler(pid) == os.SCHED_IDLE:  # a warm sandbox not handed out yet
+                    return "warm-up"
+        return role
 
     def _sample(self, is_first: bool = False) -> None:
         import psutil
@@ -103,14 +108,14 @@ class StackSampler:
                 with process.oneshot():
                     rss = process.memory_info().rss
                     times = process.cpu_times()
-                    if process.pid not in self._roles:
-                        command = " ".join(process.cmdline())
-                        self._roles[process.pid] = next((r for r in ROLES if f"l4m.{r}" in command), "sandbox")
-                role = self._roles[process.pid]
+                    if process.pid not in self._commands:
+                        self._commands[process.pid] = " ".join(process.cmdline())
+                role = self._role(process.pid, self._commands[process.pid])
                 rss_by_role[role] = rss_by_role.get(role, 0) + rss
                 cpu_s = times.user + times.system
-                if is_first:
-                    self._first_cpu_s[process.pid] = cpu_s
+                if not is_first:  # CPU used since the last sample (all of it, for a process new since)
+                    used_s = cpu_s - self._last_cpu_s.get(process.pid, 0.0)
+                    self._cpu_s_by_role[role] = self._cpu_s_by_role.get(role, 0.0) + used_s
                 self._last_cpu_s[process.pid] = cpu_s
         total = sum(rss_by_role.values())
         if total > self.peak_rss_bytes:
@@ -132,6 +137,21 @@ def scrape(port: int) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
             samples[f"{sample.name}{{{labels}}}"] = sample.value
     return samples
+
+
+def step_profile(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Where a forward_text step's time goes, in mean ms per batch, from the services' own histograms:
+    the executor computing it (`executor_ms`), the scheduler's send-to-answer round trip to the executor
+    (`executor_round_trip_ms`: + gRPC and protobuf on that hop), and a replied command's arrival to
+    reply (`command_ms`: + waiting in the scheduler's queue for the batch before it)."""
+    def mean_ms(name: str, kind: str) -> float:
+        count = after.get(f"{name}_count{{kind={kind}}}", 0.0) - before.get(f"{name}_count{{kind={kind}}}", 0.0)
+        total = after.get(f"{name}_sum{{kind={kind}}}", 0.0) - before.get(f"{name}_sum{{kind={kind}}}", 0.0)
+        return round(1000 * total / count, 2) if count else 0.0
+
+    return {"executor_ms": mean_ms("l4m_executor_batch_seconds", "ForwardText"),
+            "executor_round_trip_ms": mean_ms("l4m_scheduler_executor_batch_seconds", "forward_text"),
+            "command_ms": mean_ms("l4m_scheduler_command_seconds", "forward_text")}
 
 
 def batch_profile(before: dict[str, float], after: dict[str, float]) -> dict[str, object]:
@@ -183,6 +203,7 @@ async def run_stack(client: Client, program: str, config: ClusterConfig, prompts
                     new_tokens: int) -> tuple[Timeline, dict[str, object]]:
     """N concurrent launches; the timeline (controller-side token times) and the l4m-only facts."""
     metrics_before = scrape(config.metrics_port(1))
+    executor_before = scrape(config.metrics_port(10))
     with StackSampler() as sampler:
         origin_s = time.time()
         streams = await asyncio.gather(*(launch_stream(client, program, p, new_tokens, origin_s) for p in prompts))
@@ -197,8 +218,11 @@ async def run_stack(client: Client, program: str, config: ClusterConfig, prompts
         "controller_start_p50_ms": 1000 * percentile([s["started_s"] for s in streams], 0.5),
         "cpu_s_by_role": sampler.cpu_s_by_role(),
         "peak_rss_mib_by_role": sampler.peak_rss_mib_by_role,
-        **batch_profile(metrics_before, scrape(config.metrics_port(1))),
     }
+    metrics_after = scrape(config.metrics_port(1))
+    extra.update(batch_profile(metrics_before, metrics_after))
+    extra["step_ms"] = step_profile({**metrics_before, **executor_before},
+                                    {**metrics_after, **scrape(config.metrics_port(10))})
     return timeline, extra
 
 
@@ -242,6 +266,21 @@ def compare_tokens(timelines: dict[str, Timeline]) -> dict[str, object]:
     return checks
 
 
+async def wait_warm_pool_full(config: ClusterConfig, timeout_s: float) -> None:
+    """Until the spawner's warm pool holds its size of ready sandboxes (refills run at idle CPU priority,
+    so after a run they finish once the machine is quiet): every launch of the next run finds one."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = await asyncio.to_thread(scrape, config.metrics_port(0))
+        size = samples.get("l4m_spawner_warm_pool_size{}", 0.0)
+        ready = samples.get("l4m_spawner_warm_sandboxes{state=ready}", 0.0)
+        if ready >= size:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the warm pool holds {ready:.0f} of {size:.0f} sandboxes after {timeout_s:.0f} s")
+        await asyncio.sleep(0.5)
+
+
 async def warm_up(client: Client, program: str) -> None:
     """One short completion first: kernel set-up, imports and page caches are not the first stream's cost."""
     await launch_stream(client, program, make_prompts(1, 16, seed=99)[0], 4, time.time())
@@ -264,6 +303,8 @@ async def sweep(args: argparse.Namespace) -> dict[str, object]:
                 prompts = make_prompts(num_streams, args.prompt_tokens, args.seed)
                 timelines: dict[str, Timeline] = {}
                 for engine in engines:
+                    if cluster is not None:  # nothing of the last run goes on beside this one (refills)
+                        await wait_warm_pool_full(config, args.pool_timeout_s)
                     print(f"[e2e] N={num_streams} {engine} ...", flush=True)
                     if engine == "l4m":
                         timeline, extra = await run_stack(client, program, config, prompts, args.new_tokens)
@@ -298,7 +339,8 @@ def print_table(results: dict[str, object]) -> None:
         if r["engine"] == "l4m":
             print(f"l4m N={r['n']}: TTFT from controller start p50 {r['ttft_controller_p50_ms']:.0f} ms; "
                   f"{r['num_forward_text_batches']} forward_text batches, mean size "
-                  f"{r['mean_forward_text_batch_size']:.1f}; CPU s by role {r['cpu_s_by_role']}; peak RSS MiB "
+                  f"{r['mean_forward_text_batch_size']:.1f}; per batch {r['step_ms']}; CPU s by role "
+                  f"{r['cpu_s_by_role']}; peak RSS MiB "
                   f"by role {r['peak_rss_mib_by_role']}")
     for n, checks in results["token_checks"].items():
         for engine, check in checks.items():
@@ -339,6 +381,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--metrics-port-base", type=int, default=9510)
     parser.add_argument("--peer-timeout-s", type=float, default=1800.0)
     parser.add_argument("--batching", default="adaptive", help="the l4m scheduler's forward-batch strategy")
+    parser.add_argument("--warm-pool-size", type=int, default=None,
+                        help="the spawner's warm sandboxes (default: the largest N); each l4m run starts once "
+                        "the pool is full")
+    parser.add_argument("--pool-timeout-s", type=float, default=600.0, help="how long to wait for a full pool")
     parser.add_argument("--out", default="bench/results/e2e.json")
     parser.add_argument("--plot", default="", help="write a tok/s vs N PNG here (e.g. docs/img/e2e.png)")
     args = parser.parse_args()
@@ -351,6 +397,8 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--n must be comma-separated integers, got {args.n!r}")
     if min(sizes + [args.prompt_tokens, args.new_tokens]) < 1:
         parser.error("--n values, --prompt-tokens and --new-tokens must be at least 1")
+    if args.warm_pool_size is None:
+        args.warm_pool_size = max(sizes)
     return args
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import time
@@ -74,6 +75,10 @@ async def serve(config: ExecutorConfig, metrics_port: int = 0) -> None:
     print(f"l4m executor: model ready in {time.monotonic() - started:.1f} s ({server.engine.weights} weights, "
           f"decode kernel {'on' if server.engine.model.has_decode_kernel and config.engine.decode_kernel else 'off'})",
           flush=True)
+    # The model's Python objects live as long as the process: keep the cyclic GC from rescanning them on
+    # every full collection (a batch allocates many short-lived objects, which trigger collections).
+    gc.collect()
+    gc.freeze()
     start_metrics_server(metrics_port, executor_registry(server.engine))
     address = (
         config.listen if config.listen.startswith("unix:") else f"{config.listen.rsplit(':', 1)[0]}:{port}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -43,6 +44,7 @@ from l4m.executor.model import LlamaModel
 from l4m.executor.quant import kernels_available, load_kernels
 from l4m.executor.sampler import apply_samplers, decode_vocab_masks, validate_sampler
 from l4m.executor.weights import LoadedModel
+from l4m.telemetry import DurationHistogram
 
 _tracer = trace.get_tracer("l4m.executor")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -160,6 +162,8 @@ class Engine:
         self._num_batches = 0
         self._num_forward_tokens = 0
         self._num_decode_kernel_batches = 0
+        # Seconds each batch took in `execute`, by command kind (its class name); read by the metrics.
+        self.batch_seconds: dict[str, DurationHistogram] = {}
 
     # ---- dispatch -------------------------------------------------------------------------------
 
@@ -171,9 +175,14 @@ class Engine:
         if kind not in self._handlers or any(type(it) is not kind for it in items):
             raise InvalidCommand("a batch holds items of exactly one command kind")
         attributes = {"l4m.batch.kind": kind.__name__, "l4m.batch.size": len(items)}
+        started = time.perf_counter()
         with _tracer.start_as_current_span("executor.batch", context=parent, attributes=attributes):
             result = self._handlers[kind](items)
         self._num_batches += 1
+        histogram = self.batch_seconds.get(kind.__name__)
+        if histogram is None:
+            histogram = self.batch_seconds[kind.__name__] = DurationHistogram()
+        histogram.observe(time.perf_counter() - started)
         return result
 
     # ---- validation helpers ---------------------------------------------------------------------

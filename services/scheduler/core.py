@@ -99,6 +99,7 @@ class Scheduler:
         )
         self.limits: ModelLimits | None = None
         self.model: common_pb2.ModelInfo | None = None
+        self._model_without_tokenizer: common_pb2.ModelInfo | None = None  # for GetInfo(omit_tokenizer_json)
         self.watchers: list[Watcher] = []
         self.stats: dict[str, Any] = {"commands": 0, "batches": {}, "items": {}, "max_instances_per_batch": {},
                                       "multi_instance_batches": {}, "traps": {}, "batch_errors": 0}
@@ -468,11 +469,12 @@ class Scheduler:
         if batch is None:
             log.warning("executor %d answered unknown correlation id %d", executor.index, response.correlation_id)
             return
+        now = self.clock()
+        self.metrics.observe_batch_reply(batch.kind, now - batch.sent_at)
         if queue_is_forward(batch.kind):
             executor.num_forward_in_flight -= 1
             queue = executor.queues.get(batch.kind)
             if queue is not None:  # the streams that get an answer now will likely send their next step
-                now = self.clock()
                 answered = [c.stream for c in batch.commands if c.has_reply]
                 self.batcher.forward_returned(queue, answered, now, now - batch.sent_at)
         result = response.WhichOneof("result")
@@ -515,6 +517,7 @@ class Scheduler:
         instance.sink.send(  # type: ignore[union-attr]
             l4m_pb2.SessionResponse(stream_id=stream.stream_id, request_id=command.request_id, **event)
         )
+        self.metrics.observe_reply(command.kind, self.clock() - command.arrived_at)
         if command.span is not None:
             command.span.end()
         stream.num_replies_done += 1
@@ -542,7 +545,7 @@ class Scheduler:
     # ---- scheduler-local commands (run at the head of their stream) ----
 
     def _local_get_info(self, command: Command) -> None:
-        self._reply_local(command, info=self.get_info())
+        self._reply_local(command, info=self.get_info(command.item.omit_tokenizer_json))
 
     def _local_export(self, command: Command) -> None:
         item: l4m_pb2.ExportKvPagesCommand = command.item
@@ -651,6 +654,7 @@ class Scheduler:
         stream.instance.sink.send(
             l4m_pb2.SessionResponse(stream_id=stream.stream_id, request_id=command.request_id, **event)
         )
+        self.metrics.observe_reply(command.kind, self.clock() - command.arrived_at)
         self._done_local(command)
 
     def _done_local(self, command: Command) -> None:
@@ -734,6 +738,9 @@ class Scheduler:
         self.batcher.add_queues(executor.connect(info))
         if self.model is None:
             self.model = info.model
+            self._model_without_tokenizer = common_pb2.ModelInfo()
+            self._model_without_tokenizer.CopyFrom(info.model)
+            self._model_without_tokenizer.ClearField("tokenizer_json")
         self._update_limits()
         log.info("executor %d (%s) connected: %d pages", executor.index, executor.link.address, info.num_kv_pages)
         self._schedule_step()
@@ -768,13 +775,13 @@ class Scheduler:
             max_export_metadata_bytes=config.max_export_metadata_bytes,
         )
 
-    def get_info(self) -> l4m_pb2.GetInfoResponse:
+    def get_info(self, omit_tokenizer_json: bool = False) -> l4m_pb2.GetInfoResponse:
         limits = self.limits
         if limits is None:
             raise NoExecutor("no executor is connected yet")
         return l4m_pb2.GetInfoResponse(
             protocol_version=PROTOCOL_VERSION,
-            model=self.model,
+            model=self._model_without_tokenizer if omit_tokenizer_json else self.model,
             kv_page_size=limits.kv_page_size,
             max_kv_pages_per_instance=limits.max_kv_pages_per_instance,
             max_embed_slots_per_instance=limits.max_embed_slots_per_instance,

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from l4m.scheduler.batcher import EXECUTOR_KINDS
+from l4m.telemetry import DurationHistogram
 
 _BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -24,6 +25,19 @@ class _CommandCounter(Collector):
         family = CounterMetricFamily("l4m_scheduler_commands", "L4M commands received", labels=["kind"])
         for kind, count in sorted(self.counts.items()):
             family.add_metric([kind], count)
+        yield family
+
+
+class _DurationCollector(Collector):
+    """One histogram family from `DurationHistogram`s by kind, read at scrape time (no lock per observation)."""
+
+    def __init__(self, name: str, documentation: str, by_kind: dict[str, DurationHistogram]) -> None:
+        self.name, self.documentation, self.by_kind = name, documentation, by_kind
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["kind"])
+        for kind, histogram in sorted(self.by_kind.items()):
+            family.add_metric([kind], histogram.cumulative_buckets(), histogram.sum_s)
         yield family
 
 
@@ -47,6 +61,19 @@ class SchedulerMetrics:
         )
         self.instances = Gauge("l4m_scheduler_instances", "Instances with an open session", registry=self.registry)
         self._batch_size_by_kind = {kind: self.batch_size.labels(kind) for kind in EXECUTOR_KINDS}
+        # Replied commands only: what a controller waits for (queue + batch + executor), and the executor
+        # round trip of the batches that carried them.
+        self.command_seconds: dict[str, DurationHistogram] = {}
+        self.executor_batch_seconds: dict[str, DurationHistogram] = {}
+        self.registry.register(_DurationCollector(
+            "l4m_scheduler_command_seconds",
+            "Arrival of a replied command to its reply (queueing, batching and the executor), by kind",
+            self.command_seconds,
+        ))
+        self.registry.register(_DurationCollector(
+            "l4m_scheduler_executor_batch_seconds",
+            "A replied batch's executor round trip: sent to answered, by kind", self.executor_batch_seconds,
+        ))
 
     def bind_gauges(
         self,
@@ -66,3 +93,16 @@ class SchedulerMetrics:
 
     def observe_batch(self, kind: str, num_items: int) -> None:
         self._batch_size_by_kind[kind].observe(num_items)
+
+    def observe_reply(self, kind: str, seconds: float) -> None:
+        _histogram(self.command_seconds, kind).observe(seconds)
+
+    def observe_batch_reply(self, kind: str, seconds: float) -> None:
+        _histogram(self.executor_batch_seconds, kind).observe(seconds)
+
+
+def _histogram(by_kind: dict[str, DurationHistogram], kind: str) -> DurationHistogram:
+    histogram = by_kind.get(kind)
+    if histogram is None:
+        histogram = by_kind[kind] = DurationHistogram()
+    return histogram

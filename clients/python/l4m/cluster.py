@@ -51,6 +51,7 @@ class ClusterConfig:
     model: str = ""  # empty: the embedded default (SmolLM2-135M-Instruct)
     batching: str = "adaptive"
     sandbox: str = "process"
+    warm_pool_size: int | None = None  # process sandboxes started ahead of demand; None: the spawner's default
     allow_anonymous: bool = False
     start_timeout_s: float = 300.0
     echo_logs: bool = True
@@ -135,6 +136,8 @@ def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
     argv += ["--scheduler", f"unix:{config.socket_dir / 'scheduler.sock'}", "--socket-dir", str(config.socket_dir)]
     argv += ["--state-dir", str(config.state_dir / "spawner"), "--sandbox", config.sandbox]
     argv += ["--metrics-port", str(config.metrics_port(0)), "--spawner-id", config.spawner_id]
+    if config.warm_pool_size is not None:
+        argv += ["--warm-pool-size", str(config.warm_pool_size)]
     specs.append(ServiceSpec("spawner", tuple(argv), config.spawner_address, config.metrics_port(0)))
     return specs
 

@@ -8,6 +8,7 @@ function calls and nothing is exported. Resource attributes come from `OTEL_SERV
 
 from __future__ import annotations
 
+import bisect
 import functools
 import os
 from collections.abc import Mapping
@@ -95,3 +96,33 @@ def _propagator() -> TraceContextTextMapPropagator:
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     return TraceContextTextMapPropagator()
+
+
+# Latency buckets (seconds) for work from a sub-millisecond decode step on a GPU to a long CPU prefill.
+DURATION_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class DurationHistogram:
+    """A Prometheus-style histogram of durations for ONE writer thread: `observe` is a bucket search and
+    two additions, no lock (prometheus_client's Histogram takes one per observation); a scrape reads
+    the counts from another thread, which may see an observation half-recorded (counts off by one for
+    one scrape, never corrupted)."""
+
+    __slots__ = ("bounds_s", "counts", "sum_s")
+
+    def __init__(self, bounds_s: tuple[float, ...] = DURATION_BUCKETS_S) -> None:
+        self.bounds_s = bounds_s
+        self.counts = [0] * (len(bounds_s) + 1)  # the last bucket is +Inf
+        self.sum_s = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds_s, seconds)] += 1
+        self.sum_s += seconds
+
+    def cumulative_buckets(self) -> list[tuple[str, int]]:
+        """(le, cumulative count) pairs, +Inf last, as `HistogramMetricFamily.add_metric` takes them."""
+        buckets, total = [], 0
+        for bound, count in zip((*map(repr, self.bounds_s), "+Inf"), self.counts, strict=True):
+            total += count
+            buckets.append((bound, total))
+        return buckets

@@ -23,6 +23,13 @@ def default_state_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"l4m-{getpass.getuser()}"
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", type=Path, default=None, help="sockets, logs, programs (default /tmp/l4m-$USER)")
     parser.add_argument("--host", default="127.0.0.1", help="address the user-facing services listen on")
@@ -38,6 +45,11 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "--batching", default="adaptive", help="adaptive | t-only:<ms> | k-only:<k> | k-or-t:<k>:<ms>"
     )
     parser.add_argument("--sandbox", default="process", choices=["process", "docker"])
+    parser.add_argument(
+        "--warm-pool-size", type=_non_negative_int, default=None,
+        help="process sandboxes the spawner keeps started ahead of demand (default: the spawner's, 2); size it "
+        "to the bursts of launches you expect (about 50 MiB each)",
+    )
     parser.add_argument("--allow-anonymous", action="store_true", help="dev: L4M sessions without a token")
     parser.add_argument("--quiet", action="store_true", help="do not echo the services' logs")
 
@@ -54,6 +66,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         model=args.model,
         batching=args.batching,
         sandbox=args.sandbox,
+        warm_pool_size=args.warm_pool_size,
         allow_anonymous=args.allow_anonymous,
         echo_logs=not args.quiet,
     )

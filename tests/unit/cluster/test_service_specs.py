@@ -53,3 +53,13 @@ def test_each_state_dir_gets_its_own_spawner_id(tmp_path: Path) -> None:
     assert first != second
     assert first == spawner_id(tmp_path / "a")  # a restart finds its own orphans
     assert first.replace("-", "").isalnum()  # usable in cgroup paths and container names
+
+
+def test_warm_pool_size_reaches_the_spawner_only_when_set(tmp_path: Path) -> None:
+    def spawner_argv(**overrides: object) -> tuple[str, ...]:
+        return service_specs(_config(tmp_path, **overrides))[-1].argv
+
+    assert "--warm-pool-size" not in spawner_argv()  # the spawner's own default
+    argv = spawner_argv(warm_pool_size=16)
+    assert argv[argv.index("--warm-pool-size") + 1] == "16"
+    assert spawner_argv(warm_pool_size=0)[-1] == "0"  # 0 (no pool) is a value, not "unset"

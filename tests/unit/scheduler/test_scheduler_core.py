@@ -351,3 +351,42 @@ async def test_output_less_forward_batches_count_as_in_flight_under_adaptive(har
     assert h.scheduler.stats["batches"]["forward_text"] == 2
     await asyncio.sleep(0.08)
     assert executor.num_forward_in_flight == 0 and not executor.inflight
+
+
+async def test_reply_and_executor_round_trip_latencies_are_exported(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    h = harness_factory(latency_s={"forward_text": 0.03})
+    a, sink = h.open()
+    h.send(a, rq.allocate([0]), rq.forward_text([0], 1, [5], outputs=[0], request_id=1),
+           rq.forward_text([0], 2, [6], outputs=[0], request_id=2), rq.synchronize(request_id=3))
+    import asyncio
+
+    await asyncio.sleep(0.15)
+    assert [e.request_id for e in sink.events] == [1, 2, 3]
+    text = generate_latest(h.scheduler.metrics.registry).decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    count = "l4m_scheduler_command_seconds_count"
+    assert samples[(count, (("kind", "forward_text"),))] == 2
+    assert samples[(count, (("kind", "synchronize"),))] == 1
+    # Each reply came at least one simulated executor latency after its command arrived.
+    assert samples[("l4m_scheduler_command_seconds_sum", (("kind", "forward_text"),))] >= 2 * 0.03
+    num_batches = samples[("l4m_scheduler_executor_batch_seconds_count", (("kind", "forward_text"),))]
+    assert num_batches == h.scheduler.stats["batches"]["forward_text"] >= 1
+    assert samples[("l4m_scheduler_executor_batch_seconds_sum", (("kind", "forward_text"),))] >= 0.03 * num_batches
+
+
+async def test_get_info_can_leave_the_tokenizer_out(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory(tokenizer_json='{"version": "1.0"}')
+    full, lean = h.scheduler.get_info(), h.scheduler.get_info(omit_tokenizer_json=True)
+    assert full.model.tokenizer_json and not lean.model.tokenizer_json
+    full.model.ClearField("tokenizer_json")
+    assert lean == full  # nothing else differs
+    a, sink = h.open()
+    h.send(a, rq.request(request_id=1, get_info=l4m_pb2.GetInfoCommand(omit_tokenizer_json=True)),
+           rq.request(request_id=2, get_info=l4m_pb2.GetInfoCommand()))
+    await h.settle()
+    lean_reply, full_reply = (e.info for e in sink.of("info"))
+    assert not lean_reply.model.tokenizer_json and full_reply.model.tokenizer_json
