@@ -16,7 +16,9 @@ Definitions (every stream's request at t = 0):
   TTFT    request -> first generated token. For l4m the request is the user's Launch call and the token
           is the one the user receives on the attach stream; `ttft_controller_*` in the JSON is the same
           first token measured from the controller's `main` start (sandbox start-up excluded).
-  TPOT    the gap between two consecutive tokens of one stream, pooled over all streams.
+  TPOT    a stream's (last token - first token) / (tokens - 1), percentiles over the streams.
+  ITL     the gap between two consecutive tokens of one stream, pooled over all streams (l4m's SDK gets
+          up to 9 tokens per round trip from the executor's continuation: they arrive in bursts).
   RSS     peak resident memory sampled during the run (model loading excluded); for l4m the sum over
           every process of the stack (executor, scheduler, spawner, sandboxes and controllers).
 For l4m the JSON also holds the scheduler's forward_text batch sizes and the CPU seconds each part of
@@ -47,7 +49,10 @@ from l4m.v1 import spawner_pb2
 
 BENCH_DIR = Path(__file__).resolve().parent
 COMPLETION_CONTROLLER = BENCH_DIR / "controllers" / "completion.py"
-ALL_ENGINES = ("l4m", *peers.ENGINES)
+# The full stack: controllers with the SDK's default (continuation: up to 9 tokens per round trip from the
+# executor), and with one round trip per token (max_continuation_steps=0, the controller's third argument).
+STACK_ENGINES = {"l4m": None, "l4m-stepwise": 0}
+ALL_ENGINES = (*STACK_ENGINES, *peers.ENGINES)
 STACK_SAMPLE_PERIOD_S = 0.25  # enumerating the stack's processes costs CPU the stack is measured on
 LIMITS = spawner_pb2.Limits(wall_time_ms=900_000, cpu_time_ms=600_000)
 ROLES = ("executor", "scheduler", "spawner", "controller")
@@ -173,9 +178,12 @@ def batch_profile(before: dict[str, float], after: dict[str, float]) -> dict[str
 
 
 async def launch_stream(client: Client, program: str, prompt: list[int], new_tokens: int,
-                        origin_s: float) -> dict[str, object]:
+                        origin_s: float, max_continuation_steps: int | None = None) -> dict[str, object]:
     """One completion through the stack; times are seconds after `origin_s` (wall clock)."""
-    instance_id = await client.launch(program, [",".join(map(str, prompt)), str(new_tokens)], LIMITS)
+    args = [",".join(map(str, prompt)), str(new_tokens)]
+    if max_continuation_steps is not None:
+        args.append(str(max_continuation_steps))
+    instance_id = await client.launch(program, args, LIMITS)
     first_seen_s = summary = None
     log_lines: list[str] = []  # shown only if the controller fails
     async for event in client.attach(instance_id):
@@ -200,14 +208,16 @@ async def launch_stream(client: Client, program: str, prompt: list[int], new_tok
 
 
 async def run_stack(client: Client, program: str, config: ClusterConfig, prompts: list[list[int]],
-                    new_tokens: int) -> tuple[Timeline, dict[str, object]]:
+                    new_tokens: int, engine: str = "l4m") -> tuple[Timeline, dict[str, object]]:
     """N concurrent launches; the timeline (controller-side token times) and the l4m-only facts."""
     metrics_before = scrape(config.metrics_port(1))
     executor_before = scrape(config.metrics_port(10))
+    steps = STACK_ENGINES[engine]
     with StackSampler() as sampler:
         origin_s = time.time()
-        streams = await asyncio.gather(*(launch_stream(client, program, p, new_tokens, origin_s) for p in prompts))
-    timeline = Timeline("l4m", [s["token_ids"] for s in streams], [s["token_times_s"] for s in streams],
+        streams = await asyncio.gather(*(launch_stream(client, program, p, new_tokens, origin_s, steps)
+                                         for p in prompts))
+    timeline = Timeline(engine, [s["token_ids"] for s in streams], [s["token_times_s"] for s in streams],
                         sampler.peak_rss_bytes)
     first_seen = [s["first_seen_s"] for s in streams]
     from_start = [s["token_times_s"][0] - s["started_s"] for s in streams]
@@ -290,7 +300,8 @@ async def sweep(args: argparse.Namespace) -> dict[str, object]:
     engines = args.engines.split(",")
     sizes = [int(n) for n in args.n.split(",")]
     config = stack_config(args)
-    cluster = Cluster(config, say=lambda line: print(line, flush=True)) if "l4m" in engines else None
+    has_stack = any(engine in STACK_ENGINES for engine in engines)
+    cluster = Cluster(config, say=lambda line: print(line, flush=True)) if has_stack else None
     results: dict[str, object] = {"rows": [], "token_checks": {}, "ratios": {}}
     try:
         if cluster is not None:
@@ -306,8 +317,8 @@ async def sweep(args: argparse.Namespace) -> dict[str, object]:
                     if cluster is not None:  # nothing of the last run goes on beside this one (refills)
                         await wait_warm_pool_full(config, args.pool_timeout_s)
                     print(f"[e2e] N={num_streams} {engine} ...", flush=True)
-                    if engine == "l4m":
-                        timeline, extra = await run_stack(client, program, config, prompts, args.new_tokens)
+                    if engine in STACK_ENGINES:
+                        timeline, extra = await run_stack(client, program, config, prompts, args.new_tokens, engine)
                     else:
                         timeline, extra = run_peer(engine, num_streams, args), None
                     if timeline is None:
@@ -318,9 +329,10 @@ async def sweep(args: argparse.Namespace) -> dict[str, object]:
                     print(f"[e2e] N={num_streams} {engine}: {row['tok_s']:.1f} tok/s, TTFT p50 "
                           f"{row['ttft_p50_ms']:.0f} ms, TPOT p50 {row['tpot_p50_ms']:.1f} ms", flush=True)
                 results["token_checks"][num_streams] = compare_tokens(timelines)
-                if "l4m" in timelines and "l4m-executor" in timelines:
-                    ratio = summarize(timelines["l4m"])["tok_s"] / summarize(timelines["l4m-executor"])["tok_s"]
-                    results["ratios"][num_streams] = ratio
+                for engine in STACK_ENGINES:
+                    if engine in timelines and "l4m-executor" in timelines:
+                        ratio = summarize(timelines[engine])["tok_s"] / summarize(timelines["l4m-executor"])["tok_s"]
+                        results["ratios"].setdefault(engine, {})[num_streams] = ratio
     finally:
         if cluster is not None:
             await cluster.stop()
@@ -328,16 +340,18 @@ async def sweep(args: argparse.Namespace) -> dict[str, object]:
 
 
 def print_table(results: dict[str, object]) -> None:
-    print("\n| engine | N | gen tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | peak RSS MiB |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| engine | N | gen tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | ITL p99 ms "
+          "| peak RSS MiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results["rows"]:
         print(f"| {r['engine']} | {r['n']} | {r['tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
-              f"{r['tpot_p50_ms']:.1f} | {r['tpot_p99_ms']:.1f} | {r['peak_rss_mib']:.0f} |")
-    for n, ratio in results["ratios"].items():
-        print(f"full stack / executor alone at N={n}: {100 * ratio:.0f} %")
+              f"{r['tpot_p50_ms']:.1f} | {r['tpot_p99_ms']:.1f} | {r['itl_p99_ms']:.1f} | {r['peak_rss_mib']:.0f} |")
+    for engine, ratios in results["ratios"].items():
+        for n, ratio in ratios.items():
+            print(f"{engine} (full stack) / executor alone at N={n}: {100 * ratio:.0f} %")
     for r in results["rows"]:
-        if r["engine"] == "l4m":
-            print(f"l4m N={r['n']}: TTFT from controller start p50 {r['ttft_controller_p50_ms']:.0f} ms; "
+        if r["engine"] in STACK_ENGINES:
+            print(f"{r['engine']} N={r['n']}: TTFT from controller start p50 {r['ttft_controller_p50_ms']:.0f} ms; "
                   f"{r['num_forward_text_batches']} forward_text batches, mean size "
                   f"{r['mean_forward_text_batch_size']:.1f}; per batch {r['step_ms']}; CPU s by role "
                   f"{r['cpu_s_by_role']}; peak RSS MiB "

@@ -84,15 +84,18 @@ def percentile(values: Sequence[float], fraction: float) -> float:
 
 
 def summarize(timeline: Timeline) -> dict[str, float]:
-    """Generated tok/s over the whole run (request to last token), TTFT and TPOT percentiles.
+    """Generated tok/s over the whole run (request to last token); TTFT, TPOT and ITL percentiles.
 
-    TTFT: request to a stream's first generated token. TPOT: the gap between two consecutive tokens of
-    one stream, pooled over all streams (so p99 shows stalls even with one stream)."""
+    TTFT: request to a stream's first generated token. TPOT (time per output token, as vLLM's and TGI's
+    benchmarks define it): a stream's (last token - first token) / (tokens - 1), percentiles over the
+    streams. ITL (inter-token latency): the gap between two consecutive tokens of one stream, pooled
+    over all streams; its p99 shows stalls, and tokens that arrive in bursts (several per round trip)."""
     times = [t for t in timeline.token_times_s if t]
     num_tokens = sum(len(t) for t in timeline.token_ids)
     wall_s = max(t[-1] for t in times)
     ttft_s = [t[0] for t in times]
-    gaps_s = [b - a for t in times for a, b in zip(t, t[1:], strict=False)]
+    tpot_s = [(t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1] or [0.0]
+    gaps_s = [b - a for t in times for a, b in zip(t, t[1:], strict=False)] or [0.0]
     return {
         "num_streams": len(timeline.token_ids),
         "generated_tokens": num_tokens,
@@ -100,8 +103,10 @@ def summarize(timeline: Timeline) -> dict[str, float]:
         "tok_s": num_tokens / wall_s,
         "ttft_p50_ms": 1000 * percentile(ttft_s, 0.5),
         "ttft_p99_ms": 1000 * percentile(ttft_s, 0.99),
-        "tpot_p50_ms": 1000 * percentile(gaps_s, 0.5),
-        "tpot_p99_ms": 1000 * percentile(gaps_s, 0.99),
+        "tpot_p50_ms": 1000 * percentile(tpot_s, 0.5),
+        "tpot_p99_ms": 1000 * percentile(tpot_s, 0.99),
+        "itl_p50_ms": 1000 * percentile(gaps_s, 0.5),
+        "itl_p99_ms": 1000 * percentile(gaps_s, 0.99),
         "peak_rss_mib": timeline.peak_rss_bytes / 2**20,
     }
 

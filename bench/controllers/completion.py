@@ -1,4 +1,6 @@
-"""Benchmark text completion: `completion.py PROMPT_IDS NEW_TOKENS`, PROMPT_IDS comma-separated token ids.
+"""Benchmark text completion: `completion.py PROMPT_IDS NEW_TOKENS [MAX_CONTINUATION_STEPS]`, PROMPT_IDS
+comma-separated token ids; MAX_CONTINUATION_STEPS as `Context.generate` takes it (default: the SDK's, up
+to 9 tokens per round trip; 0: one round trip per token).
 
 Feeds the prompt token-exact (no chat template), generates NEW_TOKENS greedily (end-of-sequence tokens do
 not stop it: every engine of bench/e2e.py decodes the same count), and reports:
@@ -19,11 +21,12 @@ async def main(ctx):
     started_at_s = time.time()
     prompt_ids = [int(token) for token in ctx.args[0].split(",")]
     num_new_tokens = int(ctx.args[1])
+    steps = {"max_continuation_steps": int(ctx.args[2])} if len(ctx.args) > 2 else {}
     token_ids, token_times_s = [], []
     first_sent = None
     async with ctx.new_context() as context:
         context.fill(prompt_ids)
-        async for token in context.generate(Greedy(), stop=stop.max_tokens(num_new_tokens)):
+        async for token in context.generate(Greedy(), stop=stop.max_tokens(num_new_tokens), **steps):
             token_times_s.append(time.time())
             token_ids.append(token.token_id)
             if first_sent is None:

@@ -23,4 +23,5 @@ async def main(ctx):
     for question, text in zip(questions, answers, strict=True):
         await ctx.send(f"{question} -> {text}")
     await ctx.send(json.dumps({"questions": questions, "answers": answers,
-                               "forward_passes": ctx.model.stats.num_forward_passes}))
+                               "forward_passes": ctx.model.stats.num_forward_passes,
+                               "forward_commands": ctx.model.stats.num_forward_commands}))

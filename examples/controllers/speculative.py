@@ -24,4 +24,5 @@ async def main(ctx):
     await ctx.send(speculative.text)
     await ctx.send(json.dumps({"greedy_token_ids": greedy.token_ids, "speculative_token_ids": speculative.token_ids,
                                "greedy_passes": greedy_passes, "speculative_passes": speculative_passes,
-                               "forward_passes": ctx.model.stats.num_forward_passes}))
+                               "forward_passes": ctx.model.stats.num_forward_passes,
+                               "forward_commands": ctx.model.stats.num_forward_commands}))

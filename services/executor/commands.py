@@ -84,6 +84,9 @@ class ForwardText:
     """Tokens through the model into the pages; one sampler per output index.
 
     `attention_mask` holds one BRLE row per token, or is empty for plain causal attention.
+    With `num_continuation_steps` > 0 the executor then feeds each sampled token back and samples
+    again, that many times at most (see `ForwardTextItem` in common.proto): the pages (and
+    `kv_last_page_length`) already count the slots of those fed tokens.
     """
 
     kv_page_ids: tuple[int, ...]
@@ -93,6 +96,8 @@ class ForwardText:
     attention_mask: tuple[tuple[int, ...], ...] = ()
     output_indices: tuple[int, ...] = ()
     samplers: tuple[SamplerSpec, ...] = ()
+    num_continuation_steps: int = 0
+    continuation_stop_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)

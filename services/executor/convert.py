@@ -54,6 +54,8 @@ def _forward_text_from_pb(item: common_pb2.ForwardTextItem, index: int) -> c.For
         attention_mask=tuple(tuple(row.run_lengths) for row in item.attention_masks),
         output_indices=tuple(item.output_indices),
         samplers=tuple(sampler_from_pb(s, index) for s in item.samplers),
+        num_continuation_steps=item.num_continuation_steps,
+        continuation_stop_token_ids=frozenset(item.continuation_stop_token_ids),
     )
 
 

@@ -9,6 +9,7 @@ thread); fire-and-forget commands from the scheduler rely on that order.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -36,6 +37,7 @@ from l4m.executor.commands import (
     ForwardTextResult,
     MaskKvPage,
     ResourceKind,
+    SamplerKind,
     SampleTopK,
 )
 from l4m.executor.errors import CapabilityError, ExecutorError, InvalidCommand, UnknownResource
@@ -50,6 +52,7 @@ _tracer = trace.get_tracer("l4m.executor")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 WEIGHT_MODES = ("auto", "dequantized", "quantized")
 MAX_AUTO_PAGES = 65536
+MAX_CONTINUATION_STEPS = 64  # per forward_text item: bounds how long one batch holds the executor
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,43 @@ def _item(index: int) -> Iterator[None]:
 class _PreparedItem:
     layout: ItemLayout
     write_slots: np.ndarray  # [num_new] flat page_id * page_size + offset
+
+
+class _Continuation:
+    """One forward_text item of a batch with continuation: its first pass (the item as if it had no
+    continuation slots) and the single-token item of each later step."""
+
+    def __init__(self, item: ForwardText, num_steps: int, written: _PreparedItem, page_size: int,
+                 first_total: int) -> None:
+        self.item = item
+        self.num_steps = num_steps
+        self.written = written  # every slot the item may write, for the batch's collision check
+        self._page_size = page_size
+        self._first_total = first_total
+        if num_steps == 0:
+            self.first_pass = item
+            return
+        self.first_pass = dataclasses.replace(
+            item, num_continuation_steps=0, continuation_stop_token_ids=frozenset(),
+            **self._pages(first_total),
+        )
+
+    def _pages(self, total: int) -> dict[str, object]:
+        num_pages = -(-total // self._page_size)
+        return {"kv_page_ids": self.item.kv_page_ids[:num_pages],
+                "kv_last_page_length": total - self._page_size * (num_pages - 1)}
+
+    def stops(self, output: object) -> bool:
+        return getattr(output, "token_id", None) in self.item.continuation_stop_token_ids
+
+    def step_item(self, step: int, token_id: int) -> ForwardText:
+        """Continuation step `step` (1-based): feed `token_id`, the last one sampled, and sample the next."""
+        (sampler,) = self.item.samplers
+        if sampler.seed is not None:  # as the SDK numbers a generation's steps: step i draws with seed + i
+            sampler = dataclasses.replace(sampler, seed=(sampler.seed + step) % (1 << 64))
+        position = self.item.position_ids[-1] + step
+        return ForwardText(token_ids=(token_id,), position_ids=(position,), output_indices=(0,),
+                           samplers=(sampler,), **self._pages(self._first_total + step))  # type: ignore[arg-type]
 
 
 class Engine:
@@ -365,6 +405,59 @@ class Engine:
             )
 
     def forward_text(self, items: Sequence[ForwardText]) -> list[ForwardTextResult]:
+        """One forward pass over every item; items with continuation steps then decode on, all of them
+        together, one batched step at a time, until each has run its steps or sampled a stop token."""
+        if not any(item.num_continuation_steps for item in items):
+            return self._forward_text_once(items)
+        steps = [self._continuation_plan(item, f"forward_text item {n}") for n, item in enumerate(items)]
+        self._check_no_write_collision([plan.written for plan in steps])
+        results = self._forward_text_once([plan.first_pass for plan in steps])
+        outputs = [list(result.outputs) for result in results]
+        active = [n for n, plan in enumerate(steps) if plan.num_steps and not plan.stops(outputs[n][-1])]
+        step = 0
+        while active:
+            step += 1
+            answers = self._forward_text_once([steps[n].step_item(step, outputs[n][-1].token_id) for n in active])
+            for n, answer in zip(active, answers, strict=True):
+                outputs[n].append(answer.outputs[0])
+            active = [n for n in active if steps[n].num_steps > step and not steps[n].stops(outputs[n][-1])]
+        return [ForwardTextResult(tuple(o)) for o in outputs]
+
+    def _continuation_plan(self, item: ForwardText, where: str) -> _Continuation:
+        """Checks what continuation needs beyond a plain forward_text (see common.proto); the first pass is
+        the item without its continuation slots."""
+        num_steps, num_tokens = item.num_continuation_steps, len(item.token_ids)
+        if num_steps == 0:
+            prepared = self._layout(item.kv_page_ids, item.kv_last_page_length, max(num_tokens, 1), (), where)
+            return _Continuation(item, 0, prepared, self.cache.page_size, 0)
+        if num_steps > MAX_CONTINUATION_STEPS:
+            raise InvalidCommand(f"{where}: {num_steps} continuation steps, more than {MAX_CONTINUATION_STEPS}")
+        if item.attention_mask:
+            raise InvalidCommand(f"{where}: continuation needs plain causal attention (no attention masks)")
+        if tuple(item.output_indices) != (num_tokens - 1,):
+            raise InvalidCommand(
+                f"{where}: continuation needs exactly one output index, the last token's ({num_tokens - 1}), "
+                f"not {list(item.output_indices)}"
+            )
+        (sampler,) = item.samplers or (None,)
+        if sampler is None or sampler.kind not in (SamplerKind.GREEDY, SamplerKind.SAMPLE) or sampler.vocab_mask:
+            raise InvalidCommand(
+                f"{where}: continuation needs a GREEDY or SAMPLE sampler without a vocabulary mask (its token is fed back)"
+            )
+        self._check_tokens(tuple(item.continuation_stop_token_ids), f"{where} continuation_stop_token_ids")
+        if item.position_ids:
+            max_context = self.loaded.config.max_context
+            if item.position_ids[-1] + num_steps >= max_context:
+                raise InvalidCommand(
+                    f"{where}: {num_steps} continuation steps after position {item.position_ids[-1]} pass the "
+                    f"model's context ({max_context} positions)"
+                )
+        # Pages, room and write slots of everything the item may write, the continuation included.
+        prepared = self._layout(item.kv_page_ids, item.kv_last_page_length, num_tokens + num_steps, (), where)
+        first_total = prepared.layout.num_ctx + num_tokens
+        return _Continuation(item, num_steps, prepared, self.cache.page_size, first_total)
+
+    def _forward_text_once(self, items: Sequence[ForwardText]) -> list[ForwardTextResult]:
         vocab = self.loaded.config.vocab_size
         with torch.inference_mode():
             with _tracer.start_as_current_span("prepare"):

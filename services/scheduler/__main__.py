@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from l4m.scheduler.batcher import parse_strategy
 from l4m.scheduler.config import SchedulerConfig
 from l4m.scheduler.server import create_server
+from l4m.scheduler.validation import MAX_CONTINUATION_STEPS
 from l4m.telemetry import configure_tracing, shutdown_tracing, start_metrics_server
 
 
@@ -25,6 +26,9 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, in
     parser.add_argument("--page-budget", type=int, default=0, help="max KV pages per instance (0: executor capacity)")
     parser.add_argument("--slot-budget", type=int, default=0, help="max embed slots per instance (0: executor capacity)")
     parser.add_argument("--allow-anonymous", action="store_true", help="dev only: accept sessions without a token")
+    parser.add_argument("--max-continuation-steps", type=int, default=MAX_CONTINUATION_STEPS,
+                        help="decode steps one forward_text may ask the executor to run on its own "
+                        f"(0..{MAX_CONTINUATION_STEPS}; 0 turns continuation off)")
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on 127.0.0.1; 0 = off")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
@@ -34,11 +38,14 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, in
         parser.error(str(error))
     if not args.executor:
         parser.error("at least one --executor is needed")
+    if not 0 <= args.max_continuation_steps <= MAX_CONTINUATION_STEPS:
+        parser.error(f"--max-continuation-steps must be in 0..{MAX_CONTINUATION_STEPS}")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = SchedulerConfig(
         listen=args.listen, listen_unix=args.listen_unix, executor_addresses=tuple(args.executor),
         batching=args.batching, max_kv_pages_per_instance=args.page_budget,
         max_embed_slots_per_instance=args.slot_budget, allow_anonymous=args.allow_anonymous,
+        max_continuation_steps=args.max_continuation_steps,
     )
     return config, args.metrics_port
 

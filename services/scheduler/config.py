@@ -22,6 +22,9 @@ class SchedulerConfig:
     # Embedding slots one instance may hold at most; 0 = one executor's whole capacity.
     max_embed_slots_per_instance: int = 0
     allow_anonymous: bool = False
+    # Continuation steps one forward_text may ask for (0 turns continuation off): each step makes the
+    # batch carrying it, and so every instance in that batch, wait one more decode step for its reply.
+    max_continuation_steps: int = 64
     max_export_name_bytes: int = 256
     max_export_metadata_bytes: int = 1 << 20
     # Executor reconnect backoff: first delay, doubled per failure up to the max.

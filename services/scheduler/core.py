@@ -51,6 +51,7 @@ from l4m.scheduler.tracing import SchedulerTracer, num_kv_pages_named
 from l4m.scheduler.validation import (
     EMBED_SLOT,
     KV_PAGE,
+    MAX_CONTINUATION_STEPS,
     ModelLimits,
     check_command,
     check_forward_text,
@@ -199,7 +200,8 @@ class Scheduler:
         try:
             if kind == "forward_text":
                 check_forward_text(item, self.limits)  # type: ignore[arg-type]
-                num_tokens = len(item.token_ids)  # type: ignore[union-attr]
+                # What it may feed: its tokens and every continuation step (the budget is spent up front).
+                num_tokens = len(item.token_ids) + item.num_continuation_steps  # type: ignore[union-attr]
             else:
                 check_command(kind, item, self.limits)  # type: ignore[arg-type]
                 num_tokens = len(item.input_embed_slot_ids) if kind == "forward" else 0  # type: ignore[union-attr]
@@ -771,6 +773,7 @@ class Scheduler:
             max_kv_pages_per_instance=min(max_pages, config.max_kv_pages_per_instance or max_pages),
             max_embed_slots_per_instance=min(max_slots, config.max_embed_slots_per_instance or max_slots),
             capabilities=frozenset(model.capabilities),  # type: ignore[union-attr]
+            max_continuation_steps=min(config.max_continuation_steps, MAX_CONTINUATION_STEPS),
             max_export_name_bytes=config.max_export_name_bytes,
             max_export_metadata_bytes=config.max_export_metadata_bytes,
         )
@@ -787,6 +790,7 @@ class Scheduler:
             max_embed_slots_per_instance=limits.max_embed_slots_per_instance,
             num_free_kv_pages=sum(e.resources.kv_pages.num_free for e in self.executors if e.resources),
             num_executors=sum(1 for e in self.executors if e.is_connected),
+            max_continuation_steps=limits.max_continuation_steps,
         )
 
     def stats_snapshot(self) -> dict[str, Any]:

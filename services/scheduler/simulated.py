@@ -175,6 +175,14 @@ class SimulatedExecutor:
                     else:
                         output.token.token_id = token
                         output.token.logprob = -0.5
+                # Continuation: the sampled token is fed back at the next position, as on the executor.
+                position = item.position_ids[-1] if item.position_ids else 0
+                stops = set(item.continuation_stop_token_ids)
+                for step in range(1, item.num_continuation_steps + 1):
+                    if not result.outputs or result.outputs[-1].token.token_id in stops:
+                        break
+                    token = next_token(result.outputs[-1].token.token_id, position + step, vocab_size)
+                    result.outputs.add(token=common_pb2.SampledToken(token_id=token, logprob=-0.5))
             return response
         if kind == "forward":
             for item in items:

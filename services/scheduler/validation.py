@@ -33,6 +33,7 @@ class ModelLimits:
     max_kv_pages_per_instance: int
     max_embed_slots_per_instance: int
     capabilities: frozenset[str]
+    max_continuation_steps: int = 0
     max_export_name_bytes: int = 256
     max_export_metadata_bytes: int = 1 << 20
 
@@ -61,6 +62,10 @@ def _check_positions(field: str, position_ids: object, max_context: int) -> None
     top = max(position_ids)  # type: ignore[call-overload]
     if top >= max_context:
         _fail(f"{field} holds position {top}, not below max_context_tokens {max_context}")
+
+
+# Continuation steps an executor runs for one forward_text at most (the scheduler may allow fewer).
+MAX_CONTINUATION_STEPS = 64
 
 
 def _check_context(item: object, num_inputs: int, limits: ModelLimits) -> int:
@@ -131,7 +136,8 @@ def check_forward_text(item: common_pb2.ForwardTextItem, limits: ModelLimits) ->
         _fail(f"{num_tokens} token_ids exceed the executor's max_batch_tokens {limits.max_batch_tokens}")
     if len(item.position_ids) != num_tokens:
         _fail(f"position_ids has {len(item.position_ids)} entries for {num_tokens} token_ids")
-    num_context = _check_context(item, num_tokens, limits)
+    num_steps = item.num_continuation_steps
+    num_context = _check_context(item, num_tokens + num_steps, limits)  # the length rule counts continuation
     _check_tokens("token_ids", item.token_ids, limits.vocab_size)
     _check_positions("position_ids", item.position_ids, limits.max_context_tokens)
     masks = item.attention_masks
@@ -147,6 +153,32 @@ def check_forward_text(item: common_pb2.ForwardTextItem, limits: ModelLimits) ->
         _fail(f"samplers has {len(item.samplers)} entries for {len(item.output_indices)} output_indices")
     for i, sampler in enumerate(item.samplers):
         _check_sampler(i, sampler, limits.vocab_size)
+    if num_steps or item.continuation_stop_token_ids:
+        _check_continuation(item, num_tokens, limits)
+
+
+def _check_continuation(item: common_pb2.ForwardTextItem, num_tokens: int, limits: ModelLimits) -> None:
+    num_steps = item.num_continuation_steps
+    if num_steps > limits.max_continuation_steps:
+        _fail(f"num_continuation_steps {num_steps} exceeds this scheduler's max_continuation_steps "
+              f"{limits.max_continuation_steps} (GetInfo tells it)")
+    if num_steps == 0:
+        _fail("continuation_stop_token_ids is set but num_continuation_steps is 0")
+    if item.attention_masks:
+        _fail("continuation needs plain causal attention: attention_masks must be empty")
+    if list(item.output_indices) != [num_tokens - 1]:
+        _fail(f"continuation needs exactly one output index, the last token's ({num_tokens - 1}), "
+              f"not {list(item.output_indices)}")
+    sampler = item.samplers[0]
+    if sampler.kind not in (common_pb2.SAMPLER_KIND_GREEDY, common_pb2.SAMPLER_KIND_SAMPLE) or \
+            sampler.vocabulary_mask.run_lengths:
+        _fail("continuation needs a GREEDY or SAMPLE sampler without a vocabulary mask (its token is fed back)")
+    if item.continuation_stop_token_ids:
+        _check_tokens("continuation_stop_token_ids", item.continuation_stop_token_ids, limits.vocab_size)
+    last_position = item.position_ids[-1]
+    if last_position + num_steps >= limits.max_context_tokens:
+        _fail(f"{num_steps} continuation steps after position {last_position} pass max_context_tokens "
+              f"{limits.max_context_tokens}")
 
 
 def check_forward(item: common_pb2.ForwardItem, limits: ModelLimits) -> None:

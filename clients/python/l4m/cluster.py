@@ -52,6 +52,7 @@ class ClusterConfig:
     batching: str = "adaptive"
     sandbox: str = "process"
     warm_pool_size: int | None = None  # process sandboxes started ahead of demand; None: the spawner's default
+    max_continuation_steps: int | None = None  # per forward_text (0: off); None: the scheduler's default
     allow_anonymous: bool = False
     start_timeout_s: float = 300.0
     echo_logs: bool = True
@@ -131,6 +132,8 @@ def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
         argv += ["--executor", address]
     if config.allow_anonymous:
         argv.append("--allow-anonymous")
+    if config.max_continuation_steps is not None:
+        argv += ["--max-continuation-steps", str(config.max_continuation_steps)]
     specs.append(ServiceSpec("scheduler", tuple(argv), config.scheduler_address, config.metrics_port(1)))
     argv = [python, "-m", "l4m.spawner", "--listen", config.spawner_address]
     argv += ["--scheduler", f"unix:{config.socket_dir / 'scheduler.sock'}", "--socket-dir", str(config.socket_dir)]

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Generator, Sequence
+from collections.abc import AsyncIterator, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from l4m.errors import ContextFreed, L4MError
-from l4m.sampler import Greedy, Sampler, TopDistribution
-from l4m.stop import AnyOf, MaxTokens, Stop, StopCondition, needs_text, on_tokens
+from l4m.sampler import Greedy, Sample, Sampler, TopDistribution
+from l4m.stop import AnyOf, MaxTokens, Stop, StopCondition, needs_text, on_tokens, token_bounds
 from l4m.tokenizer import StreamDecoder
 from l4m.v1 import common_pb2, l4m_pb2
 
@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 
 EXPORT_METADATA_VERSION = 1
 GREEDY = Greedy()  # the default sampler
+# Continuation steps a generation asks for when its stop condition reads token ids only (see
+# `Context.step_many`): one round trip per up to 9 tokens, streamed in bursts of as many.
+DEFAULT_CONTINUATION_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -236,6 +239,66 @@ class Context:
         (result,) = await self._forward([len(self._pending) - 1], [sampler.to_pb(vocabulary_mask, step_index)])
         return result
 
+    async def step_many(self, sampler: Sampler = GREEDY, num_continuation_steps: int = DEFAULT_CONTINUATION_STEPS,
+                        stop_token_ids: Iterable[int] = (), step_index: int = 0) -> list[common_pb2.SampledToken]:
+        """Feed the pending tokens, then let the executor decode on by itself: it feeds each token it
+        samples and samples the next, up to `num_continuation_steps` more times, stopping early at a
+        token of `stop_token_ids` (L4M continuation). One round trip for up to 1 + steps tokens, for a
+        loop whose next step does not depend on what the controller would see in between.
+
+        Returns the sampled tokens in order. Unlike `step`, they are already in the sequence: every one
+        but the last is in the KV, the last is pending (as after `next_token`)."""
+        self._check_alive()
+        if not self._pending:
+            raise L4MError("nothing to feed: step_many needs at least one pending token (fill() some text first)")
+        if not isinstance(sampler, (Greedy, Sample)):
+            raise L4MError("step_many feeds back the token it samples: use Greedy() or Sample(...), not a distribution")
+        if self._window is not None:
+            raise L4MError("a Context with a window hides slots per token: it decodes step by step (use step())")
+        limit = self.model.max_continuation_steps
+        if not 0 <= num_continuation_steps <= limit:
+            raise L4MError(f"num_continuation_steps must be in 0..{limit} (the scheduler's max_continuation_steps)")
+        if num_continuation_steps == 0:
+            token = (await self.step(sampler, None, step_index)).token
+            self.fill((token.token_id,))
+            return [token]
+        await self._wait_dependencies()
+        self._make_tail_writable()
+        tokens = self._pending[:]
+        num_context = self.num_kv_slots
+        num_slots = num_context + len(tokens) + num_continuation_steps  # the length rule counts continuation
+        self._grow_to(num_slots)
+        item = common_pb2.ForwardTextItem(
+            kv_page_ids=self._page_ids,
+            kv_last_page_length=self._last_page_length(num_slots),
+            token_ids=[t for t, _ in tokens],
+            position_ids=[p for _, p in tokens],
+            output_indices=[len(tokens) - 1],
+            samplers=[sampler.to_pb(None, step_index)],
+            num_continuation_steps=num_continuation_steps,
+            continuation_stop_token_ids=sorted(set(stop_token_ids)),
+        )
+        future = self._session.send("forward_text", item, self.stream_id)
+        del self._pending[:]
+        self._slot_token_ids.extend(t for t, _ in tokens)
+        self._slot_positions.extend(p for _, p in tokens)
+        self.model.stats.num_forward_passes += 1
+        self.model.stats.num_forward_commands += 1
+        self.model.stats.num_forward_tokens += len(tokens)
+        sampled = [output.token for output in (await future).forward_text.outputs]
+        for token in sampled[:-1]:  # fed by the executor
+            self._slot_token_ids.append(token.token_id)
+            self._slot_positions.append(self._next_position)
+            self._token_ids.append(token.token_id)
+            self._next_position += 1
+        # Counted as the executor ran them: a pass for each continuation step, a token for each fed one.
+        self.model.stats.num_forward_passes += len(sampled) - 1
+        self.model.stats.num_forward_tokens += len(sampled) - 1
+        # Pages grown for steps that did not run (an early stop) hold nothing: give them back.
+        self._truncate_slots(self.num_kv_slots)
+        self.fill((sampled[-1].token_id,))
+        return sampled
+
     async def next_token(self, sampler: Sampler = GREEDY) -> tuple[int, float]:
         """One step; appends the sampled token (pending) and returns it with its logprob."""
         result = await self.step(sampler)
@@ -303,21 +366,30 @@ class Context:
         stop: StopCondition | None = None,
         max_tokens: int | None = None,
         constraint: Constraint | None = None,
+        max_continuation_steps: int = DEFAULT_CONTINUATION_STEPS,
     ) -> Generation:
         """Generate tokens until `stop` (default: the model's stop tokens) or `max_tokens`.
 
         `async for token in c.generate(...)` streams `Token`s; `await c.generate(...)` gives the
         `Completion`. With a `constraint`, every step carries its vocabulary mask.
+
+        When nothing but token ids decides the next step (no constraint, no window, a stop condition
+        made of token ids and lengths, a Greedy or Sample sampler), the executor decodes up to
+        `max_continuation_steps` tokens per round trip by itself (`step_many`): the same tokens,
+        far fewer messages, streamed in bursts. 0 asks for one round trip per token.
         """
         self._check_alive()
+        if max_continuation_steps < 0:
+            raise ValueError(f"max_continuation_steps must be >= 0 (got {max_continuation_steps})")
         conditions: list[StopCondition] = [stop if stop is not None else on_tokens(self.model.stop_token_ids)]
         if max_tokens is not None:
             conditions.append(MaxTokens(max_tokens))
-        return Generation(self, sampler, AnyOf(conditions), constraint)
+        return Generation(self, sampler, AnyOf(conditions), constraint, max_continuation_steps)
 
     async def generate_text(self, sampler: Sampler = GREEDY, stop: StopCondition | None = None,
-                            max_tokens: int | None = None, constraint: Constraint | None = None) -> str:
-        return (await self.generate(sampler, stop, max_tokens, constraint)).text
+                            max_tokens: int | None = None, constraint: Constraint | None = None,
+                            max_continuation_steps: int = DEFAULT_CONTINUATION_STEPS) -> str:
+        return (await self.generate(sampler, stop, max_tokens, constraint, max_continuation_steps)).text
 
     # ---- backtracking --------------------------------------------------------------------------
     def rollback(self, num_tokens: int) -> None:
@@ -493,6 +565,7 @@ class Context:
         self._slot_token_ids.extend(token_ids)
         self._slot_positions.extend(positions)
         self.model.stats.num_forward_passes += 1
+        self.model.stats.num_forward_commands += 1
         self.model.stats.num_forward_tokens += len(tokens)
         if self._window is not None:
             self._apply_window()
@@ -595,11 +668,20 @@ class Generation:
     generating: `Token.text` and `Completion.text` decode it on first access, in token order (the same
     values as decoding as we go, without loading the tokenizer for controllers that never ask)."""
 
-    def __init__(self, context: Context, sampler: Sampler, stop: StopCondition, constraint: Constraint | None) -> None:
+    def __init__(self, context: Context, sampler: Sampler, stop: StopCondition, constraint: Constraint | None,
+                 max_continuation_steps: int = 0) -> None:
         self._context = context
         self._sampler = sampler
         self._stop = stop
         self._constraint = constraint
+        # (most tokens the stop lets through or None, its stop token ids) when the executor may decode on
+        # by itself (`step_many`); None when every step must come back here.
+        self._continuation = (
+            token_bounds(stop)
+            if constraint is None and max_continuation_steps > 0 and isinstance(sampler, (Greedy, Sample))
+            else None
+        )
+        self._max_continuation_steps = max_continuation_steps
         self._is_text_lazy = not needs_text(stop)
         self._decoder: StreamDecoder | None = None
         self._num_emitted_chars = 0
@@ -633,12 +715,35 @@ class Generation:
                 yield self._accept(token_id, 0.0, forced=True)
                 if self.completion.stop is not None:
                     return
+            num_steps = self._num_continuation_steps()
+            if num_steps > 0:
+                tokens = await context.step_many(sampler, num_steps, self._continuation[1], step_index)  # type: ignore[index]
+                step_index += len(tokens)
+                for index, sampled in enumerate(tokens):
+                    yield self._accept(sampled.token_id, sampled.logprob)
+                    if self.completion.stop is not None:
+                        # Only the last can stop (the executor stops on the stop tokens and the step
+                        # count respects the length); a condition that stops earlier gets the rest back.
+                        context.rollback(len(tokens) - 1 - index)
+                        return
+                continue
             mask = await asyncio.to_thread(constraint.mask) if constraint is not None else None
             token = (await context.step(sampler, mask, step_index)).token
             step_index += 1
             token_id = token.token_id
             context.fill((token_id,))
             yield self._accept(token_id, token.logprob)
+
+    def _num_continuation_steps(self) -> int:
+        """Steps the executor may decode on by itself now; 0: one step, here."""
+        context = self._context
+        if self._continuation is None or context._window is not None:
+            return 0
+        max_tokens, _ = self._continuation
+        num_steps = min(self._max_continuation_steps, context.model.max_continuation_steps)
+        if max_tokens is not None:
+            num_steps = min(num_steps, max_tokens - len(self.completion.token_ids) - 1)
+        return max(num_steps, 0)
 
     def _accept(self, token_id: int, logprob: float, forced: bool = False) -> Token:
         completion = self.completion

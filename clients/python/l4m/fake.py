@@ -111,6 +111,7 @@ class FakeL4M:
         chat_template: str = SMOLLM_CHAT_TEMPLATE,
         special_token_ids: dict[str, int] | None = None,
         logit_scale: float = 3.0,
+        max_continuation_steps: int = 64,
     ) -> None:
         self.tokenizer_json = tokenizer_json or tiny_tokenizer_json()
         if vocab_size is None:
@@ -127,6 +128,7 @@ class FakeL4M:
         self.chat_template = chat_template
         self.special_token_ids = special_token_ids or {t: i for i, t in enumerate(TINY_SPECIAL_TOKENS)}
         self.logit_scale = logit_scale
+        self.max_continuation_steps = max_continuation_steps
         self.pages: dict[int, _Page] = {}
         self._free_physical = list(range(num_kv_pages - 1, -1, -1))
         self.exports: dict[str, _Export] = {}
@@ -165,6 +167,7 @@ class FakeL4M:
             protocol_version="l4m.v1", model=model, kv_page_size=self.kv_page_size,
             max_kv_pages_per_instance=self.max_kv_pages_per_instance, max_embed_slots_per_instance=0,
             num_free_kv_pages=len(self._free_physical), num_executors=1,
+            max_continuation_steps=self.max_continuation_steps,
         )
 
     @property
@@ -293,9 +296,16 @@ class FakeCall:
         if not pages or not 1 <= item.kv_last_page_length <= page_size:
             raise _invalid(f"forward_text.kv_last_page_length {item.kv_last_page_length} not in [1, {page_size}]")
         total = page_size * (len(pages) - 1) + item.kv_last_page_length
-        num_context = total - num_tokens
+        num_steps = item.num_continuation_steps
+        num_context = total - num_tokens - num_steps  # the length rule counts continuation slots
         if num_context < 0:
-            raise _invalid(f"forward_text: {num_tokens} tokens do not fit the {total} slots of the pages")
+            raise _invalid(f"forward_text: {num_tokens} tokens and {num_steps} continuation steps do not fit "
+                           f"the {total} slots of the pages")
+        if num_steps and (item.attention_masks or list(item.output_indices) != [num_tokens - 1]
+                          or item.samplers[0].kind == common_pb2.SAMPLER_KIND_DISTRIBUTION
+                          or item.samplers[0].vocabulary_mask.run_lengths):
+            raise _invalid("forward_text: continuation needs no masks, the last token's output only, and a "
+                           "GREEDY or SAMPLE sampler without a vocabulary mask")
         if item.attention_masks and len(item.attention_masks) != num_tokens:
             raise _invalid("forward_text.attention_masks: one row per token, or none")
         if len(item.samplers) != len(item.output_indices) or any(i >= num_tokens for i in item.output_indices):
@@ -319,15 +329,40 @@ class FakeCall:
                 if row.size != num_context + index + 1:
                     raise _invalid(f"forward_text.attention_masks[{index}] decodes to {row.size} values, "
                                    f"not {num_context + index + 1}")
-            visible = []
-            for slot in range(num_context + index + 1):
-                page = pages[slot // page_size]
-                if page.visible[slot % page_size] and (row is None or row[slot]):
-                    if page.slots[slot % page_size] is None:
-                        raise _invalid(f"forward_text: slot {slot} is read before it was written")
-                    visible.append(page.slots[slot % page_size])
+            visible = self._visible(pages, num_context + index + 1, row)
             outputs.append(self._sample(backend.logits(visible), spec))
+        self._continue(item, pages, num_context + num_tokens, outputs)
         return l4m_pb2.SessionResponse(forward_text=common_pb2.ForwardTextResult(outputs=outputs))
+
+    def _visible(self, pages: list[_Page], num_slots: int, row: np.ndarray | None) -> list[tuple[int, int]]:
+        page_size = self._backend.kv_page_size
+        visible = []
+        for slot in range(num_slots):
+            page = pages[slot // page_size]
+            if page.visible[slot % page_size] and (row is None or row[slot]):
+                if page.slots[slot % page_size] is None:
+                    raise _invalid(f"forward_text: slot {slot} is read before it was written")
+                visible.append(page.slots[slot % page_size])
+        return visible
+
+    def _continue(self, item: common_pb2.ForwardTextItem, pages: list[_Page], next_slot: int,
+                  outputs: list[common_pb2.OutputResult]) -> None:
+        """Continuation: feed each sampled token back and sample again (see ForwardTextItem)."""
+        backend, page_size = self._backend, self._backend.kv_page_size
+        stops = set(item.continuation_stop_token_ids)
+        for step in range(1, item.num_continuation_steps + 1):
+            token = outputs[-1].token.token_id
+            if token in stops:
+                return
+            slot = next_slot + step - 1
+            pages[slot // page_size].slots[slot % page_size] = (token, item.position_ids[-1] + step)
+            backend.stats.num_forward_passes += 1
+            backend.stats.num_forward_tokens += 1
+            spec = common_pb2.SamplerSpec()
+            spec.CopyFrom(item.samplers[0])
+            if spec.HasField("seed"):
+                spec.seed = (spec.seed + step) % (1 << 64)
+            outputs.append(self._sample(backend.logits(self._visible(pages, slot + 1, None)), spec))
 
     def _sample(self, logits: np.ndarray, spec: common_pb2.SamplerSpec) -> common_pb2.OutputResult:
         if spec.vocabulary_mask.run_lengths:

@@ -25,10 +25,12 @@ MAX_STREAMS = 1 << 16
 
 @dataclass
 class ForwardStats:
-    """What this instance fed through forward passes (counted on the controller's side)."""
+    """What this instance fed through forward passes (counted on the controller's side): a
+    continuation step counts as the pass it is on the executor, though no command carried it."""
 
     num_forward_passes: int = 0
     num_forward_tokens: int = 0
+    num_forward_commands: int = 0  # forward_text commands sent (round trips, for a decode loop)
 
 
 class Model:
@@ -43,6 +45,7 @@ class Model:
         self.vocab_size = info.model.vocab_size
         self.max_context_tokens = info.model.max_context_tokens
         self.stop_token_ids = tuple(info.model.stop_token_ids)
+        self.max_continuation_steps = info.max_continuation_steps  # 0: the scheduler runs no continuation
         self.kv_pages = IdPool(info.max_kv_pages_per_instance or 1 << 20)
         self.streams = IdPool(MAX_STREAMS)
         # Pages other holders may read outside this instance's refcounts (exported or imported): read-only.

@@ -102,6 +102,28 @@ def any_of(*conditions: StopCondition) -> AnyOf:
     return AnyOf(tuple(conditions))
 
 
+def token_bounds(condition: StopCondition) -> tuple[int | None, frozenset[int]] | None:
+    """For a condition that looks at token ids only: (the most tokens it lets through, or None for no
+    bound; the token ids that stop it). None when it may read text or is of a type not known here:
+    then only the SDK's own step-by-step loop can check it."""
+    if type(condition) is MaxTokens:
+        return condition.max_tokens, frozenset()
+    if type(condition) is StopOnTokens:
+        return None, condition.token_ids
+    if type(condition) is AnyOf:
+        bound: int | None = None
+        token_ids: frozenset[int] = frozenset()
+        for part in condition.conditions:
+            found = token_bounds(part)
+            if found is None:
+                return None
+            if found[0] is not None:
+                bound = found[0] if bound is None else min(bound, found[0])
+            token_ids |= found[1]
+        return bound, token_ids
+    return None
+
+
 def needs_text(condition: StopCondition) -> bool:
     """Whether `condition` reads the decoded text; a condition of a type not known here is assumed to."""
     if type(condition) is AnyOf:

@@ -50,6 +50,11 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         help="process sandboxes the spawner keeps started ahead of demand (default: the spawner's, 2); size it "
         "to the bursts of launches you expect (about 50 MiB each)",
     )
+    parser.add_argument(
+        "--max-continuation-steps", type=_non_negative_int, default=None,
+        help="decode steps one forward_text may ask the executor to run by itself (default: the scheduler's, "
+        "64; 0 turns continuation off: one round trip per token)",
+    )
     parser.add_argument("--allow-anonymous", action="store_true", help="dev: L4M sessions without a token")
     parser.add_argument("--quiet", action="store_true", help="do not echo the services' logs")
 
@@ -67,6 +72,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         batching=args.batching,
         sandbox=args.sandbox,
         warm_pool_size=args.warm_pool_size,
+        max_continuation_steps=args.max_continuation_steps,
         allow_anonymous=args.allow_anonymous,
         echo_logs=not args.quiet,
     )

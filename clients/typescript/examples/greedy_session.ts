@@ -15,7 +15,7 @@ import { Template } from "@huggingface/jinja";
 import { Tokenizer } from "@huggingface/tokenizers";
 
 import { L4MSession } from "../src/index.js";
-import { ResourceKind, SamplerKind, SamplerSpec } from "../src/gen/l4m/v1/common.js";
+import { ForwardTextItem, ResourceKind, SamplerKind, SamplerSpec } from "../src/gen/l4m/v1/common.js";
 
 /** A context's KV pages and what fills them: the LENGTH RULE's bookkeeping (docs/protocol.md). */
 class KvPages {
@@ -40,7 +40,8 @@ class KvPages {
     this.numSlots += tokenIds.length;
     const reply = await this.session.request({
       $case: "forwardText",
-      value: {
+      // fromPartial: fields added to the message later (l4m.v1 only ever adds) take their defaults.
+      value: ForwardTextItem.fromPartial({
         kvPageIds: this.pageIds,
         kvLastPageLength: this.numSlots - this.pageSize * (this.pageIds.length - 1),
         tokenIds,
@@ -48,7 +49,7 @@ class KvPages {
         attentionMasks: [], // causal
         outputIndices: [tokenIds.length - 1],
         samplers: [SamplerSpec.fromPartial({ kind: SamplerKind.SAMPLER_KIND_GREEDY })],
-      },
+      }),
     });
     if (reply.event?.$case !== "forwardText") throw new Error(`unexpected reply ${reply.event?.$case}`);
     const output = reply.event.value.outputs[0]?.result;

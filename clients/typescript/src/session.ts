@@ -8,7 +8,13 @@
 import { type ClientDuplexStream, credentials, Metadata, type ServiceError } from "@grpc/grpc-js";
 
 import { L4MError } from "./errors.js";
-import { type GetInfoResponse, L4MServiceClient, type SessionRequest, type SessionResponse } from "./gen/l4m/v1/l4m.js";
+import {
+  GetInfoRequest,
+  type GetInfoResponse,
+  L4MServiceClient,
+  type SessionRequest,
+  type SessionResponse,
+} from "./gen/l4m/v1/l4m.js";
 
 /** gRPC metadata key of the per-instance token (not needed by a scheduler started with --allow-anonymous). */
 export const TOKEN_METADATA_KEY = "l4m-instance-token";
@@ -39,7 +45,7 @@ export class L4MSession {
   /** Model, page size and capacities (a unary call; needs no open stream). */
   getInfo(): Promise<GetInfoResponse> {
     return new Promise((resolve, reject) =>
-      this.stub.getInfo({ omitTokenizerJson: false }, this.metadata, { deadline: Date.now() + this.timeoutMs }, (error, reply) =>
+      this.stub.getInfo(GetInfoRequest.fromPartial({}), this.metadata, { deadline: Date.now() + this.timeoutMs }, (error, reply) =>
         error ? reject(new L4MError(`GetInfo failed: ${error.message} -- is the scheduler at ${this.address}?`)) : resolve(reply!),
       ),
     );

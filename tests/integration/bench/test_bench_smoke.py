@@ -40,26 +40,30 @@ def cluster_flags(tmp_path: Path) -> list[str]:
 @pytest.mark.slow
 def test_e2e_full_stack_and_executor_alone(tmp_path: Path) -> None:
     out = tmp_path / "e2e.json"
-    done = run_bench("e2e.py", "--n", "2", "--new-tokens", "4", "--engines", "l4m,l4m-executor",
+    done = run_bench("e2e.py", "--n", "2", "--new-tokens", "4", "--engines", "l4m,l4m-stepwise,l4m-executor",
                      "--out", str(out), *cluster_flags(tmp_path))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())
     rows = {row["engine"]: row for row in results["rows"]}
-    assert set(rows) == {"l4m", "l4m-executor"}
+    assert set(rows) == {"l4m", "l4m-stepwise", "l4m-executor"}
     for row in rows.values():
         assert row["n"] == 2 and row["generated_tokens"] == 8
         assert row["tok_s"] > 0 and row["peak_rss_mib"] > 0
         assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
-        assert 0 < row["tpot_p50_ms"] <= row["tpot_p99_ms"]
-    stack = rows["l4m"]
-    assert stack["ttft_controller_p50_ms"] > 0
-    assert stack["num_forward_text_batches"] >= 4  # one prefill and three decode steps at least
-    assert stack["cpu_s_by_role"]["executor"] > 0
-    # the full stack decodes greedily with the same executor: the same tokens as the executor alone
-    assert results["token_checks"]["2"]["l4m"] == {"prompt0_matching_prefix": 4, "num_streams_identical": 2,
-                                                  "num_streams": 2}
-    assert results["ratios"]["2"] > 0
-    assert "| l4m | 2 |" in done.stdout
+        assert 0 <= row["tpot_p50_ms"] <= row["tpot_p99_ms"] and 0 <= row["itl_p50_ms"] <= row["itl_p99_ms"]
+    for engine in ("l4m", "l4m-stepwise"):
+        stack = rows[engine]
+        assert stack["ttft_controller_p50_ms"] > 0
+        assert stack["cpu_s_by_role"]["executor"] > 0
+        # the full stack decodes greedily with the same executor: the same tokens as the executor alone
+        assert results["token_checks"]["2"][engine] == {"prompt0_matching_prefix": 4, "num_streams_identical": 2,
+                                                       "num_streams": 2}
+        assert results["ratios"][engine]["2"] > 0
+    # One round trip per token: a prefill and three decode steps at least. With continuation the prompt
+    # pass and the three steps after it are one command per stream.
+    assert rows["l4m-stepwise"]["num_forward_text_batches"] >= 4
+    assert rows["l4m"]["num_forward_text_batches"] <= 2
+    assert "| l4m | 2 |" in done.stdout and "| l4m-stepwise | 2 |" in done.stdout
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ import grpc
 import jsonschema
 import pytest
 
+from l4m.context import DEFAULT_CONTINUATION_STEPS
 from l4m.tokenizer import Tokenizer
 from l4m.v1 import l4m_pb2, l4m_pb2_grpc
 from tests.integration.conftest import REPO, CliRun, ServiceProcess, UpCluster, executor_argv
@@ -116,10 +117,12 @@ def test_text_completion_equals_executor_alone_greedy(counted, lone_executor, to
     assert summary["token_ids"] == reference
     # One message per chunk, one line each, before the summary: together they spell the text.
     assert len(run.lines) > 2 and "".join(run.lines[:-1]) == summary["text"].replace("\n", "")
-    # The executor saw the prompt once and every generated token but the last once, one pass per token.
+    # The executor saw the prompt once and every generated token but the last once, one pass per token;
+    # the controller asked for them in round trips of 1 + DEFAULT_CONTINUATION_STEPS tokens (the last one
+    # ended early at the stop token or the length).
     num_generated = len(summary["token_ids"])
     assert counts["forward_tokens"] == summary["prompt_tokens"] + num_generated - 1
-    assert counts["forward_commands"] == num_generated
+    assert counts["forward_commands"] == -(-num_generated // (1 + DEFAULT_CONTINUATION_STEPS))
 
 
 def test_beam_search_results_are_sorted_by_logprob(l4m_run) -> None:
@@ -189,7 +192,7 @@ def test_parallel_forks_answer_every_question_in_shared_batches(counted) -> None
     summary = run.summary()
     assert len(summary["answers"]) == len(summary["questions"]) == 4 and all(summary["answers"])
     assert "cold" in summary["answers"][3].lower()
-    assert counts["forward_commands"] == summary["forward_passes"]
+    assert counts["forward_commands"] == summary["forward_commands"]
     # The forks' steps went to the executor together: fewer batches than forward_text commands.
     assert counts["forward_batches"] < counts["forward_batch_items"] == counts["forward_commands"]
 
@@ -238,9 +241,10 @@ def test_speculative_decoding_is_greedy_with_fewer_passes(counted) -> None:
     summary = run.summary()
     assert summary["speculative_token_ids"] == summary["greedy_token_ids"]
     assert summary["speculative_passes"] < summary["greedy_passes"]
-    # The scheduler received exactly the forward passes the controller counted.
-    assert counts["forward_commands"] == summary["forward_passes"] == summary["greedy_passes"] + summary[
-        "speculative_passes"]
+    # The scheduler received exactly the commands the controller counted; the passes (a continuation
+    # step is one on the executor) are the greedy run's and the speculative run's.
+    assert counts["forward_commands"] == summary["forward_commands"]
+    assert summary["forward_passes"] == summary["greedy_passes"] + summary["speculative_passes"]
 
 
 def test_output_validation_prefers_the_right_answer(l4m_run) -> None:

@@ -63,3 +63,12 @@ def test_warm_pool_size_reaches_the_spawner_only_when_set(tmp_path: Path) -> Non
     argv = spawner_argv(warm_pool_size=16)
     assert argv[argv.index("--warm-pool-size") + 1] == "16"
     assert spawner_argv(warm_pool_size=0)[-1] == "0"  # 0 (no pool) is a value, not "unset"
+
+
+def test_max_continuation_steps_reaches_the_scheduler_only_when_set(tmp_path: Path) -> None:
+    def scheduler_argv(**overrides: object) -> tuple[str, ...]:
+        return next(s.argv for s in service_specs(_config(tmp_path, **overrides)) if s.name == "scheduler")
+
+    assert "--max-continuation-steps" not in scheduler_argv()
+    argv = scheduler_argv(max_continuation_steps=0)
+    assert argv[argv.index("--max-continuation-steps") + 1] == "0"

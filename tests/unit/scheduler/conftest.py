@@ -52,10 +52,11 @@ class Harness:
     """A started `Scheduler` over `num_executors` simulated executors."""
 
     def __init__(self, batching: str = "adaptive", num_executors: int = 1, tracer: SchedulerTracer | None = None,
-                 **sim: object) -> None:
+                 config: dict[str, object] | None = None, **sim: object) -> None:
         sim_config = SimulatedExecutorConfig(**{"num_kv_pages": 64, "num_embed_slots": 64, **sim})  # type: ignore[arg-type]
         self.links = [SimulatedLink(SimulatedExecutor(sim_config), address=f"sim{i}") for i in range(num_executors)]
-        self.scheduler = Scheduler(SchedulerConfig(batching=batching), self.links, tracer=tracer)  # type: ignore[arg-type]
+        scheduler_config = SchedulerConfig(batching=batching, **(config or {}))  # type: ignore[arg-type]
+        self.scheduler = Scheduler(scheduler_config, self.links, tracer=tracer)  # type: ignore[arg-type]
         self.scheduler.start()
         self.sinks: dict[str, ListSink] = {}
         self._launch_ms = 1000

@@ -390,3 +390,45 @@ async def test_get_info_can_leave_the_tokenizer_out(harness_factory) -> None:  #
     await h.settle()
     lean_reply, full_reply = (e.info for e in sink.of("info"))
     assert not lean_reply.model.tokenizer_json and full_reply.model.tokenizer_json
+
+
+def _continued(pages: list[int], last: int, tokens: list[int], positions: list[int], steps: int,
+               stop_ids: tuple[int, ...] = (), request_id: int = 0) -> l4m_pb2.SessionRequest:
+    request = rq.forward_text(pages, last, tokens, positions, outputs=[len(tokens) - 1], request_id=request_id)
+    request.forward_text.num_continuation_steps = steps
+    request.forward_text.continuation_stop_token_ids.extend(stop_ids)
+    return request
+
+
+async def test_continuation_answers_every_sampled_token_and_spends_the_budget_up_front(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory()
+    assert h.scheduler.get_info().max_continuation_steps == 64
+    a, sink = h.open(max_tokens=40)
+    # 3 tokens + 5 continuation steps in pages 0, 1 (page size 16: 8 slots).
+    h.send(a, rq.allocate([0]), _continued([0], 8, [3, 4, 5], [0, 1, 2], 5, request_id=1))
+    await h.settle()
+    (reply,) = sink.of("forward_text")
+    tokens = [o.token.token_id for o in reply.forward_text.outputs]
+    expected = [next_token(5, 2, 1000)]
+    for step in range(1, 6):
+        expected.append(next_token(expected[-1], 2 + step, 1000))
+    assert tokens == expected
+    assert a.num_tokens_used == 3 + 5
+    # A stop token ends it early; the budget still counts every step asked for.
+    h.send(a, _continued([0], 16, [tokens[-1]], [8], 7, stop_ids=(next_token(tokens[-1], 8, 1000),), request_id=2))
+    await h.settle()
+    assert [len(e.forward_text.outputs) for e in sink.of("forward_text")] == [6, 1]
+    assert a.num_tokens_used == 3 + 5 + 1 + 7
+    # Over the budget: trapped before anything is sent.
+    h.send(a, rq.allocate([1, 2]), _continued([0, 1, 2], 15, [1], [16], 30, request_id=3))
+    await h.settle()
+    assert sink.trap is not None and sink.trap.kind == l4m_pb2.TRAP_KIND_TOKEN_BUDGET
+
+
+async def test_a_scheduler_with_continuation_off_says_so_and_traps_it(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory(config={"max_continuation_steps": 0})
+    assert h.scheduler.get_info().max_continuation_steps == 0
+    a, sink = h.open()
+    h.send(a, rq.allocate([0]), _continued([0], 3, [3], [0], 2, request_id=1))
+    await h.settle()
+    assert sink.trap is not None and "max_continuation_steps 0" in sink.trap.reason

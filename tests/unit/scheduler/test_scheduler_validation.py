@@ -20,6 +20,15 @@ def ft(**kw):  # type: ignore[no-untyped-def]
     return rq.forward_text(**args)
 
 
+def cont(steps: int, stop_ids: tuple[int, ...] = (), **kw):  # type: ignore[no-untyped-def]
+    """`ft` with its last token's output, a greedy sampler and `steps` continuation steps (the default
+    pages, 18 slots, hold 2 tokens + up to 16 steps)."""
+    request = ft(**{"outputs": [1], **kw})
+    request.forward_text.num_continuation_steps = steps
+    request.forward_text.continuation_stop_token_ids.extend(stop_ids)
+    return request
+
+
 def item(kind: str, **fields):  # type: ignore[no-untyped-def]
     messages = {
         "embed_text": common_pb2.EmbedTextItem, "forward": common_pb2.ForwardItem,
@@ -66,6 +75,17 @@ BAD = [
     ("ft unowned page", ft(pages=[0, 7]), "kv page 7 is not allocated"),
     ("ft batch tokens", ft(tokens=[1] * 8193, positions=[1] * 8193), "8193 token_ids exceed the executor's max_batch_tokens"),
     ("ft too many pages", ft(pages=list(range(65))), "65 pages, more than max_kv_pages_per_instance 64"),
+    ("cont too many", cont(65, pages=[0, 1] + list(range(2, 6)), last_page_length=3),
+     "num_continuation_steps 65 exceeds this scheduler's max_continuation_steps 64"),
+    ("cont stop ids alone", cont(0, (5,)), "continuation_stop_token_ids is set but num_continuation_steps is 0"),
+    ("cont masks", cont(1, masks=[[16], [17]]), "attention_masks must be empty"),
+    ("cont output", cont(1, outputs=[0]), "exactly one output index, the last token's (1), not [0]"),
+    ("cont distribution", cont(1, samplers=[S(kind=1, distribution_top_k=3)]), "GREEDY or SAMPLE sampler"),
+    ("cont vocab mask", cont(1, samplers=[S(kind=2, vocabulary_mask=common_pb2.Brle(run_lengths=[999, 1]))]),
+     "without a vocabulary mask"),
+    ("cont stop vocab", cont(1, (1000,)), "continuation_stop_token_ids holds token id 1000"),
+    ("cont length rule", cont(17), "19 inputs do not fit the 18 token slots"),
+    ("cont position", cont(5, positions=[4090, 4091]), "5 continuation steps after position 4091 pass"),
     ("embed_text counts", item("embed_text", embed_slot_ids=[0], token_ids=[1, 2], position_ids=[0]), "they must match"),
     ("embed_text vocab", item("embed_text", embed_slot_ids=[0], token_ids=[5000], position_ids=[0]), "token id 5000"),
     ("embed_text slot", item("embed_text", embed_slot_ids=[9], token_ids=[1], position_ids=[0]), "embed slot 9 is not"),

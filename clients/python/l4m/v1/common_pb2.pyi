@@ -118,7 +118,7 @@ class ForwardItem(_message.Message):
     def __init__(self, kv_page_ids: _Optional[_Iterable[int]] = ..., kv_last_page_length: _Optional[int] = ..., input_embed_slot_ids: _Optional[_Iterable[int]] = ..., output_indices: _Optional[_Iterable[int]] = ..., output_embed_slot_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForwardTextItem(_message.Message):
-    __slots__ = ("kv_page_ids", "kv_last_page_length", "token_ids", "position_ids", "attention_masks", "output_indices", "samplers")
+    __slots__ = ("kv_page_ids", "kv_last_page_length", "token_ids", "position_ids", "attention_masks", "output_indices", "samplers", "num_continuation_steps", "continuation_stop_token_ids")
     KV_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_LAST_PAGE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,8 @@ class ForwardTextItem(_message.Message):
     ATTENTION_MASKS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_INDICES_FIELD_NUMBER: _ClassVar[int]
     SAMPLERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CONTINUATION_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUATION_STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     kv_page_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_last_page_length: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -133,7 +135,9 @@ class ForwardTextItem(_message.Message):
     attention_masks: _containers.RepeatedCompositeFieldContainer[Brle]
     output_indices: _containers.RepeatedScalarFieldContainer[int]
     samplers: _containers.RepeatedCompositeFieldContainer[SamplerSpec]
-    def __init__(self, kv_page_ids: _Optional[_Iterable[int]] = ..., kv_last_page_length: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., position_ids: _Optional[_Iterable[int]] = ..., attention_masks: _Optional[_Iterable[_Union[Brle, _Mapping]]] = ..., output_indices: _Optional[_Iterable[int]] = ..., samplers: _Optional[_Iterable[_Union[SamplerSpec, _Mapping]]] = ...) -> None: ...
+    num_continuation_steps: int
+    continuation_stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kv_page_ids: _Optional[_Iterable[int]] = ..., kv_last_page_length: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., position_ids: _Optional[_Iterable[int]] = ..., attention_masks: _Optional[_Iterable[_Union[Brle, _Mapping]]] = ..., output_indices: _Optional[_Iterable[int]] = ..., samplers: _Optional[_Iterable[_Union[SamplerSpec, _Mapping]]] = ..., num_continuation_steps: _Optional[int] = ..., continuation_stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForwardTextResult(_message.Message):
     __slots__ = ("outputs",)

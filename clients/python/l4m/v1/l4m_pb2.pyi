@@ -45,7 +45,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self, omit_tokenizer_json: _Optional[bool] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("protocol_version", "model", "kv_page_size", "max_kv_pages_per_instance", "max_embed_slots_per_instance", "num_free_kv_pages", "num_executors")
+    __slots__ = ("protocol_version", "model", "kv_page_size", "max_kv_pages_per_instance", "max_embed_slots_per_instance", "num_free_kv_pages", "num_executors", "max_continuation_steps")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class GetInfoResponse(_message.Message):
     MAX_EMBED_SLOTS_PER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_EXECUTORS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTINUATION_STEPS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: str
     model: _common_pb2.ModelInfo
     kv_page_size: int
@@ -60,7 +61,8 @@ class GetInfoResponse(_message.Message):
     max_embed_slots_per_instance: int
     num_free_kv_pages: int
     num_executors: int
-    def __init__(self, protocol_version: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., kv_page_size: _Optional[int] = ..., max_kv_pages_per_instance: _Optional[int] = ..., max_embed_slots_per_instance: _Optional[int] = ..., num_free_kv_pages: _Optional[int] = ..., num_executors: _Optional[int] = ...) -> None: ...
+    max_continuation_steps: int
+    def __init__(self, protocol_version: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., kv_page_size: _Optional[int] = ..., max_kv_pages_per_instance: _Optional[int] = ..., max_embed_slots_per_instance: _Optional[int] = ..., num_free_kv_pages: _Optional[int] = ..., num_executors: _Optional[int] = ..., max_continuation_steps: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("stream_id", "request_id", "get_info", "allocate", "deallocate", "embed_text", "forward", "forward_text", "sample_top_k", "copy_kv_page", "mask_kv_page", "export_kv_pages", "unexport_kv_pages", "import_kv_pages", "list_exports", "synchronize", "set_stream_priority", "embed_image", "debug_query")

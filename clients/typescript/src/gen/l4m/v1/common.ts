@@ -239,9 +239,27 @@ export interface ForwardTextItem {
   outputIndices: number[];
   /** One sampler per output index, same length as `output_indices`. */
   samplers: SamplerSpec[];
+  /**
+   * CONTINUATION: a decode loop run by the executor, for a controller whose next step would not
+   * depend on what it reads in between (one fixed sampler, stop on token ids or a count). After the
+   * pass, the token sampled for the item's one output is fed back and the next one sampled, up to
+   * `num_continuation_steps` times (0, the default: no loop; at most 64). Needs exactly one output
+   * index, the last token's; its sampler GREEDY or SAMPLE without a vocabulary mask (a seeded SAMPLE
+   * draws continuation step i with seed + i, as the SDK numbers a generation's steps); no
+   * attention masks. The LENGTH RULE counts the continuation slots: the caller grows its pages for
+   * every token that may be fed, so `num_context = total - len(token_ids) - num_continuation_steps`,
+   * and fed token i goes to slot `num_context + len(token_ids) + i` at position
+   * `position_ids[-1] + 1 + i`. Slots of steps not run (an early stop) stay unwritten.
+   */
+  numContinuationSteps: number;
+  /** A sampled token in this list ends the loop: it is the last output and is not fed. */
+  continuationStopTokenIds: number[];
 }
 
-/** Answer of one ForwardTextItem: one result per output index, in order. */
+/**
+ * Answer of one ForwardTextItem: one result per output index, in order. With continuation, one
+ * result per sampled token, in order (1 + the steps run); every one but the last was fed.
+ */
 export interface ForwardTextResult {
   outputs: OutputResult[];
 }
@@ -1500,6 +1518,8 @@ function createBaseForwardTextItem(): ForwardTextItem {
     attentionMasks: [],
     outputIndices: [],
     samplers: [],
+    numContinuationSteps: 0,
+    continuationStopTokenIds: [],
   };
 }
 
@@ -1541,6 +1561,16 @@ export const ForwardTextItem: MessageFns<ForwardTextItem> = {
     }
     for (const v of message.samplers) {
       SamplerSpec.encode(v!, writer.uint32(58).fork()).join();
+    }
+    if (message.numContinuationSteps !== 0) {
+      writer.uint32(64).uint32(message.numContinuationSteps);
+    }
+    if (message.continuationStopTokenIds.length !== 0) {
+      writer.uint32(74).fork();
+      for (const v of message.continuationStopTokenIds) {
+        writer.uint32(v);
+      }
+      writer.join();
     }
     return writer;
   },
@@ -1654,6 +1684,32 @@ export const ForwardTextItem: MessageFns<ForwardTextItem> = {
             message.samplers.push(SamplerSpec.decode(reader, reader.uint32()));
             continue;
           }
+          case 8: {
+            if (tag !== 64) {
+              break;
+            }
+
+            message.numContinuationSteps = reader.uint32();
+            continue;
+          }
+          case 9: {
+            if (tag === 72) {
+              message.continuationStopTokenIds.push(reader.uint32());
+
+              continue;
+            }
+
+            if (tag === 74) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.continuationStopTokenIds.push(reader.uint32());
+              }
+
+              continue;
+            }
+
+            break;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1701,6 +1757,16 @@ export const ForwardTextItem: MessageFns<ForwardTextItem> = {
       samplers: globalThis.Array.isArray(object?.samplers)
         ? object.samplers.map((e: any) => SamplerSpec.fromJSON(e))
         : [],
+      numContinuationSteps: isSet(object.numContinuationSteps)
+        ? globalThis.Number(object.numContinuationSteps)
+        : isSet(object.num_continuation_steps)
+        ? globalThis.Number(object.num_continuation_steps)
+        : 0,
+      continuationStopTokenIds: globalThis.Array.isArray(object?.continuationStopTokenIds)
+        ? object.continuationStopTokenIds.map((e: any) => globalThis.Number(e))
+        : globalThis.Array.isArray(object?.continuation_stop_token_ids)
+        ? object.continuation_stop_token_ids.map((e: any) => globalThis.Number(e))
+        : [],
     };
   },
 
@@ -1727,6 +1793,12 @@ export const ForwardTextItem: MessageFns<ForwardTextItem> = {
     if (message.samplers?.length) {
       obj.samplers = message.samplers.map((e) => SamplerSpec.toJSON(e));
     }
+    if (message.numContinuationSteps !== 0) {
+      obj.numContinuationSteps = Math.round(message.numContinuationSteps);
+    }
+    if (message.continuationStopTokenIds?.length) {
+      obj.continuationStopTokenIds = message.continuationStopTokenIds.map((e) => Math.round(e));
+    }
     return obj;
   },
 
@@ -1742,6 +1814,8 @@ export const ForwardTextItem: MessageFns<ForwardTextItem> = {
     message.attentionMasks = object.attentionMasks?.map((e) => Brle.fromPartial(e)) || [];
     message.outputIndices = object.outputIndices?.map((e) => e) || [];
     message.samplers = object.samplers?.map((e) => SamplerSpec.fromPartial(e)) || [];
+    message.numContinuationSteps = object.numContinuationSteps ?? 0;
+    message.continuationStopTokenIds = object.continuationStopTokenIds?.map((e) => e) || [];
     return message;
   },
 };

@@ -210,6 +210,8 @@ export interface GetInfoResponse {
   numFreeKvPages: number;
   /** Number of executors serving this model. */
   numExecutors: number;
+  /** Most `ForwardTextItem.num_continuation_steps` one item may ask for (0: continuation is off here). */
+  maxContinuationSteps: number;
 }
 
 /**
@@ -441,6 +443,7 @@ function createBaseGetInfoResponse(): GetInfoResponse {
     maxEmbedSlotsPerInstance: 0,
     numFreeKvPages: 0,
     numExecutors: 0,
+    maxContinuationSteps: 0,
   };
 }
 
@@ -466,6 +469,9 @@ export const GetInfoResponse: MessageFns<GetInfoResponse> = {
     }
     if (message.numExecutors !== 0) {
       writer.uint32(56).uint32(message.numExecutors);
+    }
+    if (message.maxContinuationSteps !== 0) {
+      writer.uint32(64).uint32(message.maxContinuationSteps);
     }
     return writer;
   },
@@ -539,6 +545,14 @@ export const GetInfoResponse: MessageFns<GetInfoResponse> = {
             message.numExecutors = reader.uint32();
             continue;
           }
+          case 8: {
+            if (tag !== 64) {
+              break;
+            }
+
+            message.maxContinuationSteps = reader.uint32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -584,6 +598,11 @@ export const GetInfoResponse: MessageFns<GetInfoResponse> = {
         : isSet(object.num_executors)
         ? globalThis.Number(object.num_executors)
         : 0,
+      maxContinuationSteps: isSet(object.maxContinuationSteps)
+        ? globalThis.Number(object.maxContinuationSteps)
+        : isSet(object.max_continuation_steps)
+        ? globalThis.Number(object.max_continuation_steps)
+        : 0,
     };
   },
 
@@ -610,6 +629,9 @@ export const GetInfoResponse: MessageFns<GetInfoResponse> = {
     if (message.numExecutors !== 0) {
       obj.numExecutors = Math.round(message.numExecutors);
     }
+    if (message.maxContinuationSteps !== 0) {
+      obj.maxContinuationSteps = Math.round(message.maxContinuationSteps);
+    }
     return obj;
   },
 
@@ -627,6 +649,7 @@ export const GetInfoResponse: MessageFns<GetInfoResponse> = {
     message.maxEmbedSlotsPerInstance = object.maxEmbedSlotsPerInstance ?? 0;
     message.numFreeKvPages = object.numFreeKvPages ?? 0;
     message.numExecutors = object.numExecutors ?? 0;
+    message.maxContinuationSteps = object.maxContinuationSteps ?? 0;
     return message;
   },
 };
