@@ -172,7 +172,8 @@ def batch_profile(before: dict[str, float], after: dict[str, float]) -> dict[str
         cumulative = delta(key)
         buckets[key.split("le=")[1].rstrip("}")] = int(cumulative - below)
         below = cumulative
-    return {"num_forward_text_batches": int(count),
+    return {"num_forward_text_commands": int(delta("l4m_scheduler_commands_total{kind=forward_text}")),
+            "num_forward_text_batches": int(count),
             "mean_forward_text_batch_size": delta(f"{prefix}_sum{{kind=forward_text}}") / count if count else 0.0,
             "forward_text_batches_by_size_le": {le: n for le, n in buckets.items() if n}}
 

@@ -375,8 +375,8 @@ class Context:
 
         When nothing but token ids decides the next step (no constraint, no window, a stop condition
         made of token ids and lengths, a Greedy or Sample sampler), the executor decodes up to
-        `max_continuation_steps` tokens per round trip by itself (`step_many`): the same tokens,
-        far fewer messages, streamed in bursts. 0 asks for one round trip per token.
+        `max_continuation_steps` tokens per round trip by itself after the first token (`step_many`):
+        the same tokens, far fewer messages, streamed in bursts. 0 asks for one round trip per token.
         """
         self._check_alive()
         if max_continuation_steps < 0:
@@ -735,9 +735,10 @@ class Generation:
             yield self._accept(token_id, token.logprob)
 
     def _num_continuation_steps(self) -> int:
-        """Steps the executor may decode on by itself now; 0: one step, here."""
+        """Steps the executor may decode on by itself now; 0: one step, here. The first token comes alone:
+        its wait is the time to first token, which continuation would stretch by every step it adds."""
         context = self._context
-        if self._continuation is None or context._window is not None:
+        if self._continuation is None or context._window is not None or not self.completion.token_ids:
             return 0
         max_tokens, _ = self._continuation
         num_steps = min(self._max_continuation_steps, context.model.max_continuation_steps)

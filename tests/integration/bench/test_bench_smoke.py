@@ -59,10 +59,10 @@ def test_e2e_full_stack_and_executor_alone(tmp_path: Path) -> None:
         assert results["token_checks"]["2"][engine] == {"prompt0_matching_prefix": 4, "num_streams_identical": 2,
                                                        "num_streams": 2}
         assert results["ratios"][engine]["2"] > 0
-    # One round trip per token: a prefill and three decode steps at least. With continuation the prompt
-    # pass and the three steps after it are one command per stream.
-    assert rows["l4m-stepwise"]["num_forward_text_batches"] >= 4
-    assert rows["l4m"]["num_forward_text_batches"] <= 2
+    # One round trip per token: 4 commands per stream. With continuation: the prompt pass (the first
+    # token comes alone), then the other three tokens in one command.
+    assert rows["l4m-stepwise"]["num_forward_text_commands"] == 2 * 4
+    assert rows["l4m"]["num_forward_text_commands"] == 2 * 2
     assert "| l4m | 2 |" in done.stdout and "| l4m-stepwise | 2 |" in done.stdout
 
 

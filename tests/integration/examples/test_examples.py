@@ -118,11 +118,11 @@ def test_text_completion_equals_executor_alone_greedy(counted, lone_executor, to
     # One message per chunk, one line each, before the summary: together they spell the text.
     assert len(run.lines) > 2 and "".join(run.lines[:-1]) == summary["text"].replace("\n", "")
     # The executor saw the prompt once and every generated token but the last once, one pass per token;
-    # the controller asked for them in round trips of 1 + DEFAULT_CONTINUATION_STEPS tokens (the last one
-    # ended early at the stop token or the length).
+    # the controller asked for the first token alone, then for the rest in round trips of
+    # 1 + DEFAULT_CONTINUATION_STEPS tokens (the last one ended early at the stop token or the length).
     num_generated = len(summary["token_ids"])
     assert counts["forward_tokens"] == summary["prompt_tokens"] + num_generated - 1
-    assert counts["forward_commands"] == -(-num_generated // (1 + DEFAULT_CONTINUATION_STEPS))
+    assert counts["forward_commands"] == 1 + -(-(num_generated - 1) // (1 + DEFAULT_CONTINUATION_STEPS))
 
 
 def test_beam_search_results_are_sorted_by_logprob(l4m_run) -> None:

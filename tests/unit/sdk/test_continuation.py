@@ -46,8 +46,9 @@ def test_continuation_gives_what_one_step_at_a_time_gives(run, open_model, sampl
     continued = _run_generation(run, open_model, continued_fake, sampler=sampler, stop=stop.max_tokens(30))
     assert continued == stepwise and len(continued["tokens"]) == 30
     assert len(_forward_texts(stepwise_fake)) == 30
-    # The prompt pass plus 8 continuation steps, three times (27 tokens), then 3 more in one command.
-    assert [f.num_continuation_steps for f in _forward_texts(continued_fake)] == [8, 8, 8, 2]
+    # The prompt pass alone (the first token is not held back), then 9 tokens per command three times (28),
+    # then the last 2 in one command.
+    assert [f.num_continuation_steps for f in _forward_texts(continued_fake)] == [0, 8, 8, 8, 1]
 
 
 def test_a_stop_token_ends_continuation_early_and_frees_the_pages_it_did_not_use(run, open_model) -> None:  # type: ignore[no-untyped-def]
@@ -63,8 +64,8 @@ def test_a_stop_token_ends_continuation_early_and_frees_the_pages_it_did_not_use
                                 then_more=True)
     assert continued == stepwise
     assert [t[0] for t in continued["tokens"]][-1] == stop_token and len(continued["tokens"]) == 4
-    (first, *_) = _forward_texts(fake)
-    assert list(first.continuation_stop_token_ids) == [stop_token] and first.num_continuation_steps == 8
+    (_, second, *_) = _forward_texts(fake)
+    assert list(second.continuation_stop_token_ids) == [stop_token] and second.num_continuation_steps == 8
 
 
 class _ReadsTokens(StopCondition):
