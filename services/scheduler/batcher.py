@@ -199,6 +199,12 @@ class KOrT:
         return queue.oldest_arrival() + self.t_s
 
 
+# The adaptive hold's bound. Half a batch's time bounds it too, so it matters for long batches: one that
+# carries continuation (nine decode steps) returns 64 streams' worth of tokens at once, and 64 controllers
+# on two cores need ~100 ms to answer; a shorter bound splits them into alternating groups again.
+DEFAULT_MAX_HOLD_S = 0.250
+
+
 class Adaptive:
     """One forward batch in flight per executor; when it returns, what is queued fires, after waiting
     (briefly, bounded) for the streams of the returned batch to send their next item.
@@ -214,10 +220,10 @@ class Adaptive:
     `max_hold_s` = 0 turns the wait off.
     """
 
-    def __init__(self, max_hold_s: float = 0.050, hold_fraction: float = 0.5) -> None:
+    def __init__(self, max_hold_s: float = DEFAULT_MAX_HOLD_S, hold_fraction: float = 0.5) -> None:
         self.max_hold_s = max_hold_s
         self.hold_fraction = hold_fraction
-        self.name = "adaptive" if max_hold_s == 0.050 else f"adaptive:{max_hold_s * 1000:g}"
+        self.name = "adaptive" if max_hold_s == DEFAULT_MAX_HOLD_S else f"adaptive:{max_hold_s * 1000:g}"
 
     def take(self, queue: BatchQueue, now: float) -> int:
         if queue.target.num_forward_in_flight:

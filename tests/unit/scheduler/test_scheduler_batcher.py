@@ -212,7 +212,8 @@ def test_dropped_stream_and_removed_instance_leave_the_queues() -> None:
     ("spec", "name"),
     [
         ("adaptive", "adaptive"),
-        ("adaptive:50", "adaptive"),
+        ("adaptive:250", "adaptive"),
+        ("adaptive:50", "adaptive:50"),
         ("adaptive:0", "adaptive:0"),
         ("adaptive:7.5", "adaptive:7.5"),
         ("t-only:5", "t-only:5"),
