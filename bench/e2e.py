@@ -6,7 +6,8 @@ against peers on the same model and the same token-exact prompts, all in one run
     .venv/bin/python bench/e2e.py --n 1,4 --new-tokens 16 --engines l4m,l4m-executor,llama-cpp-f32
 
 Engines: `l4m` (the full stack, started here like `l4m up` with its own state directory and ports; each
-stream is one launch of bench/controllers/completion.py through `l4m.client`) and the engines of
+stream is one launch of bench/controllers/completion.py through `l4m.client`), `l4m-stepwise` (the same,
+one executor round trip per token: no continuation) and the engines of
 bench/peers.py (`l4m-executor`, `hf-fp32`, `hf-bf16`, `llama-cpp-f32`, `llama-cpp-f16`), each run in a
 fresh process. An engine whose package is missing is skipped with a printed note.
 
@@ -21,8 +22,10 @@ Definitions (every stream's request at t = 0):
           up to 9 tokens per round trip from the executor's continuation: they arrive in bursts).
   RSS     peak resident memory sampled during the run (model loading excluded); for l4m the sum over
           every process of the stack (executor, scheduler, spawner, sandboxes and controllers).
-For l4m the JSON also holds the scheduler's forward_text batch sizes and the CPU seconds each part of
-the stack used during the run (the profile the docs quote). Writes JSON (--out) and, with --plot, a PNG.
+For l4m the JSON also holds the scheduler's forward_text batch sizes, the executor's and scheduler's
+mean times per batch, and the CPU seconds each part of the stack used during the run ("bench": this
+process, i.e. the user client, log pumps and sampler). --repeats R runs every (N, engine) R times,
+interleaved, and reports the run of median tok/s (every run's tok/s in the JSON). Writes JSON (--out) and, with --plot, a PNG.
 """
 
 from __future__ import annotations
@@ -62,6 +65,40 @@ def stack_config(args: argparse.Namespace) -> ClusterConfig:
     return ClusterConfig(state_dir=Path(args.state_dir), spawner_port=args.spawner_port,
                          scheduler_port=args.scheduler_port, metrics_port_base=args.metrics_port_base,
                          batching=args.batching, warm_pool_size=args.warm_pool_size, echo_logs=False)
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process under `root`, from /proc/PID/task/TID/children: no scan of the machine's whole
+    process table (psutil's `children()` reads every /proc/PID/stat, ~20 % of a core at 4 Hz with the
+    ~130 processes of a 64-sandbox warm pool, taken from the stack it measures)."""
+    found, stack = [], [root]
+    while stack:
+        pid = stack.pop()
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    children = [int(child) for child in f.read().split()]
+            except OSError:
+                continue
+            found += children
+            stack += children
+    return found
+
+
+def _cpu_s_and_rss(pid: int) -> tuple[float, int]:
+    """User + system CPU seconds and resident bytes of one process, from one read of /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        data = f.read()
+    fields = data[data.rindex(b")") + 2:].split()  # fields[0] is field 3 (state) of proc(5)
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS, int(fields[21]) * _PAGE_BYTES
 
 
 class StackSampler:
@@ -105,23 +142,19 @@ class StackSampler:
         return role
 
     def _sample(self, is_first: bool = False) -> None:
-        import psutil
-
         rss_by_role: dict[str, int] = {}
-        for process in psutil.Process().children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                with process.oneshot():
-                    rss = process.memory_info().rss
-                    times = process.cpu_times()
-                    if process.pid not in self._commands:
-                        self._commands[process.pid] = " ".join(process.cmdline())
-                role = self._role(process.pid, self._commands[process.pid])
+        for pid in _descendants(os.getpid()):
+            with contextlib.suppress(OSError, ValueError, IndexError):  # a process that just ended
+                cpu_s, rss = _cpu_s_and_rss(pid)
+                if pid not in self._commands:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        self._commands[pid] = f.read().replace(b"\0", b" ").decode(errors="replace")
+                role = self._role(pid, self._commands[pid])
                 rss_by_role[role] = rss_by_role.get(role, 0) + rss
-                cpu_s = times.user + times.system
                 if not is_first:  # CPU used since the last sample (all of it, for a process new since)
-                    used_s = cpu_s - self._last_cpu_s.get(process.pid, 0.0)
+                    used_s = cpu_s - self._last_cpu_s.get(pid, 0.0)
                     self._cpu_s_by_role[role] = self._cpu_s_by_role.get(role, 0.0) + used_s
-                self._last_cpu_s[process.pid] = cpu_s
+                self._last_cpu_s[pid] = cpu_s
         total = sum(rss_by_role.values())
         if total > self.peak_rss_bytes:
             self.peak_rss_bytes = total
@@ -214,10 +247,14 @@ async def run_stack(client: Client, program: str, config: ClusterConfig, prompts
     metrics_before = scrape(config.metrics_port(1))
     executor_before = scrape(config.metrics_port(10))
     steps = STACK_ENGINES[engine]
+    own_cpu_before_s = sum(os.times()[:2])
     with StackSampler() as sampler:
         origin_s = time.time()
         streams = await asyncio.gather(*(launch_stream(client, program, p, new_tokens, origin_s, steps)
                                          for p in prompts))
+    # This process: the user client (N launches, N attach streams), the services' log pumps and the
+    # sampler. It shares the 2 cores with the stack; a real user's client would run elsewhere.
+    cpu_s_by_role = {**sampler.cpu_s_by_role(), "bench": round(sum(os.times()[:2]) - own_cpu_before_s, 2)}
     timeline = Timeline(engine, [s["token_ids"] for s in streams], [s["token_times_s"] for s in streams],
                         sampler.peak_rss_bytes)
     first_seen = [s["first_seen_s"] for s in streams]
@@ -227,7 +264,7 @@ async def run_stack(client: Client, program: str, config: ClusterConfig, prompts
         "ttft_controller_p50_ms": 1000 * percentile(from_start, 0.5),
         "ttft_controller_p99_ms": 1000 * percentile(from_start, 0.99),
         "controller_start_p50_ms": 1000 * percentile([s["started_s"] for s in streams], 0.5),
-        "cpu_s_by_role": sampler.cpu_s_by_role(),
+        "cpu_s_by_role": cpu_s_by_role,
         "peak_rss_mib_by_role": sampler.peak_rss_mib_by_role,
     }
     metrics_after = scrape(config.metrics_port(1))
