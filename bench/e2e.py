@@ -48,6 +48,7 @@ from peers import Timeline, make_prompts, matching_prefix, percentile, summarize
 
 from l4m.client import Client
 from l4m.cluster import Cluster, ClusterConfig
+from l4m.spawner.cpu_priority import descendants
 from l4m.v1 import spawner_pb2
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -69,28 +70,6 @@ def stack_config(args: argparse.Namespace) -> ClusterConfig:
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
-
-
-def _descendants(root: int) -> list[int]:
-    """Every process under `root`, from /proc/PID/task/TID/children: no scan of the machine's whole
-    process table (psutil's `children()` reads every /proc/PID/stat, ~20 % of a core at 4 Hz with the
-    ~130 processes of a 64-sandbox warm pool, taken from the stack it measures)."""
-    found, stack = [], [root]
-    while stack:
-        pid = stack.pop()
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    children = [int(child) for child in f.read().split()]
-            except OSError:
-                continue
-            found += children
-            stack += children
-    return found
 
 
 def _cpu_s_and_rss(pid: int) -> tuple[float, int]:
@@ -143,7 +122,9 @@ class StackSampler:
 
     def _sample(self, is_first: bool = False) -> None:
         rss_by_role: dict[str, int] = {}
-        for pid in _descendants(os.getpid()):
+        # /proc children files, not psutil's children(): that reads every process's stat on the host,
+        # ~20 % of a core at 4 Hz beside a 64-sandbox warm pool, taken from the stack it measures.
+        for pid in descendants(os.getpid()):
             with contextlib.suppress(OSError, ValueError, IndexError):  # a process that just ended
                 cpu_s, rss = _cpu_s_and_rss(pid)
                 if pid not in self._commands:

@@ -46,7 +46,7 @@ from l4m.executor.model import LlamaModel
 from l4m.executor.quant import kernels_available, load_kernels
 from l4m.executor.sampler import apply_samplers, decode_vocab_masks, validate_sampler
 from l4m.executor.weights import LoadedModel
-from l4m.telemetry import DurationHistogram
+from l4m.telemetry import DurationsByKind
 
 _tracer = trace.get_tracer("l4m.executor")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -203,7 +203,7 @@ class Engine:
         self._num_forward_tokens = 0
         self._num_decode_kernel_batches = 0
         # Seconds each batch took in `execute`, by command kind (its class name); read by the metrics.
-        self.batch_seconds: dict[str, DurationHistogram] = {}
+        self.batch_seconds = DurationsByKind()
 
     # ---- dispatch -------------------------------------------------------------------------------
 
@@ -219,10 +219,7 @@ class Engine:
         with _tracer.start_as_current_span("executor.batch", context=parent, attributes=attributes):
             result = self._handlers[kind](items)
         self._num_batches += 1
-        histogram = self.batch_seconds.get(kind.__name__)
-        if histogram is None:
-            histogram = self.batch_seconds[kind.__name__] = DurationHistogram()
-        histogram.observe(time.perf_counter() - started)
+        self.batch_seconds.observe(kind.__name__, time.perf_counter() - started)
         return result
 
     # ---- validation helpers ---------------------------------------------------------------------

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from l4m.executor.engine import Engine
@@ -20,12 +20,9 @@ class EngineCollector(Collector):
             "l4m_executor_forward_tokens", "Tokens through forward passes (rate() gives tokens/s)",
             value=engine._num_forward_tokens,
         )
-        durations = HistogramMetricFamily(
-            "l4m_executor_batch_seconds", "Time one batch took on the executor, by command kind", labels=["kind"]
+        yield engine.batch_seconds.family(
+            "l4m_executor_batch_seconds", "Time one batch took on the executor, by command kind"
         )
-        for kind, histogram in sorted(engine.batch_seconds.items()):
-            durations.add_metric([kind], histogram.cumulative_buckets(), histogram.sum_s)
-        yield durations
         yield GaugeMetricFamily("l4m_executor_kv_pages", "Physical KV pages", value=cache.num_pages)
         yield GaugeMetricFamily(
             "l4m_executor_kv_pages_used", "KV pages allocated", value=cache.num_pages - cache.num_free_pages

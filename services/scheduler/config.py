@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from l4m.scheduler.validation import MAX_CONTINUATION_STEPS
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -24,7 +26,7 @@ class SchedulerConfig:
     allow_anonymous: bool = False
     # Continuation steps one forward_text may ask for (0 turns continuation off): each step makes the
     # batch carrying it, and so every instance in that batch, wait one more decode step for its reply.
-    max_continuation_steps: int = 64
+    max_continuation_steps: int = MAX_CONTINUATION_STEPS
     max_export_name_bytes: int = 256
     max_export_metadata_bytes: int = 1 << 20
     # Executor reconnect backoff: first delay, doubled per failure up to the max.

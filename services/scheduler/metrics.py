@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from l4m.scheduler.batcher import EXECUTOR_KINDS
-from l4m.telemetry import DurationHistogram
+from l4m.telemetry import DurationsByKind
 
 _BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -29,16 +29,13 @@ class _CommandCounter(Collector):
 
 
 class _DurationCollector(Collector):
-    """One histogram family from `DurationHistogram`s by kind, read at scrape time (no lock per observation)."""
+    """One histogram family from `DurationsByKind`, read at scrape time (no lock per observation)."""
 
-    def __init__(self, name: str, documentation: str, by_kind: dict[str, DurationHistogram]) -> None:
+    def __init__(self, name: str, documentation: str, by_kind: DurationsByKind) -> None:
         self.name, self.documentation, self.by_kind = name, documentation, by_kind
 
     def collect(self):  # type: ignore[no-untyped-def]
-        family = HistogramMetricFamily(self.name, self.documentation, labels=["kind"])
-        for kind, histogram in sorted(self.by_kind.items()):
-            family.add_metric([kind], histogram.cumulative_buckets(), histogram.sum_s)
-        yield family
+        yield self.by_kind.family(self.name, self.documentation)
 
 
 class SchedulerMetrics:
@@ -63,8 +60,8 @@ class SchedulerMetrics:
         self._batch_size_by_kind = {kind: self.batch_size.labels(kind) for kind in EXECUTOR_KINDS}
         # Replied commands only: what a controller waits for (queue + batch + executor), and the executor
         # round trip of the batches that carried them.
-        self.command_seconds: dict[str, DurationHistogram] = {}
-        self.executor_batch_seconds: dict[str, DurationHistogram] = {}
+        self.command_seconds = DurationsByKind()
+        self.executor_batch_seconds = DurationsByKind()
         self.registry.register(_DurationCollector(
             "l4m_scheduler_command_seconds",
             "Arrival of a replied command to its reply (queueing, batching and the executor), by kind",
@@ -95,14 +92,8 @@ class SchedulerMetrics:
         self._batch_size_by_kind[kind].observe(num_items)
 
     def observe_reply(self, kind: str, seconds: float) -> None:
-        _histogram(self.command_seconds, kind).observe(seconds)
+        self.command_seconds.observe(kind, seconds)
 
     def observe_batch_reply(self, kind: str, seconds: float) -> None:
-        _histogram(self.executor_batch_seconds, kind).observe(seconds)
+        self.executor_batch_seconds.observe(kind, seconds)
 
-
-def _histogram(by_kind: dict[str, DurationHistogram], kind: str) -> DurationHistogram:
-    histogram = by_kind.get(kind)
-    if histogram is None:
-        histogram = by_kind[kind] = DurationHistogram()
-    return histogram

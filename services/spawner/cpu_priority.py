@@ -46,9 +46,30 @@ def parent_pids() -> dict[int, int]:
     return parents
 
 
+def descendants(root_pid: int) -> list[int]:
+    """Every process under `root_pid` (not itself), from /proc/<pid>/task/<tid>/children: no scan of the
+    host's whole process table, so cheap enough to poll. Empty on kernels built without
+    CONFIG_PROC_CHILDREN, which lack those files: `sandbox_tree` works everywhere."""
+    found, frontier = [], [root_pid]
+    while frontier:
+        pid = frontier.pop()
+        try:
+            tasks = os.listdir(PROC / str(pid) / "task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                children = [int(child) for child in (PROC / str(pid) / "task" / tid / "children").read_text().split()]
+            except OSError:
+                continue
+            found += children
+            frontier += children
+    return found
+
+
 def sandbox_tree(root_pid: int) -> set[int]:
-    """`root_pid` and every process descending from it. /proc/<pid>/task/<tid>/children would be
-    cheaper, but kernels built without CONFIG_PROC_CHILDREN (this repository's test machine) lack it."""
+    """`root_pid` and every process descending from it, from every process's parent pid: a scan of the
+    whole process table, which works without CONFIG_PROC_CHILDREN (see `descendants`)."""
     parents = parent_pids()
     if root_pid not in parents:
         return set()

@@ -263,28 +263,9 @@ class Context:
             self.fill((token.token_id,))
             return [token]
         await self._wait_dependencies()
-        self._make_tail_writable()
-        tokens = self._pending[:]
-        num_context = self.num_kv_slots
-        num_slots = num_context + len(tokens) + num_continuation_steps  # the length rule counts continuation
-        self._grow_to(num_slots)
-        item = common_pb2.ForwardTextItem(
-            kv_page_ids=self._page_ids,
-            kv_last_page_length=self._last_page_length(num_slots),
-            token_ids=[t for t, _ in tokens],
-            position_ids=[p for _, p in tokens],
-            output_indices=[len(tokens) - 1],
-            samplers=[sampler.to_pb(None, step_index)],
-            num_continuation_steps=num_continuation_steps,
-            continuation_stop_token_ids=sorted(set(stop_token_ids)),
-        )
-        future = self._session.send("forward_text", item, self.stream_id)
-        del self._pending[:]
-        self._slot_token_ids.extend(t for t, _ in tokens)
-        self._slot_positions.extend(p for _, p in tokens)
-        self.model.stats.num_forward_passes += 1
-        self.model.stats.num_forward_commands += 1
-        self.model.stats.num_forward_tokens += len(tokens)
+        future = self._send_pending(len(self._pending), [len(self._pending) - 1], [sampler.to_pb(None, step_index)],
+                                    num_continuation_steps, stop_token_ids)
+        assert future is not None
         sampled = [output.token for output in (await future).forward_text.outputs]
         for token in sampled[:-1]:  # fed by the executor
             self._slot_token_ids.append(token.token_id)
@@ -538,23 +519,28 @@ class Context:
         response = await future
         return list(response.forward_text.outputs)
 
-    def _send_pending(self, num_tokens: int, output_indices: list[int],
-                      samplers: list[common_pb2.SamplerSpec]) -> asyncio.Future[Any] | None:
-        """Feed the first `num_tokens` pending tokens in one forward_text. Fails without changing state."""
+    def _send_pending(self, num_tokens: int, output_indices: list[int], samplers: list[common_pb2.SamplerSpec],
+                      num_continuation_steps: int = 0, stop_token_ids: Iterable[int] = ()
+                      ) -> asyncio.Future[Any] | None:
+        """Feed the first `num_tokens` pending tokens in one forward_text (with continuation: the pages
+        grown for every step it may run). Fails without changing state."""
         num_recomputed = self._make_tail_writable()
         num_tokens += num_recomputed
         tokens = self._pending[:num_tokens]
         num_context = self.num_kv_slots
-        self._grow_to(num_context + len(tokens))
+        num_slots = num_context + len(tokens) + num_continuation_steps  # the length rule counts continuation
+        self._grow_to(num_slots)
         token_ids = [t for t, _ in tokens]
         positions = [p for _, p in tokens]
         item = common_pb2.ForwardTextItem(
             kv_page_ids=self._page_ids,
-            kv_last_page_length=self._last_page_length(num_context + len(tokens)),
+            kv_last_page_length=self._last_page_length(num_slots),
             token_ids=token_ids,
             position_ids=positions,
             output_indices=[i + num_recomputed for i in output_indices],
             samplers=samplers,
+            num_continuation_steps=num_continuation_steps,
+            continuation_stop_token_ids=sorted(set(stop_token_ids)),
         )
         if self._window is not None and len(tokens) > 1:
             item.attention_masks.extend(

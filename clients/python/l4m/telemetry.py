@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from opentelemetry import context as otel_context
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+    from prometheus_client.core import HistogramMetricFamily
 
 _ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 
@@ -126,3 +127,23 @@ class DurationHistogram:
             total += count
             buckets.append((bound, total))
         return buckets
+
+
+class DurationsByKind(dict[str, DurationHistogram]):
+    """`DurationHistogram`s by a label value (a command kind), created on first observation; one writer
+    thread, as `DurationHistogram`. `family` gives them to a prometheus_client collector at scrape time."""
+
+    def observe(self, kind: str, seconds: float) -> None:
+        histogram = self.get(kind)
+        if histogram is None:
+            histogram = self[kind] = DurationHistogram()
+        histogram.observe(seconds)
+
+    def family(self, name: str, documentation: str) -> HistogramMetricFamily:
+        """One HistogramMetricFamily, labelled `kind`, of every histogram so far."""
+        from prometheus_client.core import HistogramMetricFamily  # not at import: controllers never scrape
+
+        family = HistogramMetricFamily(name, documentation, labels=["kind"])
+        for kind, histogram in sorted(self.items()):
+            family.add_metric([kind], histogram.cumulative_buckets(), histogram.sum_s)
+        return family
