@@ -30,36 +30,27 @@ def test_token_only_controller_never_fetches_the_tokenizer(run, fake: FakeL4M) -
     assert fake.stats.num_get_info == 1  # load only
 
 
-def test_the_first_tokenization_fetches_the_tokenizer_once(run, fake: FakeL4M) -> None:
-    async def body() -> tuple[list[int], list[int], str]:
-        session = _lazy_session(fake)
-        try:
-            model = await Model.load(session)
-            c = model.new_context()
-            c.fill("hello there")
-            c.fill(" again")
-            completion = await c.generate(Greedy(), stop=stop.max_tokens(3))
-            return c.token_ids, completion.token_ids, completion.text
-        finally:
-            await session.close()
+async def _fill_and_generate(session: Session, expect_tokenizer_loaded: bool = False
+                             ) -> tuple[list[int], list[int], str]:
+    """Two text fills and three greedy tokens; the context's ids, the generated ids and their text."""
+    try:
+        model = await Model.load(session)
+        if expect_tokenizer_loaded:
+            assert model.info.tokenizer_json
+        c = model.new_context()
+        c.fill("hello there")
+        c.fill(" again")
+        completion = await c.generate(Greedy(), stop=stop.max_tokens(3))
+        return c.token_ids, completion.token_ids, completion.text
+    finally:
+        await session.close()
 
-    lazy_ids, lazy_tokens, lazy_text = run(body())
+
+def test_the_first_tokenization_fetches_the_tokenizer_once(run, fake: FakeL4M) -> None:
+    lazy = run(_fill_and_generate(_lazy_session(fake)))
     assert fake.stats.num_get_info == 2  # load, then one fetch at the first fill(text)
 
     eager = FakeL4M(kv_page_size=4)
-
-    async def eager_body() -> tuple[list[int], list[int], str]:
-        session = Session(eager.stub())  # cannot fetch later: load asks for everything
-        try:
-            model = await Model.load(session)
-            assert model.info.tokenizer_json
-            c = model.new_context()
-            c.fill("hello there")
-            c.fill(" again")
-            completion = await c.generate(Greedy(), stop=stop.max_tokens(3))
-            return c.token_ids, completion.token_ids, completion.text
-        finally:
-            await session.close()
-
-    assert run(eager_body()) == (lazy_ids, lazy_tokens, lazy_text)
+    # Session(stub) cannot fetch later: load asks for everything.
+    assert run(_fill_and_generate(Session(eager.stub()), expect_tokenizer_loaded=True)) == lazy
     assert eager.stats.num_get_info == 1
