@@ -79,7 +79,7 @@ async def bench(args: argparse.Namespace) -> list[dict[str, object]]:
     rows = []
     try:
         await cluster.start()
-        async with Client(config.spawner_address) as client:
+        async with Client(config.spawner_address, api_key=config.admin_key() or None) as client:
             for name in args.workloads.split(","):
                 program_file, baseline, stateful = WORKLOADS[name]
                 program = await client.upload_file(CONTROLLERS / program_file)

@@ -325,7 +325,8 @@ async def sweep(args: argparse.Namespace) -> dict[str, object]:
     try:
         if cluster is not None:
             await cluster.start()
-        async with Client(config.spawner_address) as client:
+        api_key = config.admin_key() or None if cluster is not None else None
+        async with Client(config.spawner_address, api_key=api_key) as client:
             program = await client.upload_file(COMPLETION_CONTROLLER) if cluster else ""
             if cluster is not None:
                 await warm_up(client, program)

@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 from l4m.scheduler import requests as rq
 from l4m.scheduler.config import SchedulerConfig
@@ -116,16 +117,32 @@ def summarize(num_commands: int, elapsed: float, num_items: int, num_batches: in
     }
 
 
-async def run_grpc(address: str, strategy: str, num_instances: int, duration_s: float) -> dict[str, float]:
+async def switch_batching(stub: object, registry: GrpcProcesses, strategy: str) -> None:
+    """Retunes batching through an admin instance (anonymous ones may not: it is a cluster-wide knob)."""
+    from l4m.spawner.registry_client import GrpcInstanceRegistry
+
+    registry.num_controls += 1
+    instance_id = f"bench-control-{registry.num_controls}"
+    token = f"{instance_id}-token-0123456789"
+    client = GrpcInstanceRegistry(registry.registry_address, registry.secret)
+    await client.register(instance_id, token, 0, 0, is_admin=True)
+    control = stub.Session(metadata=(("l4m-instance-token", token),))  # type: ignore[attr-defined]
+    await control.write(rq.debug_query(f"batching:{strategy}", request_id=1))
+    await control.read()
+    await control.done_writing()
+    await client.destroy(instance_id, "done")
+    await client.close()
+
+
+async def run_grpc(processes: GrpcProcesses, strategy: str, num_instances: int, duration_s: float) -> dict[str, float]:
     import grpc
 
     from l4m.v1 import l4m_pb2_grpc
 
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with grpc.aio.insecure_channel(processes.address) as channel:
         stub = l4m_pb2_grpc.L4MServiceStub(channel)
+        await switch_batching(stub, processes, strategy)
         control = stub.Session()
-        await control.write(rq.debug_query(f"batching:{strategy}", request_id=1))
-        await control.read()
         latencies: list[float] = []
         counters = {"commands": 0}
         stop = asyncio.Event()
@@ -163,8 +180,24 @@ async def run_grpc(address: str, strategy: str, num_instances: int, duration_s: 
     return summarize(commands_after - commands_before, elapsed, num_items, num_batches, latencies)
 
 
-def start_processes() -> tuple[list[subprocess.Popen], str]:  # type: ignore[type-arg]
+@dataclass
+class GrpcProcesses:
+    """The scheduler and executor processes of `--grpc`, and the scheduler's registry (the bench's
+    control sessions register as admin there)."""
+
+    processes: list[subprocess.Popen]  # type: ignore[type-arg]
+    address: str
+    registry_address: str
+    secret: str
+    num_controls: int = 0
+
+
+def start_processes() -> GrpcProcesses:
     import socket
+    import tempfile
+    from pathlib import Path
+
+    from l4m.credentials import write_secret_file
 
     def port() -> int:
         with socket.socket() as s:
@@ -172,14 +205,19 @@ def start_processes() -> tuple[list[subprocess.Popen], str]:  # type: ignore[typ
             return s.getsockname()[1]
 
     executor_address, scheduler_address = f"127.0.0.1:{port()}", f"127.0.0.1:{port()}"
+    state = Path(tempfile.mkdtemp(prefix="l4m-bench-"))
+    secret_file = state / "cluster.secret"
+    secret = write_secret_file(secret_file)
+    registry_address = f"unix:{state}/registry.sock"
     env = {**os.environ}
     executor = subprocess.Popen([sys.executable, "-m", "l4m.scheduler.simulated", "--listen", executor_address,
                                  "--num-kv-pages", "8192"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     scheduler = subprocess.Popen([sys.executable, "-m", "l4m.scheduler", "--listen", scheduler_address, "--executor",
-                                  executor_address, "--allow-anonymous", "--log-level", "WARNING"], env=env,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                  executor_address, "--allow-anonymous", "--log-level", "WARNING",
+                                  "--registry-listen", registry_address, "--cluster-secret-file", str(secret_file)],
+                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(2.0)
-    return [executor, scheduler], scheduler_address
+    return GrpcProcesses([executor, scheduler], scheduler_address, registry_address, secret)
 
 
 def main() -> None:
@@ -189,7 +227,7 @@ def main() -> None:
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    processes, address = start_processes() if args.grpc else ([], "")
+    grpc_processes = start_processes() if args.grpc else None
     mode = "gRPC (scheduler + simulated executor processes)" if args.grpc else "in-process core + simulated executor"
     print(f"scheduler benchmark, {mode}, cpus={len(os.sched_getaffinity(0))}")
     print(f"{'strategy':<12} {'instances':>9} {'commands/s':>11} {'mean batch':>10} {'p50 ms':>8} {'p99 ms':>8}")
@@ -197,14 +235,14 @@ def main() -> None:
         for template in STRATEGIES:
             for num_instances in sizes:
                 strategy = strategy_for(template, num_instances)
-                if args.grpc:
-                    row = asyncio.run(run_grpc(address, strategy, num_instances, args.duration_s))
+                if grpc_processes is not None:
+                    row = asyncio.run(run_grpc(grpc_processes, strategy, num_instances, args.duration_s))
                 else:
                     row = asyncio.run(run_in_process(strategy, num_instances, args.duration_s))
                 print(f"{strategy:<12} {num_instances:>9} {row['commands_per_s']:>11,.0f} {row['mean_batch']:>10.1f} "
                       f"{row['p50_ms']:>8.3f} {row['p99_ms']:>8.3f}", flush=True)
     finally:
-        for process in processes:
+        for process in grpc_processes.processes if grpc_processes is not None else []:
             process.terminate()
 
 

@@ -5,7 +5,8 @@ the controller's first L4M command.
     flock -x /tmp/l4m-bench.lock .venv/bin/python bench/spawner.py --backends process,process-warm --launches 50
 
 The benchmark starts a real scheduler (`python -m l4m.scheduler`, listening on `scheduler.sock` in the
-sandbox socket directory) on a simulated executor (`python -m l4m.scheduler.simulated`: no model, so
+sandbox socket directory, its registry on `internal/registry.sock` behind a cluster secret, as `l4m up`
+lays them out) on a simulated executor (`python -m l4m.scheduler.simulated`: no model, so
 the command's answer costs the executor nothing), and for each backend a real spawner in this process
 (`create_server`, the function `python -m l4m.spawner` serves with), launching through its
 SpawnerService over gRPC as a user would. Each launch runs `CONTROLLER`, an `async def main(ctx)`
@@ -56,6 +57,7 @@ from pathlib import Path
 
 import grpc
 
+from l4m.credentials import write_secret_file
 from l4m.spawner.config import SpawnerConfig
 from l4m.spawner.sandbox import ExitReason
 from l4m.spawner.server import SpawnerServer, create_server
@@ -100,7 +102,8 @@ class Row:
 @dataclass(frozen=True)
 class Cluster:
     socket_dir: Path
-    registry_address: str  # the spawner's --scheduler
+    registry_address: str  # the spawner's --scheduler: the scheduler's --registry-listen
+    secret_file: Path  # the cluster secret the registry requires
 
 
 async def start_service(
@@ -127,6 +130,9 @@ async def scheduler_cluster(root: Path) -> AsyncIterator[Cluster]:
     anonymous: every session must present a token the spawner registered, as in production."""
     socket_dir = root / "sockets"
     socket_dir.mkdir(mode=0o755)
+    internal_dir = root / "internal"  # the control plane: never in the sandboxes' socket directory
+    secret_file = internal_dir / "cluster.secret"
+    write_secret_file(secret_file)
     processes = []
     try:
         executor, executor_port = await start_service(
@@ -134,14 +140,16 @@ async def scheduler_cluster(root: Path) -> AsyncIterator[Cluster]:
         )
         processes.append(executor)
         scheduler_socket = socket_dir / "scheduler.sock"
+        registry_address = f"unix:{internal_dir / 'registry.sock'}"
         scheduler, _ = await start_service(
             "l4m.scheduler",
             ["--executor", f"127.0.0.1:{executor_port}", "--listen", "127.0.0.1:0",
-             "--listen-unix", str(scheduler_socket), "--log-level", "WARNING"],
+             "--listen-unix", str(scheduler_socket), "--registry-listen", registry_address,
+             "--cluster-secret-file", str(secret_file), "--log-level", "WARNING"],
             root / "scheduler.log",
         )  # fmt: skip
         processes.append(scheduler)
-        yield Cluster(socket_dir, f"unix:{scheduler_socket}")
+        yield Cluster(socket_dir, registry_address, secret_file)
     finally:
         for process in reversed(processes):
             if process.returncode is None:
@@ -211,6 +219,8 @@ async def running_spawner(
         spawner_id=f"bench-{uuid.uuid4().hex[:6]}",
         sandbox_kind="docker" if backend == "docker" else "process",
         scheduler_registry_address=cluster.registry_address,
+        cluster_secret_file=cluster.secret_file,
+        insecure_local=True,  # the benchmark is the only user, on loopback
         warm_pool_size=pool_size if backend == "process-warm" else 0,
     )
     server = await create_server(config)

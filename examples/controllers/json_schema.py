@@ -1,5 +1,7 @@
 """Output constrained by a JSON schema (llguidance masks on every step):
-`l4m run json_schema.py -- "who" ['{"type": "object", ...}']` (the schema defaults to SCHEMA below)."""
+`l4m run json_schema.py -- ["WHO" ['{"type": "object", ...}']]`: the prompt is "Describe WHO as a JSON
+object ..." (WHO: a noun phrase such as "a retired sailor"; default "a French chef"), and the schema
+defaults to SCHEMA below."""
 
 import json
 

@@ -9,9 +9,11 @@ import gc
 import logging
 import signal
 import time
+from pathlib import Path
 
 import torch
 
+from l4m.credentials import CredentialError, read_secret_file, tls_files
 from l4m.executor.engine import EngineConfig
 from l4m.executor.metrics import executor_registry
 from l4m.executor.server import ExecutorConfig, create_server
@@ -50,7 +52,17 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, int]:
     parser.add_argument("--num-embed-slots", type=int, default=1024)
     parser.add_argument("--max-batch-tokens", type=int, default=8192)
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on 127.0.0.1; 0 = off")
+    parser.add_argument("--cluster-secret-file", type=Path, default=None,
+                        help="file (mode 0600) holding the cluster secret: Execute and GetInfo refuse calls "
+                        "without it (UNAUTHENTICATED)")
+    parser.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: TLS on a TCP --listen")
+    parser.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
     args = parser.parse_args(argv)
+    try:
+        secret = read_secret_file(args.cluster_secret_file) if args.cluster_secret_file else ""
+        tls = tls_files(args.tls_cert, args.tls_key)
+    except CredentialError as error:
+        parser.error(str(error))
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
@@ -64,7 +76,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, int]:
         weights=args.weights,
         decode_kernel=args.decode_kernel == "on",
     )
-    config = ExecutorConfig(listen=args.listen, model_path=str(args.model or default_model_path()), engine=engine)
+    config = ExecutorConfig(listen=args.listen, model_path=str(args.model or default_model_path()), engine=engine,
+                            cluster_secret=secret, tls=tls)
     return config, args.metrics_port
 
 

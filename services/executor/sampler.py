@@ -4,7 +4,10 @@ Order per output: vocabulary mask (-inf outside it) -> logprobs at temperature 1
 sampled token) -> the sampler: DISTRIBUTION (top-k ids + probabilities, sorted descending), GREEDY
 (argmax), SAMPLE (temperature, then top-k, top-p and min-p truncations, each renormalized, then a
 draw). A seeded output draws its noise from its own `torch.Generator`, so it is reproducible
-whatever else shares the batch.
+whatever else shares the batch. A SAMPLE temperature below `MIN_SAMPLE_TEMPERATURE` (the smallest
+normal float32, ~1.18e-38) samples greedily: `logits / temperature` would overflow to inf and the
+softmax to NaN; the logits are also shifted to max 0 before scaling, so larger temperatures never
+overflow either.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from l4m.executor.commands import Distribution, SampledToken, SamplerKind, Sampl
 from l4m.executor.errors import InvalidCommand
 
 MAX_SEED = 2**63 - 1
+MIN_SAMPLE_TEMPERATURE = torch.finfo(torch.float32).tiny  # below it SAMPLE is GREEDY (module docstring)
 
 
 def validate_sampler(spec: SamplerSpec, vocab_size: int, where: str) -> None:
@@ -83,7 +87,8 @@ def _draw(logits: torch.Tensor, specs: Sequence[SamplerSpec]) -> torch.Tensor:
     device = logits.device
     num_rows, vocab_size = logits.shape
     temps = torch.tensor([s.temperature for s in specs], device=device)[:, None]
-    scaled = logits / temps
+    # Shifted to max 0 first: (logit - max) / temperature is <= 0, so a tiny temperature gives -inf, not inf.
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temps
     noise = _noise(num_rows, vocab_size, [s.seed for s in specs], device)
     if all(s.top_k == 0 and s.top_p in (0.0, 1.0) and s.min_p == 0.0 for s in specs):
         return (torch.softmax(scaled, dim=-1) / noise).argmax(dim=-1)
@@ -125,7 +130,10 @@ def apply_samplers(
     token_rows = [i for i, k in enumerate(kinds) if k is not SamplerKind.DISTRIBUTION]
     if token_rows:
         tokens = logits[token_rows].argmax(dim=-1)
-        sample_rows = [r for r, i in enumerate(token_rows) if kinds[i] is SamplerKind.SAMPLE]
+        sample_rows = [
+            r for r, i in enumerate(token_rows)
+            if kinds[i] is SamplerKind.SAMPLE and specs[i].temperature >= MIN_SAMPLE_TEMPERATURE
+        ]
         if sample_rows:
             drawn = _draw(
                 logits[[token_rows[r] for r in sample_rows]], [specs[token_rows[r]] for r in sample_rows]

@@ -3,6 +3,9 @@
 Batches run on ONE worker thread, in arrival order across all streams, so the event loop stays free
 and fire-and-forget batches keep their order. A stream pipelines: requests are read and queued while
 earlier batches compute; replies go out in the same order.
+
+Only the scheduler talks to an executor: with a cluster secret configured, Execute and GetInfo answer
+UNAUTHENTICATED to a call without it (health and reflection stay open, for probes).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from l4m.credentials import TlsFiles, add_listener, bearer_token, secrets_equal
 from l4m.executor.convert import batch_from_pb, error_to_pb, info_to_pb, reply_to_pb
 from l4m.executor.engine import Engine, EngineConfig
 from l4m.executor.errors import CapabilityError, ExecutorError
@@ -36,6 +40,9 @@ class ExecutorConfig:
     listen: str  # "127.0.0.1:0", "[::]:50061" or "unix:/path/executor.sock"
     model_path: str
     engine: EngineConfig
+    # Execute and GetInfo need it as `authorization: Bearer` metadata; "" = open (a test or dev setup).
+    cluster_secret: str = ""
+    tls: TlsFiles | None = None  # TLS on a TCP listener
 
 
 def device_thread() -> ThreadPoolExecutor:
@@ -48,9 +55,17 @@ def device_thread() -> ThreadPoolExecutor:
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
-    def __init__(self, engine: Engine, worker: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, engine: Engine, worker: ThreadPoolExecutor | None = None, cluster_secret: str = "") -> None:
         self.engine = engine
         self._worker = worker or device_thread()
+        self._cluster_secret = cluster_secret
+
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        """Whoever can Execute can read and write every instance's pages: only the scheduler may."""
+        if self._cluster_secret and not secrets_equal(bearer_token(context.invocation_metadata()),
+                                                      self._cluster_secret):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "the executor needs the cluster secret as 'authorization: Bearer' metadata")
 
     def _run_batch(self, request: executor_pb2.ExecuteRequest) -> executor_pb2.ExecuteResponse | None:
         """Runs on the worker thread; every failure becomes this batch's error reply."""
@@ -73,12 +88,14 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
     async def GetInfo(
         self, request: executor_pb2.ExecutorServiceGetInfoRequest, context: grpc.aio.ServicerContext
     ) -> executor_pb2.ExecutorServiceGetInfoResponse:
+        await self._authenticate(context)
         info = await asyncio.get_running_loop().run_in_executor(self._worker, self.engine.get_info)
         return info_to_pb(info)
 
     async def Execute(
         self, request_iterator: AsyncIterator[executor_pb2.ExecuteRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[executor_pb2.ExecuteResponse]:
+        await self._authenticate(context)
         loop = asyncio.get_running_loop()
         pending: asyncio.Queue[asyncio.Future | None] = asyncio.Queue()
 
@@ -112,13 +129,15 @@ async def create_server(config: ExecutorConfig, engine: Engine | None = None) ->
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
     )
-    executor_pb2_grpc.add_ExecutorServiceServicer_to_server(ExecutorServicer(engine, worker), server)
+    executor_pb2_grpc.add_ExecutorServiceServicer_to_server(ExecutorServicer(engine, worker, config.cluster_secret),
+                                                            server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(config.listen)
-    if port == 0 and not config.listen.startswith("unix:"):
-        raise RuntimeError(f"could not bind {config.listen}")
+    try:
+        port = add_listener(server, config.listen, config.tls)
+    except OSError as error:
+        raise RuntimeError(f"could not bind {config.listen}") from error
     await server.start()
     server.engine = engine  # type: ignore[attr-defined]
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)

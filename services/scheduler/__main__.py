@@ -8,10 +8,12 @@ import logging
 import os
 import signal
 from collections.abc import Sequence
+from pathlib import Path
 
+from l4m.credentials import CredentialError, read_secret_file, tls_files
 from l4m.scheduler.batcher import parse_strategy
 from l4m.scheduler.config import SchedulerConfig
-from l4m.scheduler.server import create_server
+from l4m.scheduler.server import create_registry_server, create_server
 from l4m.scheduler.validation import MAX_CONTINUATION_STEPS
 from l4m.telemetry import configure_tracing, shutdown_tracing, start_metrics_server
 
@@ -20,6 +22,18 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, in
     parser = argparse.ArgumentParser(prog="python -m l4m.scheduler", description="The l4m scheduler (L4M service).")
     parser.add_argument("--listen", default="127.0.0.1:50051", help="host:port for gRPC (port 0 picks one)")
     parser.add_argument("--listen-unix", default=None, help="also listen on this Unix socket path")
+    parser.add_argument("--registry-listen", default=None,
+                        help="address of the InstanceRegistryService (the spawner's control plane), e.g. "
+                        "unix:/state/internal/registry.sock; never the --listen addresses. Needs --cluster-secret-file")
+    parser.add_argument("--cluster-secret-file", type=Path, default=None,
+                        help="file (mode 0600) holding the cluster secret: registry callers must present it, "
+                        "and it is sent to the executors")
+    parser.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: TLS on the TCP listeners")
+    parser.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    parser.add_argument("--executor-tls-ca", type=Path, default=None,
+                        help="PEM CA that signed the executors' certificates (connect to them over TLS)")
+    parser.add_argument("--max-instances", type=int, default=1024,
+                        help="registered instances at most; more registrations answer RESOURCE_EXHAUSTED")
     parser.add_argument("--executor", action="append", default=[], help="executor address host:port (repeatable)")
     parser.add_argument("--batching", default="adaptive",
                         help="adaptive | t-only:<t_ms> | k-only:<k> | k-or-t:<k>:<t_ms> (forward batches)")
@@ -40,18 +54,29 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, in
         parser.error("at least one --executor is needed")
     if not 0 <= args.max_continuation_steps <= MAX_CONTINUATION_STEPS:
         parser.error(f"--max-continuation-steps must be in 0..{MAX_CONTINUATION_STEPS}")
+    if args.registry_listen and not args.cluster_secret_file:
+        parser.error("--registry-listen needs --cluster-secret-file: the registry never runs unauthenticated")
+    if args.max_instances < 1:
+        parser.error("--max-instances must be at least 1")
+    try:
+        secret = read_secret_file(args.cluster_secret_file) if args.cluster_secret_file else ""
+        tls = tls_files(args.tls_cert, args.tls_key)
+    except CredentialError as error:
+        parser.error(str(error))
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = SchedulerConfig(
         listen=args.listen, listen_unix=args.listen_unix, executor_addresses=tuple(args.executor),
         batching=args.batching, max_kv_pages_per_instance=args.page_budget,
         max_embed_slots_per_instance=args.slot_budget, allow_anonymous=args.allow_anonymous,
-        max_continuation_steps=args.max_continuation_steps,
+        max_continuation_steps=args.max_continuation_steps, registry_listen=args.registry_listen,
+        cluster_secret=secret, tls=tls, executor_tls_ca=args.executor_tls_ca, max_instances=args.max_instances,
     )
     return config, args.metrics_port
 
 
 async def serve(config: SchedulerConfig, metrics_port: int = 0) -> None:
     server, port = await create_server(config)
+    registry = await create_registry_server(config, server.scheduler) if config.registry_listen else None  # type: ignore[attr-defined]
     if config.listen_unix:
         # Controllers connect from sandboxes as their own unprivileged uids; the instance token, not the
         # file mode, is what authenticates them.
@@ -60,13 +85,22 @@ async def serve(config: SchedulerConfig, metrics_port: int = 0) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    print(f"l4m scheduler listening on {config.listen.rsplit(':', 1)[0]}:{port}"
+    print(f"l4m scheduler listening on {_bound(config.listen, port)}"
           + (f" and unix:{config.listen_unix}" if config.listen_unix else ""), flush=True)
+    if registry is not None:
+        print(f"l4m scheduler registry listening on {_bound(config.registry_listen, registry[1])}", flush=True)  # type: ignore[arg-type]
     try:
         await stop.wait()
     finally:
+        if registry is not None:
+            await registry[0].stop(grace=1.0)
         await server.stop(grace=2.0)
         await server.scheduler.close()  # type: ignore[attr-defined]
+
+
+def _bound(address: str, port: int) -> str:
+    """`address` with the port actually bound (port 0 picks one); a Unix address as given."""
+    return address if address.startswith("unix:") else f"{address.rsplit(':', 1)[0]}:{port}"
 
 
 def main(argv: Sequence[str] | None = None) -> None:

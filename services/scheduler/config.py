@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from l4m.credentials import TlsFiles
 from l4m.scheduler.validation import MAX_CONTINUATION_STEPS
 
 
@@ -15,8 +17,20 @@ class SchedulerConfig:
     "k-or-t:<k>:<t_ms>" (switchable live with debug_query "batching:...").
     """
 
+    # The data plane (L4MService, health, reflection): what controllers and sandboxes reach.
     listen: str = "127.0.0.1:0"
     listen_unix: str | None = None
+    # The control plane (InstanceRegistryService): the spawner's alone, e.g. "unix:<state>/internal/
+    # registry.sock". None: no registry is served (a scheduler of anonymous sessions only).
+    registry_listen: str | None = None
+    # The cluster secret: every registry call must present it, and it is sent to the executors.
+    cluster_secret: str = ""
+    # TLS on the TCP listeners; the CA that signed the executors' certificates (None: plaintext).
+    tls: TlsFiles | None = None
+    executor_tls_ca: Path | None = None
+    # Registered instances at most (each holds a token and tables); past it RegisterInstance answers
+    # RESOURCE_EXHAUSTED, so a flood of registrations cannot grow the scheduler without bound.
+    max_instances: int = 1024
     executor_addresses: tuple[str, ...] = ()
     batching: str = "adaptive"
     # KV pages one instance may hold at most; 0 = one executor's whole capacity.

@@ -38,15 +38,19 @@ from l4m.scheduler.errors import (
     ExecutorLost,
     InvalidCommand,
     NoExecutor,
+    PermissionDenied,
     ResourceExhausted,
     TokenBudgetExceeded,
+    TooManyInstances,
     TrapError,
+    UnknownParent,
     Unsupported,
 )
 from l4m.scheduler.executors import Executor, ExecutorLink, InflightBatch
 from l4m.scheduler.exports import Export, ExportTable
 from l4m.scheduler.instances import EventSink, Instance, InstanceRegistry, InstanceState
 from l4m.scheduler.metrics import SchedulerMetrics
+from l4m.scheduler.quotas import UserQuotas
 from l4m.scheduler.tracing import SchedulerTracer, num_kv_pages_named
 from l4m.scheduler.validation import (
     EMBED_SLOT,
@@ -88,6 +92,7 @@ class Scheduler:
         self.clock = clock
         self.instances = InstanceRegistry()
         self.exports = ExportTable()
+        self.quotas = UserQuotas(clock)
         self.executors = [Executor(index, link) for index, link in enumerate(links)]
         self.batcher = Batcher(parse_strategy(config.batching))
         self.tracer = tracer or SchedulerTracer()
@@ -136,14 +141,34 @@ class Scheduler:
 
     # ---- instances ----
 
-    def register_instance(self, instance_id: str, token: str, max_tokens: int, launched_at_unix_ms: int) -> Instance:
-        return self.instances.register(instance_id, token, max_tokens, launched_at_unix_ms)
+    def register_instance(
+        self, instance_id: str, token: str, max_tokens: int, launched_at_unix_ms: int, *, user: str = "",
+        is_admin: bool = False, parent_instance_id: str = "", user_max_tokens_per_minute: int = 0,
+    ) -> Instance:
+        """Raises a RegistrationError (too many instances, unknown parent, id or token taken)."""
+        if len(self.instances) >= self.config.max_instances:
+            raise TooManyInstances(f"the scheduler holds its maximum of {self.config.max_instances} instances")
+        parent = self.instances.get(parent_instance_id) if parent_instance_id else None
+        if parent_instance_id and parent is None:
+            raise UnknownParent(f"parent instance {parent_instance_id!r} is not registered")
+        instance = self.instances.register(instance_id, token, max_tokens, launched_at_unix_ms,
+                                           user=user, is_admin=is_admin, parent=parent)
+        self.quotas.add_instance(instance.user, user_max_tokens_per_minute)
+        return instance
 
     def register_anonymous(self) -> Instance:
+        """A dev-mode session without a token: a user of its own, never admin."""
         self._anonymous_seq += 1
         name = f"anonymous-{self._anonymous_seq}"
-        instance = self.instances.register(name, f"{name}-token", 0, int(time.time() * 1000))
+        instance = self.register_instance(name, f"{name}-token", 0, int(time.time() * 1000))
         instance.is_anonymous = True
+        return instance
+
+    def _forget(self, instance_id: str) -> Instance | None:
+        """Remove an instance from every table (registry, quotas); its resources are freed by the caller."""
+        instance = self.instances.remove(instance_id)
+        if instance is not None:
+            self.quotas.remove_instance(instance.user)
         return instance
 
     def open_session(self, instance: Instance, sink: EventSink, traceparent: str | None = None) -> None:
@@ -161,7 +186,7 @@ class Scheduler:
             if instance.sink is not None:
                 instance.sink.end(None)
         if instance.is_anonymous:
-            self.instances.remove(instance.instance_id)
+            self._forget(instance.instance_id)
 
     def finish_session(self, instance: Instance) -> None:
         """The controller half-closed its stream: run what it sent (traps included), then close."""
@@ -179,7 +204,7 @@ class Scheduler:
 
     def destroy_instance(self, instance_id: str, reason: str) -> tuple[int, int]:
         """The spawner forgets an instance; returns (kv pages, embed slots) freed. Idempotent."""
-        instance = self.instances.remove(instance_id)
+        instance = self._forget(instance_id)
         if instance is None or instance.state is InstanceState.ENDED:
             return 0, 0
         if instance.state is InstanceState.REGISTERED:
@@ -306,7 +331,10 @@ class Scheduler:
         executor.unsent_kv_pages.clear()
         executor.unsent_embed_slots.clear()
         if self._num_traps != traps_before:  # an eviction may have hit an instance already in this batch
-            kept = [i for i, c in enumerate(sent) if c.stream.instance.is_alive]
+            # A translated deallocate already returned its ids to the pool, so it must reach the executor
+            # even when its instance trapped later in this batch (or the ids would be handed out again
+            # while the executor still holds them).
+            kept = [i for i, c in enumerate(sent) if c.stream.instance.is_alive or kind == "deallocate"]
             items, sent = [items[i] for i in kept], [sent[i] for i in kept]
         if not sent:
             return
@@ -361,6 +389,8 @@ class Scheduler:
         kind = command.kind
         if kind == "forward_text":
             physical = translate_ids(table.kv_pages, item.kv_page_ids, "kv page")
+            self._check_writable(executor, item.kv_page_ids, physical, item.kv_last_page_length,
+                                 len(item.token_ids) + item.num_continuation_steps)
             self._spend_tokens(instance, command.num_tokens)
             item.kv_page_ids[:] = physical
             command.has_reply = len(item.output_indices) > 0
@@ -369,6 +399,7 @@ class Scheduler:
             pages = translate_ids(table.kv_pages, item.kv_page_ids, "kv page")
             inputs = translate_ids(table.embed_slots, item.input_embed_slot_ids, "embed slot")
             outputs = translate_ids(table.embed_slots, item.output_embed_slot_ids, "embed slot")
+            self._check_writable(executor, item.kv_page_ids, pages, item.kv_last_page_length, len(inputs))
             self._spend_tokens(instance, command.num_tokens)
             item.kv_page_ids[:] = pages
             item.input_embed_slot_ids[:] = inputs
@@ -386,24 +417,54 @@ class Scheduler:
             return item
         if kind == "copy_kv_page":
             source = translate_one(table.kv_pages, item.source_kv_page_id, "kv page")
-            item.destination_kv_page_id = translate_one(table.kv_pages, item.destination_kv_page_id, "kv page")
+            destination = translate_one(table.kv_pages, item.destination_kv_page_id, "kv page")
+            self._check_writable(executor, [item.destination_kv_page_id], [destination])
+            item.destination_kv_page_id = destination
             item.source_kv_page_id = source
             return item
         if kind == "mask_kv_page":
-            item.kv_page_id = translate_one(table.kv_pages, item.kv_page_id, "kv page")
+            physical_id = translate_one(table.kv_pages, item.kv_page_id, "kv page")
+            self._check_writable(executor, [item.kv_page_id], [physical_id])
+            item.kv_page_id = physical_id
             return item
         if kind == "embed_image":
             item.embed_slot_ids[:] = translate_ids(table.embed_slots, item.embed_slot_ids, "embed slot")
             return item
         raise InvalidCommand(f"command kind {kind} cannot be sent to an executor")
 
+    def _check_writable(self, executor: Executor | None, virtual_ids: Any, physical_ids: list[int],
+                        last_page_length: int = 0, num_written: int = 0) -> None:
+        """Traps when a command would write into a frozen (exported or imported) page. With
+        `num_written`, only the pages holding the last `num_written` token slots are written (the
+        LENGTH RULE puts the new tokens at the end); without it every listed page is."""
+        pool = executor.resources.kv_pages  # type: ignore[union-attr]
+        if not pool.has_frozen:  # the common case: nothing is exported on this executor
+            return
+        first = 0
+        if num_written:
+            page_size = self.limits.kv_page_size  # type: ignore[union-attr]
+            num_slots = page_size * (len(physical_ids) - 1) + last_page_length
+            first = (num_slots - num_written) // page_size
+        for index in range(first, len(physical_ids)):
+            if pool.is_frozen(physical_ids[index]):
+                raise InvalidCommand(f"kv page {virtual_ids[index]} is shared by an export (read-only): "
+                                     f"copy_kv_page it into a page you own first")
+
     def _spend_tokens(self, instance: Instance, num_tokens: int) -> None:
-        used = instance.num_tokens_used + num_tokens
-        if instance.max_tokens and used > instance.max_tokens:
-            raise TokenBudgetExceeded(
-                f"feeding {num_tokens} more tokens would use {used} of the instance's budget of {instance.max_tokens}"
-            )
-        instance.num_tokens_used = used
+        """Charge the instance, each ancestor and the user; all or nothing. The trap names whose
+        budget ran out."""
+        payers = (instance, *instance.ancestors()) if instance.parent is not None else (instance,)
+        for payer in payers:
+            used = payer.num_tokens_used + num_tokens
+            if payer.max_tokens and used > payer.max_tokens:
+                whose = "the instance's" if payer is instance else f"its ancestor {payer.instance_id!r}'s"
+                raise TokenBudgetExceeded(
+                    f"feeding {num_tokens} more tokens would use {used} of {whose} budget of {payer.max_tokens}"
+                )
+        self.quotas.check(instance.user, num_tokens)
+        for payer in payers:
+            payer.num_tokens_used += num_tokens
+        self.quotas.spend(instance.user, num_tokens)
 
     def _allocate(self, executor: Executor | None, instance: Instance, item: common_pb2.AllocateItem) -> Any:
         if executor is None:
@@ -552,22 +613,30 @@ class Scheduler:
     def _local_export(self, command: Command) -> None:
         item: l4m_pb2.ExportKvPagesCommand = command.item
         instance = command.stream.instance
-        if not self.exports.can_add(item.name):
+        if not self.exports.can_add(item.name, instance.user, item.is_public):
             raise InvalidCommand(f"name {item.name!r} is already exported")
         physical = translate_ids(instance.table.kv_pages, item.kv_page_ids, "kv page")
         executor: Executor = instance.executor
         executor.resources.kv_pages.retain(physical)  # type: ignore[union-attr]
-        self.exports.add(
-            Export(item.name, executor.index, tuple(physical), item.persistent, bytes(item.metadata), instance.instance_id)
-        )
+        executor.resources.kv_pages.freeze(physical)  # type: ignore[union-attr]
+        self.exports.add(Export(item.name, executor.index, tuple(physical), item.persistent, bytes(item.metadata),
+                                instance.instance_id, instance.user, item.is_public))
         self._done_local(command)
 
-    def _local_unexport(self, command: Command) -> None:
-        name = command.item.name
-        export = self.exports.get(name)
+    def _find_export(self, instance: Instance, name: str) -> Export:
+        """The export `name` as the instance sees it; another user's private export is 'no export'."""
+        export = self.exports.find(name, instance.user, instance.is_admin)
         if export is None:
             raise InvalidCommand(f"no export is named {name!r}")
-        self._drop_export(self.exports.remove(name))
+        return export
+
+    def _local_unexport(self, command: Command) -> None:
+        instance = command.stream.instance
+        export = self._find_export(instance, command.item.name)
+        if export.owner_user != instance.user and not instance.is_admin:
+            raise PermissionDenied(f"export {export.name!r} belongs to another user; only its user or an admin "
+                                   f"may unexport it")
+        self._drop_export(self.exports.remove(export))
         self._done_local(command)
 
     def _drop_export(self, export: Export) -> int:
@@ -579,9 +648,7 @@ class Scheduler:
     def _local_import(self, command: Command) -> None:
         item: l4m_pb2.ImportKvPagesCommand = command.item
         instance = command.stream.instance
-        export = self.exports.get(item.name)
-        if export is None:
-            raise InvalidCommand(f"no export is named {item.name!r}")
+        export = self._find_export(instance, item.name)
         if len(item.kv_page_ids) != len(export.physical_page_ids):
             raise InvalidCommand(
                 f"export {item.name!r} has {len(export.physical_page_ids)} pages; kv_page_ids lists {len(item.kv_page_ids)}"
@@ -610,10 +677,11 @@ class Scheduler:
         )
 
     def _local_list_exports(self, command: Command) -> None:
+        instance = command.stream.instance
         infos = [
             l4m_pb2.ExportInfo(name=e.name, num_kv_pages=len(e.physical_page_ids), persistent=e.is_persistent,
-                               metadata_bytes=len(e.metadata))
-            for e in self.exports.all()
+                               metadata_bytes=len(e.metadata), is_public=e.is_public)
+            for e in self.exports.visible_to(instance.user, instance.is_admin)
         ]
         self._reply_local(command, list_exports=l4m_pb2.ListExportsResult(exports=infos))
 
@@ -645,7 +713,9 @@ class Scheduler:
             answer = json.dumps(self.stats_snapshot(), sort_keys=True)
         elif query == "batching":
             answer = self.batcher.forward_strategy.name
-        else:
+        else:  # "batching:<strategy>" (validation let nothing else through): a cluster-wide knob
+            if not command.stream.instance.is_admin:
+                raise PermissionDenied(f"{query!r} changes batching for every instance: it needs an admin instance")
             self.batcher.forward_strategy = parse_strategy(query.removeprefix("batching:"))
             answer = self.batcher.forward_strategy.name
             self._schedule_step()
@@ -709,7 +779,7 @@ class Scheduler:
         num_pages_freed = len(self._release(executor, pages, []))
         num_slots_freed = len(self._release(executor, [], slots))
         for export in self.exports.owned_by(instance.instance_id, is_persistent=False):
-            num_pages_freed += self._drop_export(self.exports.remove(export.name))
+            num_pages_freed += self._drop_export(self.exports.remove(export))
         return num_pages_freed, num_slots_freed
 
     def _release(self, executor: Executor, pages: list[int], slots: list[int]) -> list[int]:
@@ -753,7 +823,7 @@ class Scheduler:
         for instance in list(executor.instances):
             self.trap(instance, ExecutorLost(f"executor {executor.index} ({executor.link.address}) was lost: {reason}"))
         for export in self.exports.on_executor(executor.index):
-            self.exports.remove(export.name)
+            self.exports.remove(export)
         self.batcher.remove_queues(executor.disconnect())
         log.warning("executor %d (%s) lost: %s", executor.index, executor.link.address, reason)
 

@@ -29,9 +29,15 @@ class ResourceExhausted(TrapError):
 
 
 class TokenBudgetExceeded(TrapError):
-    """The instance fed more tokens than the spawner allowed it."""
+    """The instance fed more tokens than the spawner allowed it, its ancestors or its user."""
 
     trap_kind = l4m_pb2.TRAP_KIND_TOKEN_BUDGET
+
+
+class PermissionDenied(TrapError):
+    """The instance lacks the role the command needs (admin), or the thing it names is another user's."""
+
+    trap_kind = l4m_pb2.TRAP_KIND_PERMISSION_DENIED
 
 
 class Unsupported(TrapError):
@@ -62,3 +68,19 @@ class ExecutorLost(TrapError):
     """The executor holding the instance's resources went away (or failed its batch)."""
 
     trap_kind = l4m_pb2.TRAP_KIND_EXECUTOR_LOST
+
+
+class RegistrationError(Exception):
+    """A RegisterInstance the scheduler refuses; `server.py` maps each subclass to a status code."""
+
+
+class AlreadyRegistered(RegistrationError):
+    """The instance id or its token is registered already."""
+
+
+class UnknownParent(RegistrationError):
+    """parent_instance_id names no registered instance."""
+
+
+class TooManyInstances(RegistrationError):
+    """The scheduler holds `max_instances` registrations already."""

@@ -4,6 +4,11 @@ An export holds one reference on each of its pages, so the pages outlive the exp
 deallocation. Unexport drops only that reference: pages an importer still maps stay alive until the
 importer lets go. A non-persistent export disappears with its exporter; a persistent one stays until
 someone unexports it (or its executor goes away).
+
+Visibility: an export belongs to its exporter's user. Names are one namespace per user, plus one of
+public exports: a user's own export of a name comes first, then the public one; an admin instance
+also reaches any user's. Another user's private export is not found, exactly like a missing one, so
+neither an import nor a taken name reveals that it exists.
 """
 
 from __future__ import annotations
@@ -19,38 +24,55 @@ class Export:
     is_persistent: bool
     metadata: bytes
     owner_instance_id: str
+    owner_user: str
+    is_public: bool = False
+
+    def is_visible_to(self, user: str, is_admin: bool) -> bool:
+        return self.is_public or is_admin or self.owner_user == user
 
 
 class ExportTable:
-    """Exports by name, for every executor of the scheduler (names are one global namespace)."""
+    """Exports by (owner user, name), public ones also by name, for every executor of the scheduler."""
 
     def __init__(self) -> None:
-        self._by_name: dict[str, Export] = {}
+        self._by_key: dict[tuple[str, str], Export] = {}
+        self._public: dict[str, Export] = {}
 
     def __len__(self) -> int:
-        return len(self._by_name)
+        return len(self._by_key)
 
-    def get(self, name: str) -> Export | None:
-        return self._by_name.get(name)
+    def find(self, name: str, user: str, is_admin: bool = False) -> Export | None:
+        """The export `name` as `user` sees it (see the module docstring), or None."""
+        export = self._by_key.get((user, name)) or self._public.get(name)
+        if export is None and is_admin:
+            export = next((e for e in self._by_key.values() if e.name == name), None)
+        return export
 
-    def can_add(self, name: str) -> bool:
-        return name not in self._by_name
+    def can_add(self, name: str, user: str, is_public: bool) -> bool:
+        return (user, name) not in self._by_key and not (is_public and name in self._public)
 
     def add(self, export: Export) -> None:
-        if export.name in self._by_name:
+        if not self.can_add(export.name, export.owner_user, export.is_public):
             raise ValueError(f"export {export.name!r} exists")
-        self._by_name[export.name] = export
+        self._by_key[(export.owner_user, export.name)] = export
+        if export.is_public:
+            self._public[export.name] = export
 
-    def remove(self, name: str) -> Export:
-        return self._by_name.pop(name)
+    def remove(self, export: Export) -> Export:
+        if export.is_public:
+            del self._public[export.name]
+        return self._by_key.pop((export.owner_user, export.name))
 
     def all(self) -> list[Export]:
-        return list(self._by_name.values())
+        return list(self._by_key.values())
+
+    def visible_to(self, user: str, is_admin: bool) -> list[Export]:
+        return [e for e in self._by_key.values() if e.is_visible_to(user, is_admin)]
 
     def owned_by(self, instance_id: str, *, is_persistent: bool) -> list[Export]:
         return [
-            e for e in self._by_name.values() if e.owner_instance_id == instance_id and e.is_persistent == is_persistent
+            e for e in self._by_key.values() if e.owner_instance_id == instance_id and e.is_persistent == is_persistent
         ]
 
     def on_executor(self, executor_index: int) -> list[Export]:
-        return [e for e in self._by_name.values() if e.executor_index == executor_index]
+        return [e for e in self._by_key.values() if e.executor_index == executor_index]

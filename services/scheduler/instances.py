@@ -1,4 +1,4 @@
-"""Registered instances: identity, token, launch order, token budget, lifecycle and resource table."""
+"""Registered instances: identity, owner, token, launch order, token budget, lifecycle and resource table."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import enum
 from typing import Any, Protocol
 
 from l4m.scheduler.batcher import Stream
+from l4m.scheduler.errors import AlreadyRegistered
 from l4m.scheduler.resources import ResourceTable
 from l4m.v1 import l4m_pb2
 
@@ -44,12 +45,21 @@ class Instance:
         "is_anonymous",
         "trap",
         "num_streams_closing",
+        "user",
+        "is_admin",
+        "parent",
     )
 
     def __init__(
-        self, instance_id: str, token: str, max_tokens: int, launched_at_unix_ms: int, launch_seq: int
+        self, instance_id: str, token: str, max_tokens: int, launched_at_unix_ms: int, launch_seq: int, *,
+        user: str = "", is_admin: bool = False, parent: Instance | None = None,
     ) -> None:
         self.instance_id = instance_id
+        # Owner of its exports. An anonymous instance (no user) is a user of its own.
+        self.user = user or f"anonymous:{instance_id}"
+        self.is_admin = is_admin
+        # The instance that spawned it: every token it feeds is charged to each ancestor too.
+        self.parent = parent
         self.token = token
         self.max_tokens = max_tokens
         self.launched_at_unix_ms = launched_at_unix_ms
@@ -73,6 +83,14 @@ class Instance:
     def launch_key(self) -> tuple[int, int]:
         """Orders instances by launch; the contention policy evicts the largest key first."""
         return (self.launched_at_unix_ms, self.launch_seq)
+
+    def ancestors(self) -> list[Instance]:
+        """Parent first, root last."""
+        chain, node = [], self.parent
+        while node is not None:
+            chain.append(node)
+            node = node.parent
+        return chain
 
     def stream(self, stream_id: int) -> Stream:
         stream = self.streams.get(stream_id)
@@ -98,11 +116,13 @@ class InstanceRegistry:
     def can_register(self, instance_id: str, token: str) -> bool:
         return instance_id not in self._by_id and token not in self._by_token
 
-    def register(self, instance_id: str, token: str, max_tokens: int, launched_at_unix_ms: int) -> Instance:
+    def register(self, instance_id: str, token: str, max_tokens: int, launched_at_unix_ms: int, *,
+                 user: str = "", is_admin: bool = False, parent: Instance | None = None) -> Instance:
         if not self.can_register(instance_id, token):
-            raise ValueError(f"instance {instance_id!r} or its token is already registered")
+            raise AlreadyRegistered(f"instance {instance_id!r} (or its token) is registered")
         self._next_seq += 1
-        instance = Instance(instance_id, token, max_tokens, launched_at_unix_ms, self._next_seq)
+        instance = Instance(instance_id, token, max_tokens, launched_at_unix_ms, self._next_seq,
+                            user=user, is_admin=is_admin, parent=parent)
         self._by_id[instance_id] = instance
         self._by_token[token] = instance
         return instance

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from pathlib import Path
 
 import grpc
 
+from l4m.credentials import bearer_metadata, open_channel
 from l4m.scheduler.executors import OnConnected, OnLost, OnResponse
 from l4m.v1 import executor_pb2, executor_pb2_grpc
 
@@ -22,11 +24,14 @@ _CHANNEL_OPTIONS = [
 class GrpcExecutorLink:
     """One executor address. While connected, batches go out on one `Execute` stream in `send` order.
     When the stream breaks the link reports the loss, then retries (GetInfo, then a new stream) with
-    exponential backoff until `close`."""
+    exponential backoff until `close`. Every call carries the cluster secret when one is given (an
+    executor started with --cluster-secret-file refuses calls without it); TLS when `tls_ca` is given."""
 
     def __init__(self, address: str, *, initial_backoff_s: float = 0.1, max_backoff_s: float = 5.0,
-                 rpc_timeout_s: float = 10.0) -> None:
+                 rpc_timeout_s: float = 10.0, secret: str = "", tls_ca: Path | None = None) -> None:
         self.address = address
+        self._metadata = bearer_metadata(secret) if secret else ()
+        self._tls_ca = tls_ca
         self._initial_backoff_s = initial_backoff_s
         self._max_backoff_s = max_backoff_s
         self._rpc_timeout_s = rpc_timeout_s
@@ -55,14 +60,15 @@ class GrpcExecutorLink:
         while True:
             reason = "the executor ended the stream"
             is_connected = False
-            async with grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS) as channel:
+            async with open_channel(self.address, self._tls_ca, _CHANNEL_OPTIONS) as channel:
                 stub = executor_pb2_grpc.ExecutorServiceStub(channel)
                 try:
                     info = await stub.GetInfo(
-                        executor_pb2.ExecutorServiceGetInfoRequest(), timeout=self._rpc_timeout_s, wait_for_ready=True
+                        executor_pb2.ExecutorServiceGetInfoRequest(), timeout=self._rpc_timeout_s, wait_for_ready=True,
+                        metadata=self._metadata,
                     )
                     outbox: asyncio.Queue[executor_pb2.ExecuteRequest | None] = asyncio.Queue()
-                    call = stub.Execute(self._requests(outbox))
+                    call = stub.Execute(self._requests(outbox), metadata=self._metadata)
                     self._outbox = outbox
                     is_connected = True
                     backoff_s = self._initial_backoff_s

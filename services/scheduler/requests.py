@@ -55,11 +55,11 @@ def debug_query(query: str, **kw: int) -> l4m_pb2.SessionRequest:
     return request(debug_query=l4m_pb2.DebugQueryCommand(query=query), **kw)
 
 
-def export(name: str, pages: Sequence[int], persistent: bool = False, metadata: bytes = b"", **kw: int) -> l4m_pb2.SessionRequest:
-    return request(
-        export_kv_pages=l4m_pb2.ExportKvPagesCommand(name=name, kv_page_ids=pages, persistent=persistent, metadata=metadata),
-        **kw,
-    )
+def export(name: str, pages: Sequence[int], persistent: bool = False, metadata: bytes = b"", is_public: bool = False,
+           **kw: int) -> l4m_pb2.SessionRequest:
+    command = l4m_pb2.ExportKvPagesCommand(name=name, kv_page_ids=pages, persistent=persistent, metadata=metadata,
+                                           is_public=is_public)
+    return request(export_kv_pages=command, **kw)
 
 
 def unexport(name: str, **kw: int) -> l4m_pb2.SessionRequest:

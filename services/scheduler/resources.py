@@ -3,6 +3,9 @@
 Physical ids are `0 .. capacity - 1` on their executor. A physical id is *held* by reference: each
 instance table entry and each export naming it counts one. It returns to the free list when its last
 holder lets go (`release` reports which ids did, so the caller can tell the executor).
+
+A KV page may be *frozen* (read-only): an exported page is, from its export until it is freed, so that
+what an importer reads never changes under it (see `Scheduler._check_writable`).
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ from collections.abc import Iterable
 class RefCountedPool:
     """Free list plus reference counts for one kind of physical resource on one executor."""
 
-    __slots__ = ("capacity", "_free", "_refcounts")
+    __slots__ = ("capacity", "_free", "_refcounts", "_frozen")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
+        self._frozen: set[int] = set()
         # Popped from the end: the lowest ids are handed out first.
         self._free = list(range(capacity - 1, -1, -1))
         self._refcounts = [0] * capacity
@@ -31,6 +35,17 @@ class RefCountedPool:
 
     def refcount(self, physical_id: int) -> int:
         return self._refcounts[physical_id]
+
+    def freeze(self, physical_ids: Iterable[int]) -> None:
+        """Make held ids read-only until they are freed."""
+        self._frozen.update(physical_ids)
+
+    def is_frozen(self, physical_id: int) -> bool:
+        return physical_id in self._frozen
+
+    @property
+    def has_frozen(self) -> bool:
+        return bool(self._frozen)
 
     def can_allocate(self, num_ids: int) -> bool:
         return num_ids <= len(self._free)
@@ -66,6 +81,7 @@ class RefCountedPool:
             refcounts[physical_id] = count
             if count == 0:
                 freed.append(physical_id)
+                self._frozen.discard(physical_id)
         self._free.extend(reversed(freed))
         return freed
 

@@ -1,8 +1,13 @@
 """gRPC servicers of the scheduler: L4MService (controllers) and InstanceRegistryService (spawner).
 
-Thin: each RPC authenticates, hands protobuf to the core (`core.Scheduler`) and maps traps to status
-codes (`TRAP_STATUS`, the one place that does). Health (grpc.health.v1) turns SERVING once an executor
-is connected; server reflection is on.
+Two planes, two gRPC servers: `create_server` serves the data plane (L4MService, health, reflection)
+on `--listen`/`--listen-unix`, the addresses sandboxes reach; `create_registry_server` serves the
+control plane (InstanceRegistryService) on `--registry-listen` alone, every call authenticated by the
+cluster secret. One gRPC server cannot keep a service off one of its ports, hence two.
+
+Thin: each RPC authenticates, hands protobuf to the core (`core.Scheduler`) and maps traps and
+refusals to status codes (`TRAP_STATUS` and `REGISTRATION_STATUS`, the one place each). Health
+(grpc.health.v1) turns SERVING once an executor is connected; server reflection is on.
 """
 
 from __future__ import annotations
@@ -16,9 +21,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from l4m.credentials import add_listener, bearer_token, secrets_equal
 from l4m.scheduler.config import SchedulerConfig
 from l4m.scheduler.core import Scheduler
-from l4m.scheduler.errors import TrapError
+from l4m.scheduler.errors import (
+    AlreadyRegistered,
+    RegistrationError,
+    TooManyInstances,
+    TrapError,
+    UnknownParent,
+)
 from l4m.scheduler.links import GrpcExecutorLink
 from l4m.v1 import l4m_pb2, l4m_pb2_grpc, registry_pb2, registry_pb2_grpc
 
@@ -34,7 +46,14 @@ TRAP_STATUS = {
     l4m_pb2.TRAP_KIND_DESTROYED: grpc.StatusCode.ABORTED,
     l4m_pb2.TRAP_KIND_TOKEN_BUDGET: grpc.StatusCode.RESOURCE_EXHAUSTED,
     l4m_pb2.TRAP_KIND_UNSUPPORTED: grpc.StatusCode.FAILED_PRECONDITION,
+    l4m_pb2.TRAP_KIND_PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
 }
+REGISTRATION_STATUS: dict[type[RegistrationError], grpc.StatusCode] = {
+    AlreadyRegistered: grpc.StatusCode.ALREADY_EXISTS,
+    UnknownParent: grpc.StatusCode.NOT_FOUND,
+    TooManyInstances: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+_MESSAGE_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 _END = object()
 
 
@@ -76,7 +95,10 @@ class L4MServicer(l4m_pb2_grpc.L4MServiceServicer):
             if instance is None:
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"unknown {TOKEN_METADATA_KEY}")
         elif scheduler.config.allow_anonymous:
-            instance = scheduler.register_anonymous()
+            try:
+                instance = scheduler.register_anonymous()
+            except RegistrationError as error:
+                await context.abort(REGISTRATION_STATUS[type(error)], str(error))
         else:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"missing {TOKEN_METADATA_KEY} metadata")
         sink = _QueueSink()
@@ -108,28 +130,46 @@ class L4MServicer(l4m_pb2_grpc.L4MServiceServicer):
 
 
 class RegistryServicer(registry_pb2_grpc.InstanceRegistryServiceServicer):
-    def __init__(self, scheduler: Scheduler) -> None:
+    """The spawner's service. Every call must carry the cluster secret: whoever holds it can create
+    and destroy instances, so a call without it learns nothing and changes nothing."""
+
+    def __init__(self, scheduler: Scheduler, cluster_secret: str) -> None:
+        if not cluster_secret:
+            raise ValueError("the registry needs a cluster secret")
         self.scheduler = scheduler
+        self._cluster_secret = cluster_secret
+
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        if not secrets_equal(bearer_token(context.invocation_metadata()), self._cluster_secret):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "the instance registry needs the cluster secret as 'authorization: Bearer' metadata")
 
     async def RegisterInstance(self, request: registry_pb2.RegisterInstanceRequest,
                                context: grpc.aio.ServicerContext) -> registry_pb2.RegisterInstanceResponse:
+        await self._authenticate(context)
         if not request.instance_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "instance_id is empty")
         if len(request.token.encode()) < MIN_TOKEN_BYTES:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token is shorter than {MIN_TOKEN_BYTES} bytes")
-        if not self.scheduler.instances.can_register(request.instance_id, request.token):
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"instance {request.instance_id!r} (or its token) is registered")
-        self.scheduler.register_instance(request.instance_id, request.token, request.max_tokens,
-                                         request.launched_at_unix_ms)
+        try:
+            self.scheduler.register_instance(
+                request.instance_id, request.token, request.max_tokens, request.launched_at_unix_ms,
+                user=request.user, is_admin=request.is_admin, parent_instance_id=request.parent_instance_id,
+                user_max_tokens_per_minute=request.user_max_tokens_per_minute,
+            )
+        except RegistrationError as error:
+            await context.abort(REGISTRATION_STATUS[type(error)], str(error))
         return registry_pb2.RegisterInstanceResponse()
 
     async def DestroyInstance(self, request: registry_pb2.DestroyInstanceRequest,
                               context: grpc.aio.ServicerContext) -> registry_pb2.DestroyInstanceResponse:
+        await self._authenticate(context)
         pages, slots = self.scheduler.destroy_instance(request.instance_id, request.reason)
         return registry_pb2.DestroyInstanceResponse(num_kv_pages_freed=pages, num_embed_slots_freed=slots)
 
     async def WatchInstanceEvents(self, request: registry_pb2.WatchInstanceEventsRequest,
                                   context: grpc.aio.ServicerContext) -> AsyncIterator[registry_pb2.WatchInstanceEventsResponse]:
+        await self._authenticate(context)
         queue: asyncio.Queue[registry_pb2.WatchInstanceEventsResponse] = asyncio.Queue()
 
         def watch(instance_id: str, trap: l4m_pb2.Trap) -> None:
@@ -146,36 +186,48 @@ class RegistryServicer(registry_pb2_grpc.InstanceRegistryServiceServicer):
 def build_scheduler(config: SchedulerConfig) -> Scheduler:
     links = [
         GrpcExecutorLink(address, initial_backoff_s=config.reconnect_initial_s, max_backoff_s=config.reconnect_max_s,
-                         rpc_timeout_s=config.executor_rpc_timeout_s)
+                         rpc_timeout_s=config.executor_rpc_timeout_s, secret=config.cluster_secret,
+                         tls_ca=config.executor_tls_ca)
         for address in config.executor_addresses
     ]
     return Scheduler(config, links)  # type: ignore[arg-type]
 
 
 async def create_server(config: SchedulerConfig, scheduler: Scheduler | None = None) -> tuple[grpc.aio.Server, int]:
-    """Start the scheduler core and a gRPC server on `config.listen` (and `config.listen_unix`);
-    returns (server, TCP port). The core is reachable as `server.scheduler` for tests and metrics."""
+    """Start the scheduler core and the data-plane gRPC server on `config.listen` (and
+    `config.listen_unix`); returns (server, TCP port). No InstanceRegistryService here (see
+    `create_registry_server`). The core is reachable as `server.scheduler` for tests and metrics."""
     scheduler = scheduler or build_scheduler(config)
     scheduler.start()
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
-                                      ("grpc.max_send_message_length", 64 << 20)])
+    server = grpc.aio.server(options=_MESSAGE_OPTIONS)
     l4m_pb2_grpc.add_L4MServiceServicer_to_server(L4MServicer(scheduler), server)
-    registry_pb2_grpc.add_InstanceRegistryServiceServicer_to_server(RegistryServicer(scheduler), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service_names = (
         l4m_pb2.DESCRIPTOR.services_by_name["L4MService"].full_name,
-        registry_pb2.DESCRIPTOR.services_by_name["InstanceRegistryService"].full_name,
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
         reflection.SERVICE_NAME,
     )
     reflection.enable_server_reflection(service_names, server)
-    port = server.add_insecure_port(config.listen)
+    port = add_listener(server, config.listen, config.tls)
     if config.listen_unix:
-        server.add_insecure_port(f"unix:{config.listen_unix}")
+        add_listener(server, f"unix:{config.listen_unix}", None)
     await server.start()
     server.scheduler = scheduler  # type: ignore[attr-defined]
     server.health_task = asyncio.create_task(_report_health(scheduler, health_servicer, service_names))  # type: ignore[attr-defined]
+    return server, port
+
+
+async def create_registry_server(config: SchedulerConfig, scheduler: Scheduler) -> tuple[grpc.aio.Server, int]:
+    """Start the control-plane server (InstanceRegistryService only) on `config.registry_listen`;
+    returns (server, TCP port, 0 for a Unix socket). Needs `config.cluster_secret`."""
+    if not config.registry_listen:
+        raise ValueError("config.registry_listen is not set")
+    server = grpc.aio.server()
+    registry_pb2_grpc.add_InstanceRegistryServiceServicer_to_server(RegistryServicer(scheduler, config.cluster_secret),
+                                                                    server)
+    port = add_listener(server, config.registry_listen, config.tls)
+    await server.start()
     return server, port
 
 

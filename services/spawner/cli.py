@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--scheduler",
         default="",
-        help="the scheduler's InstanceRegistryService (e.g. unix:/x/scheduler.sock); "
+        help="the scheduler's InstanceRegistryService, its --registry-listen (e.g. unix:/x/registry.sock); "
         "empty: no scheduler (controllers cannot run L4M commands)",
     )
     add(
@@ -100,6 +100,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--max-children-per-tree", type=int, default=defaults.max_children_per_tree)
     add("--max-instances", type=int, default=defaults.max_instances, help="instances alive at once")
+    users = parser.add_argument_group("users (every SpawnerService call needs an API key)")
+    users.add_argument("--api-keys-file", type=Path, default=None,
+                       help="the key store `l4m keys add` writes (re-read when it changes)")
+    users.add_argument("--insecure-local", action="store_true",
+                       help="let callers without a key in as the admin user 'local': for a one-person "
+                       "development machine, and only with a loopback --listen address")
+    users.add_argument("--max-instances-per-user", type=non_negative_int,
+                       default=defaults.max_instances_per_user,
+                       help="instances one user may have alive at once (a key may set its own)")
+    users.add_argument("--max-tokens-per-minute-per-user", type=non_negative_int,
+                       default=defaults.max_tokens_per_minute_per_user,
+                       help="tokens per minute one user may feed, enforced by the scheduler (0: unlimited)")
+    users.add_argument("--unattached-grace-s", type=float, default=defaults.unattached_grace_s,
+                       help="a launch that is not detached is terminated when nobody attached this long "
+                       "after its start")
+    tls = parser.add_argument_group("TLS and the control plane")
+    tls.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain for --listen")
+    tls.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --listen")
+    tls.add_argument("--cluster-secret-file", type=Path, default=None,
+                     help="the cluster secret the scheduler's registry requires (file, mode 0600)")
+    tls.add_argument("--scheduler-tls-ca", type=Path, default=None,
+                     help="CA to verify a TLS scheduler registry (a TCP --scheduler)")
     add("--log-level", default="INFO")
     return parser
 
@@ -150,14 +172,27 @@ def parse_config(
         warm_pool_size=args.warm_pool_size,
         controller_spans_endpoint=spans_endpoint,
         controller_spans_headers=spans_headers,
+        api_keys_file=args.api_keys_file,
+        insecure_local=args.insecure_local,
+        max_instances_per_user=args.max_instances_per_user,
+        max_tokens_per_minute_per_user=args.max_tokens_per_minute_per_user,
+        unattached_grace_s=args.unattached_grace_s,
+        cluster_secret_file=args.cluster_secret_file,
+        scheduler_tls_ca=args.scheduler_tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
     )
     return config, args
 
 
 async def serve(config: SpawnerConfig, metrics_port: int = 0, metrics_host: str = "127.0.0.1") -> None:
-    from l4m.spawner.server import create_server
+    from l4m.credentials import CredentialError
+    from l4m.spawner.server import ConfigError, create_server
 
-    server = await create_server(config)
+    try:
+        server = await create_server(config)
+    except (ConfigError, CredentialError) as error:
+        raise SystemExit(f"l4m spawner: {error}") from None
     telemetry.start_metrics_server(metrics_port, server.manager.metrics.registry, host=metrics_host)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

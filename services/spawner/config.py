@@ -50,3 +50,18 @@ class SpawnerConfig:
     # spawner's own exporter endpoint); empty: controllers are not asked to export spans.
     controller_spans_endpoint: str = ""
     controller_spans_headers: tuple[tuple[str, str], ...] = ()  # sent with forwarded spans
+    # Users: API keys from this file (`l4m keys`, re-read when it changes). `insecure_local` lets a
+    # call without a key in as the admin "local" (loopback only; a wrong key is still refused).
+    api_keys_file: Path | None = None
+    insecure_local: bool = False
+    max_instances_per_user: int = 64  # alive at once; a key may set its own
+    max_tokens_per_minute_per_user: int = 0  # given to the scheduler; 0 = unlimited; a key may set its own
+    # A launch that is not detached and that no client has attached to this long after it started
+    # is terminated (its client went away between Launch and Attach).
+    unattached_grace_s: float = 30.0
+    # The control plane: the cluster secret sent to the scheduler's registry, and the CA of a TLS one.
+    cluster_secret_file: Path | None = None
+    scheduler_tls_ca: Path | None = None
+    # TLS on the users' listener (both or neither).
+    tls_cert: Path | None = None
+    tls_key: Path | None = None

@@ -1,8 +1,8 @@
 """The docker backend: each instance is a container with the same limits as the process sandbox.
 
 No network (`network_mode="none"`), a read-only root with a private /tmp tmpfs, no capabilities,
-no-new-privileges, uid 65534, memory/pids/CPU limits from the engine's cgroups, per-process CPU time
-and open files as ulimits. The program and the socket directory are bind-mounted read-only. tini
+no-new-privileges, the engine's default seccomp profile with l4m's own filter (seccomp.py) stacked on
+it, uid 65534, memory/pids/CPU limits from the engine's cgroups, per-process CPU time and open files as ulimits. The program and the socket directory are bind-mounted read-only. tini
 (`init=True`) is PID 1, so the program gets ordinary signal semantics (SIGXCPU at the CPU limit) and
 its status comes back as "128 + signal". Containers carry `l4m.spawner` and `l4m.instance` labels so
 a restarted spawner removes what its previous run left. The docker SDK is blocking: every call runs
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from l4m.spawner import seccomp
 from l4m.spawner.sandbox import (
     SANDBOX_PROGRAM_DIR,
     SANDBOX_SOCKET_DIR,
@@ -65,7 +66,9 @@ def container_options(config: DockerSandboxConfig, spec: SandboxSpec) -> dict[st
     env = {"L4M_INSTANCE_ID": spec.instance_id, "HOME": "/tmp", **SANDBOX_THREAD_ENV, **spec.env}
     return {
         "image": config.image,
-        "command": ["python3", *spec.python_argv(program_dest)],
+        # Under l4m's filter too (seccomp.py), stacked on the engine's default profile: that profile
+        # allows ptrace and process_vm_* within the container, the filter does not.
+        "command": [*seccomp.install_and_exec_argv(), "python3", *spec.python_argv(program_dest)],
         "name": f"l4m-{config.spawner_id}-{spec.instance_id}",
         "labels": {LABEL_SPAWNER: config.spawner_id, LABEL_INSTANCE: spec.instance_id},
         "environment": env,
@@ -75,7 +78,9 @@ def container_options(config: DockerSandboxConfig, spec: SandboxSpec) -> dict[st
         "network_mode": "none",
         "read_only": True,
         "cap_drop": ["ALL"],
-        "security_opt": ["no-new-privileges"],
+        # No seccomp option: the engine's default profile applies (never "seccomp=unconfined"); with
+        # no capability it refuses unshare/clone of namespaces, mount, bpf, keyctl, perf_event_open...
+        "security_opt": ["no-new-privileges:true"],
         "init": True,
         "mem_limit": limits.memory_bytes,
         "memswap_limit": limits.memory_bytes,
@@ -97,6 +102,17 @@ def container_options(config: DockerSandboxConfig, spec: SandboxSpec) -> dict[st
     }
 
 
+def seccomp_refusal(security_options: list[str]) -> str:
+    """Why an engine reporting `security_options` (`docker info`) cannot run controllers; empty when
+    it can: containers must get a seccomp profile, and the default one is what they ask for."""
+    seccomp = [option for option in security_options if "name=seccomp" in option.split(",")]
+    if not seccomp:
+        return "the Docker engine applies no seccomp profile: it cannot run controllers"
+    if "profile=unconfined" in seccomp[0].split(","):
+        return "the Docker engine's default seccomp profile is 'unconfined': it cannot run controllers"
+    return ""
+
+
 class DockerSandbox(Sandbox):
     kind = "docker"
 
@@ -113,8 +129,12 @@ class DockerSandbox(Sandbox):
                 else docker.from_env()
             )
             self._client.ping()
+            security_options = self._client.info().get("SecurityOptions") or []
         except (docker.errors.DockerException, OSError) as exc:
             raise SandboxError(f"the docker sandbox cannot reach a Docker engine: {exc}") from exc
+        refusal = seccomp_refusal(security_options)
+        if refusal:
+            raise SandboxError(refusal)
 
     def enforcement(self) -> dict[str, str]:
         return {
@@ -127,6 +147,7 @@ class DockerSandbox(Sandbox):
             "cpu_cores": "nano_cpus",
             "tmp_bytes": "tmpfs size + ulimit fsize",
             "network": 'network_mode="none"',
+            "syscalls": "the engine's default seccomp profile + l4m's filter + no-new-privileges + cap_drop ALL",
         }
 
     async def cleanup_orphans(self) -> int:

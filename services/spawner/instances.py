@@ -4,7 +4,11 @@
 belongs to a launch tree (a user's launch and the children it spawns): the tree shares one
 `VariableStore` and one child budget. An instance is registered with the scheduler (its token and
 token budget) before its sandbox starts, and destroyed there when it ends, whatever the reason, so
-the scheduler frees every page it held. The core never imports grpc: the scheduler is reached
+the scheduler frees every page it held. Every instance has an owner (`User`, the launching user; a
+child's is its parent's): lookups on a user's behalf see only its own instances and programs (an admin
+all), and a user's instances alive at once are capped (`QuotaExceeded`). An instance that is not
+detached is terminated when its last Attach stream ends or when nobody attaches within
+`unattached_grace_s` of its launch. The core never imports grpc: the scheduler is reached
 through the small `InstanceRegistry` interface.
 
 Controllers run through the SDK's runner (`python -m l4m.controller PROGRAM ARGS`, the
@@ -24,6 +28,7 @@ import os
 import secrets
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -34,7 +39,7 @@ from opentelemetry.trace import Span
 from l4m.spawner import tracing
 from l4m.spawner.config import SpawnerConfig
 from l4m.spawner.metrics import SpawnerMetrics
-from l4m.spawner.programs import ProgramStore
+from l4m.spawner.programs import ProgramInfo, ProgramNotFound, ProgramStore, normalize_tag
 from l4m.spawner.sandbox import (
     SANDBOX_SOCKET_DIR,
     ExitInfo,
@@ -45,6 +50,7 @@ from l4m.spawner.sandbox import (
     SandboxSpec,
 )
 from l4m.spawner.supervisor import InstanceState, InstanceSupervisor
+from l4m.spawner.users import ADMIN, ProgramOwners, User
 from l4m.spawner.variables import VariableStore
 
 log = logging.getLogger(__name__)
@@ -56,6 +62,7 @@ CONTROLLER_SERVICE_NAME = "l4m.controller"
 # A trapped runner exits by itself at once (status 3), flushing its spans on the way; it is killed
 # only if it is still running after this long.
 TRAP_GRACE_S = 1.0
+CLIENT_GONE_MESSAGE = "its client went away"
 
 
 class InstanceError(Exception):
@@ -78,6 +85,14 @@ class TooManyChildren(InstanceError):
     pass
 
 
+class TagTaken(InstanceError):
+    """An upload would move a tag that names another user's program."""
+
+
+class QuotaExceeded(InstanceError):
+    """A user's own quota (not the spawner's capacity) refuses the launch; the message names it."""
+
+
 class SchedulerUnavailable(InstanceError):
     """The scheduler could not be reached to register an instance (nothing was started)."""
 
@@ -90,7 +105,16 @@ class InstanceRegistry(Protocol):
     """The scheduler's side of an instance's life (see protos/l4m/v1/registry.proto)."""
 
     async def register(
-        self, instance_id: str, token: str, max_tokens: int, launched_at_unix_ms: int
+        self,
+        instance_id: str,
+        token: str,
+        max_tokens: int,
+        launched_at_unix_ms: int,
+        *,
+        user: str = "",
+        is_admin: bool = False,
+        parent_instance_id: str = "",
+        user_max_tokens_per_minute: int = 0,
     ) -> None: ...
 
     async def destroy(self, instance_id: str, reason: str) -> None: ...
@@ -99,7 +123,18 @@ class InstanceRegistry(Protocol):
 class NoScheduler:
     """For a spawner run without a scheduler (tests of the sandbox layer, local development)."""
 
-    async def register(self, instance_id: str, token: str, max_tokens: int, launched_at_unix_ms: int) -> None:
+    async def register(
+        self,
+        instance_id: str,
+        token: str,
+        max_tokens: int,
+        launched_at_unix_ms: int,
+        *,
+        user: str = "",
+        is_admin: bool = False,
+        parent_instance_id: str = "",
+        user_max_tokens_per_minute: int = 0,
+    ) -> None:
         return None
 
     async def destroy(self, instance_id: str, reason: str) -> None:
@@ -124,7 +159,11 @@ class Instance:
     supervisor: InstanceSupervisor
     max_tokens: int
     launched_at_unix_ms: int
+    owner: User = ADMIN  # the launching user; a child's is its parent's
+    detached: bool = False  # runs on when no client is attached
     parent_id: str = ""
+    num_attached: int = 0  # Attach streams open now
+    was_attached: bool = False
     child_ids: list[str] = field(default_factory=list)
     inbox: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
     trap_message: str | None = None  # set when the scheduler reported a trap
@@ -150,6 +189,13 @@ def clamp_limits(requested: Limits | None, default: Limits, maximum: Limits) -> 
     return Limits(**values)
 
 
+def child_token_budget(requested: int, parent_budget: int) -> int:
+    """The smaller of the two budgets, where 0 means unlimited."""
+    if not requested or not parent_budget:
+        return requested or parent_budget
+    return min(requested, parent_budget)
+
+
 class InstanceManager:
     def __init__(
         self,
@@ -158,9 +204,11 @@ class InstanceManager:
         sandbox: Sandbox,
         registry: InstanceRegistry,
         metrics: SpawnerMetrics | None = None,
+        owners: ProgramOwners | None = None,
     ) -> None:
         self.config = config
         self.store = store
+        self.owners = owners or ProgramOwners(config.state_dir / "program-owners.json")
         self.sandbox = sandbox
         self.registry = registry
         self.metrics = metrics or SpawnerMetrics(sandbox.kind)
@@ -168,6 +216,8 @@ class InstanceManager:
         self._by_token: dict[str, Instance] = {}
         self._exited_ids: collections.deque[str] = collections.deque()
         self._num_starting = 0
+        self._num_starting_by_user: collections.Counter[str] = collections.Counter()
+        self._grace_tasks: set[asyncio.Task[None]] = set()
 
     # -- launching -------------------------------------------------------------------------------
 
@@ -181,18 +231,19 @@ class InstanceManager:
         traceparent: str = "",
         max_children: int = 0,
         parent: Instance | None = None,
+        user: User = ADMIN,
+        detached: bool = False,
     ) -> Instance:
         """Resolves the program, registers the instance with the scheduler and starts its sandbox.
 
         Everything is undone when a step fails: no registration or sandbox outlives a failed launch.
         `traceparent` is the caller's W3C trace context; `max_children` caps the tree this launch
-        roots (0: the spawner's maximum)."""
-        program = self.store.resolve(program_ref)
-        num_alive = self._num_starting + sum(
-            i.state is not InstanceState.EXITED for i in self._instances.values()
-        )
-        if num_alive >= self.config.max_instances:
-            raise TooManyInstances(f"the spawner already runs {self.config.max_instances} instances")
+        roots (0: the spawner's maximum). `user` owns the instance (a child: its parent's user); a
+        launch that is not `detached` ends when its clients go away (see `attached`)."""
+        if parent is not None:
+            user = parent.owner
+        program = self.resolve_program(program_ref, user)
+        self._check_capacity(user)
         instance_id = f"i-{uuid.uuid4().hex[:16]}"
         attributes = {
             "l4m.instance_id": instance_id,
@@ -204,6 +255,7 @@ class InstanceManager:
         started_at = time.monotonic()
         launch_span = tracing.start_launch_span(traceparent, attributes)
         self._num_starting += 1
+        self._num_starting_by_user[user.name] += 1
         self.metrics.launch_started()
         try:
             with trace.use_span(launch_span, end_on_exit=True):
@@ -222,6 +274,9 @@ class InstanceManager:
                     tree,
                     tracing.traceparent_for_controller(launch_span, traceparent),
                 )
+                instance.owner, instance.detached = user, detached
+                if parent is not None:
+                    instance.parent_id = parent.instance_id
                 instance.span = tracing.start_instance_span(launch_span, attributes)
                 await self._register_and_start(instance)
         except BaseException as exc:
@@ -229,14 +284,56 @@ class InstanceManager:
             raise
         finally:
             self._num_starting -= 1
+            self._num_starting_by_user[user.name] -= 1
+            if not self._num_starting_by_user[user.name]:
+                del self._num_starting_by_user[user.name]
         self.metrics.launch_succeeded(time.monotonic() - started_at, instance.supervisor.is_warm)
         if parent is not None:
-            instance.parent_id = parent.instance_id
             parent.child_ids.append(instance_id)
         self._instances[instance_id] = instance
         self._by_token[instance.token] = instance
         instance.supervisor.add_exit_callback(lambda info: self._on_exit(instance, info))
+        if parent is None and not detached:
+            self._end_if_never_attached(instance)
         return instance
+
+    def resolve_program(self, program_ref: str, user: User) -> ProgramInfo:
+        """The program `program_ref` names, if `user` uploaded it (an admin: any); another user's
+        program is not found, exactly like an unknown one."""
+        program = self.store.resolve(program_ref)
+        if not self.owners.may_use(program.sha256, user):
+            ref = program_ref.strip()
+            if ref.lower() == program.sha256:  # the store's own words for an unknown digest or tag
+                raise ProgramNotFound(f"no program with sha256 {ref.lower()!r}")
+            raise ProgramNotFound(f"no program is tagged {normalize_tag(ref)!r}")
+        return program
+
+    def check_tags(self, tags: tuple[str, ...], user: User) -> None:
+        """Tags are one namespace: a user may not move a tag that points at a program it cannot use."""
+        current = self.store.tags()
+        for tag in tags:
+            sha256 = current.get(normalize_tag(tag))
+            if sha256 is not None and not self.owners.may_use(sha256, user):
+                raise TagTaken(f"the tag {normalize_tag(tag)!r} names another user's program; choose another")
+
+    def record_upload(self, sha256: str, user: User) -> None:
+        self.owners.add(sha256, user.name)
+
+    def programs_of(self, user: User) -> list[ProgramInfo]:
+        return [p for p in self.store.list_programs() if self.owners.may_use(p.sha256, user)]
+
+    def _check_capacity(self, user: User) -> None:
+        """The spawner's own capacity, then the user's quota of instances alive at once."""
+        alive = [i for i in self._instances.values() if i.state is not InstanceState.EXITED]
+        if self._num_starting + len(alive) >= self.config.max_instances:
+            raise TooManyInstances(f"the spawner already runs {self.config.max_instances} instances")
+        quota = user.max_instances or self.config.max_instances_per_user
+        num_own = self._num_starting_by_user[user.name] + sum(i.owner.name == user.name for i in alive)
+        if num_own >= quota:
+            raise QuotaExceeded(
+                f"user {user.name!r} already runs {num_own} instances, its quota of instances alive at once "
+                f"(max instances per user: {quota})"
+            )
 
     def _new_instance(
         self,
@@ -279,8 +376,18 @@ class InstanceManager:
         self._open_scheduler_socket()
         is_registered = False
         try:
+            owner = instance.owner
             await self.registry.register(
-                instance.instance_id, instance.token, instance.max_tokens, instance.launched_at_unix_ms
+                instance.instance_id,
+                instance.token,
+                instance.max_tokens,
+                instance.launched_at_unix_ms,
+                user=owner.name,
+                is_admin=owner.is_admin,
+                parent_instance_id=instance.parent_id,
+                user_max_tokens_per_minute=(
+                    owner.max_tokens_per_minute or self.config.max_tokens_per_minute_per_user
+                ),
             )
             is_registered = True
             await instance.supervisor.start()
@@ -372,9 +479,11 @@ class InstanceManager:
 
     # -- lookups and control ---------------------------------------------------------------------
 
-    def get(self, instance_id: str) -> Instance:
+    def get(self, instance_id: str, user: User = ADMIN) -> Instance:
+        """The instance, if `user` may see it: another user's instance is not found, exactly like an
+        unknown id, so that ids do not reveal what others run."""
         instance = self._instances.get(instance_id)
-        if instance is None:
+        if instance is None or not user.can_see(instance.owner.name):
             raise InstanceNotFound(f"no instance {instance_id!r}")
         return instance
 
@@ -385,14 +494,54 @@ class InstanceManager:
             raise InstanceNotFound("no running instance holds this token")
         return instance
 
-    def list_instances(self) -> list[Instance]:
-        return sorted(self._instances.values(), key=lambda i: i.launched_at_unix_ms)
+    def list_instances(self, user: User = ADMIN) -> list[Instance]:
+        visible = (i for i in self._instances.values() if user.can_see(i.owner.name))
+        return sorted(visible, key=lambda i: i.launched_at_unix_ms)
 
     async def terminate(
-        self, instance_id: str, reason: ExitReason = ExitReason.TERMINATED, message: str = ""
+        self,
+        instance_id: str,
+        reason: ExitReason = ExitReason.TERMINATED,
+        message: str = "",
+        user: User = ADMIN,
     ) -> ExitInfo:
-        instance = self.get(instance_id)
+        instance = self.get(instance_id, user)
         return await instance.supervisor.terminate(reason, message or f"{reason.value} on request")
+
+    # -- clients coming and going ----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def attached(self, instance: Instance) -> Iterator[None]:
+        """One client's Attach stream. When the last one ends while a non-detached instance still
+        runs (Ctrl-C, a dropped connection), the instance is terminated: nobody is left to read it."""
+        instance.num_attached += 1
+        instance.was_attached = True
+        try:
+            yield
+        finally:
+            instance.num_attached -= 1
+            if not instance.num_attached:
+                self._end_if_unwatched(instance)
+
+    def _end_if_unwatched(self, instance: Instance) -> None:
+        if instance.detached or instance.num_attached or instance.state is not InstanceState.RUNNING:
+            return
+        task = asyncio.ensure_future(instance.supervisor.terminate(ExitReason.TERMINATED, CLIENT_GONE_MESSAGE))
+        self._grace_tasks.add(task)
+        task.add_done_callback(self._grace_tasks.discard)
+
+    def _end_if_never_attached(self, instance: Instance) -> None:
+        """A launch nobody attaches to within the grace period is ended (its client died between
+        Launch and Attach, or never meant to read it: that is what `detached` is for)."""
+
+        async def watch() -> None:
+            await asyncio.sleep(self.config.unattached_grace_s)
+            if not instance.was_attached:
+                self._end_if_unwatched(instance)
+
+        task = asyncio.ensure_future(watch())
+        self._grace_tasks.add(task)
+        task.add_done_callback(self._grace_tasks.discard)
 
     async def trap(self, instance_id: str, message: str) -> None:
         """The scheduler trapped the instance: stop its sandbox and report the trap as its exit."""
@@ -405,8 +554,8 @@ class InstanceManager:
                 await asyncio.wait_for(instance.supervisor.wait(), TRAP_GRACE_S)
         await instance.supervisor.terminate(ExitReason.TRAPPED, message)
 
-    def send_to_instance(self, instance_id: str, text: str) -> None:
-        instance = self.get(instance_id)
+    def send_to_instance(self, instance_id: str, text: str, user: User = ADMIN) -> None:
+        instance = self.get(instance_id, user)
         if instance.state is InstanceState.EXITED:
             raise InstanceNotFound(f"instance {instance_id!r} has exited")
         instance.inbox.put_nowait(text)
@@ -424,8 +573,13 @@ class InstanceManager:
         args: tuple[str, ...],
         limits: Limits | None,
         traceparent: str = "",
+        max_tokens: int = 0,
     ) -> Instance:
-        """A child in the parent's tree; unset limits inherit the parent's (and cannot exceed them)."""
+        """A child in the parent's tree, owned by the parent's user and counted against the tree's
+        `max_children`. Unset limits inherit the parent's and none can exceed them; the token budget
+        is the child's request when smaller than the parent's, and the scheduler also charges the
+        child's tokens to every ancestor (it is registered with its parent), so a tree never feeds
+        more than its root's budget."""
         tree = parent.tree
         if tree.num_children >= tree.max_children:
             raise TooManyChildren(
@@ -440,7 +594,7 @@ class InstanceManager:
                 program_ref or parent.program_sha256,
                 args,
                 merged,
-                parent.max_tokens,
+                child_token_budget(max_tokens, parent.max_tokens),
                 traceparent=traceparent,
                 parent=parent,
             )
@@ -457,6 +611,8 @@ class InstanceManager:
             return None
 
     async def shutdown(self) -> None:
+        for task in list(self._grace_tasks):
+            task.cancel()
         running = [i for i in self._instances.values() if i.state is InstanceState.RUNNING]
         await asyncio.gather(
             *(i.supervisor.terminate(ExitReason.KILLED, "the spawner is shutting down") for i in running),

@@ -6,7 +6,9 @@ The chain started for one instance, each step exec'ing the next:
     chrt    warm sandboxes only: `--idle 0`, SCHED_IDLE from here on (see the warm pool below)
     prlimit sets RLIMIT_CPU, NOFILE, NPROC, FSIZE, CORE (and AS where there is no memory cgroup)
     bwrap   as root: new mount/pid/net/ipc/uts/cgroup namespaces; binds only /usr, the Python
-            installation, the venv, the SDK, the program and the socket directory, all read-only
+            installation, the venv, the SDK, the program and the socket directory, all read-only;
+            sets no_new_privs and installs the seccomp filter (seccomp.py: no new namespaces, mount,
+            ptrace, bpf, keyctl, perf...), read from a pipe only this chain inherits
     setpriv drops to uid/gid `uid_base + n` (one per live instance), no groups, no capabilities
             (bounding set cleared), no_new_privs
     python  `-m l4m.controller PROGRAM ARGS` (the SDK's runner; spec.runner_module), or the program
@@ -62,7 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 import l4m
-from l4m.spawner import zygote
+from l4m.spawner import seccomp, zygote
 from l4m.spawner.cgroups import CgroupManager, InstanceCgroup
 from l4m.spawner.cpu_priority import StartClock, run_delays_ns, sandbox_tree, set_normal_priority
 from l4m.spawner.sandbox import (
@@ -195,8 +197,10 @@ def build_command(
     uid: int,
     cgroup_procs: list[Path],
     has_memory_cgroup: bool,
+    seccomp_fd: int,
 ) -> list[str]:
-    """The whole sh → prlimit → bwrap → setpriv → python command line for one instance."""
+    """The whole sh → prlimit → bwrap → setpriv → python command line for one instance; bwrap reads
+    the seccomp filter from `seccomp_fd` (see `seccomp.filter_fd`)."""
     program_dest = f"{SANDBOX_PROGRAM_DIR}/{program_file_name(spec.program_path)}"
     return _chain(
         config,
@@ -209,6 +213,7 @@ def build_command(
         cgroup_procs,
         has_memory_cgroup,
         cpu_rlimit_s(spec.limits),
+        seccomp_fd,
         is_idle=False,
     )
 
@@ -219,6 +224,7 @@ def build_warm_command(
     uid: int,
     cgroup_procs: list[Path],
     has_memory_cgroup: bool,
+    seccomp_fd: int,
 ) -> list[str]:
     """The chain for a warm sandbox: the zygote instead of a program, the pool's ceilings as limits,
     `program_dir` (empty until a launch) bound read-only where the program goes, and SCHED_IDLE.
@@ -235,6 +241,7 @@ def build_warm_command(
         cgroup_procs,
         has_memory_cgroup,
         cpu_rlimit_s(limits) + WARM_UP_CPU_S,
+        seccomp_fd,
         is_idle=True,
     )
 
@@ -262,6 +269,7 @@ def _chain(
     cgroup_procs: list[Path],
     has_memory_cgroup: bool,
     cpu_soft_s: int,
+    seccomp_fd: int,
     *,
     is_idle: bool,
 ) -> list[str]:
@@ -299,7 +307,8 @@ def _chain(
                 bwrap += ["--perms", "0755", "--dir", str(ancestor)]
                 created.add(str(ancestor))
         bwrap += ["--ro-bind", str(source), dest]
-    bwrap += ["--chdir", "/tmp", "--clearenv"]
+    # The filter (seccomp.py) binds every process the sandbox runs, from setpriv on.
+    bwrap += ["--chdir", "/tmp", "--clearenv", "--seccomp", str(seccomp_fd)]
     for key, value in env.items():
         bwrap += ["--setenv", key, value]
     # setpriv needs CAP_SETUID/SETGID (and SETPCAP to clear the bounding set); it drops them all.
@@ -442,6 +451,8 @@ class ProcessSandbox(Sandbox):
             "cpu_cores": "cgroup cpu cfs quota" if "cpu" in controllers else "not enforced",
             "tmp_bytes": "tmpfs size + rlimit fsize",
             "network": "bwrap --unshare-net (no interfaces but lo)",
+            "syscalls": "seccomp filter (bwrap --seccomp: no namespaces, mount, ptrace, bpf, keyctl...) "
+            "+ no_new_privs + no capabilities",
         }
 
     async def cleanup_orphans(self) -> int:
@@ -517,13 +528,9 @@ class ProcessSandbox(Sandbox):
                 cgroup = self._cgroups.create(spec.instance_id, spec.limits)
             procs = cgroup.procs_files() if cgroup else []
             has_memory = cgroup is not None and "memory" in cgroup.dirs
-            command = build_command(self.config, spec, uid, procs, has_memory)
-            process = await asyncio.create_subprocess_exec(
-                *command,
+            process = await _spawn_chain(
+                lambda fd: build_command(self.config, spec, uid, procs, has_memory, fd),
                 stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,
             )
         except BaseException:
             if cgroup is not None:
@@ -550,13 +557,9 @@ class ProcessSandbox(Sandbox):
             idle_cpu_group = self._cgroups.idle_cpu_group if self._cgroups is not None else None
             procs = warm_cgroup_joins(cgroup, idle_cpu_group)
             has_memory = cgroup is not None and "memory" in cgroup.dirs
-            command = build_warm_command(self.config, program_dir, uid, procs, has_memory)
-            process = await asyncio.create_subprocess_exec(
-                *command,
+            process = await _spawn_chain(
+                lambda fd: build_warm_command(self.config, program_dir, uid, procs, has_memory, fd),
                 stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,
             )
             warm = WarmSandbox(process, cgroup, uid, program_dir)
             line = await self._read_ready(warm)
@@ -673,6 +676,23 @@ class ProcessSandbox(Sandbox):
         with contextlib.suppress(OSError):
             directory.rmdir()  # only once empty
             self._temp_warm_dirs.discard(directory)
+
+
+async def _spawn_chain(command: Callable[[int], list[str]], stdin: int) -> asyncio.subprocess.Process:
+    """Starts `command(fd)`, a chain whose bwrap reads the seccomp filter from `fd`: a pipe of its own
+    that only the chain inherits."""
+    fd = seccomp.filter_fd()
+    try:
+        return await asyncio.create_subprocess_exec(
+            *command(fd),
+            stdin=stdin,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+            pass_fds=(fd,),
+        )
+    finally:
+        os.close(fd)
 
 
 async def _stderr_tail(process: asyncio.subprocess.Process) -> str:

@@ -5,15 +5,20 @@ deadline is `SchedulerUnavailable` (Launch answers UNAVAILABLE, nothing started)
 `RegistrationRefused`. `forward_traps` watches the scheduler's own traps for the life of the spawner,
 reconnecting with capped exponential backoff and logging only the first failure of a run of failures
 (then every 2^n-th) and the recovery, so a scheduler that is down for hours does not flood the log.
+
+The registry is the scheduler's control plane: every call carries the cluster secret as
+`authorization: Bearer` metadata, over TLS when a CA is given (a TCP registry address).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 import grpc
 
+from l4m.credentials import bearer_metadata, open_channel
 from l4m.spawner.instances import InstanceManager, RegistrationRefused, SchedulerUnavailable
 from l4m.v1 import registry_pb2, registry_pb2_grpc
 
@@ -27,6 +32,8 @@ class GrpcInstanceRegistry:
     def __init__(
         self,
         address: str,
+        secret: str = "",
+        tls_ca: Path | None = None,
         deadline_s: float = REGISTRY_DEADLINE_S,
         initial_backoff_s: float = 0.1,
         max_backoff_s: float = 5.0,
@@ -35,19 +42,27 @@ class GrpcInstanceRegistry:
         self._deadline_s = deadline_s
         self._initial_backoff_s = initial_backoff_s
         self._max_backoff_s = max_backoff_s
-        self._channel = grpc.aio.insecure_channel(address)
+        self._metadata = bearer_metadata(secret) if secret else ()
+        self._channel = open_channel(address, tls_ca)
         self._stub = registry_pb2_grpc.InstanceRegistryServiceStub(self._channel)
         self._trap_tasks: set[asyncio.Task[None]] = set()
 
-    async def register(self, instance_id: str, token: str, max_tokens: int, launched_at_unix_ms: int) -> None:
+    async def register(
+        self, instance_id: str, token: str, max_tokens: int, launched_at_unix_ms: int, *, user: str = "",
+        is_admin: bool = False, parent_instance_id: str = "", user_max_tokens_per_minute: int = 0,
+    ) -> None:
         request = registry_pb2.RegisterInstanceRequest(
             instance_id=instance_id,
             token=token,
             max_tokens=max_tokens,
             launched_at_unix_ms=launched_at_unix_ms,
+            user=user,
+            is_admin=is_admin,
+            parent_instance_id=parent_instance_id,
+            user_max_tokens_per_minute=user_max_tokens_per_minute,
         )
         try:
-            await self._stub.RegisterInstance(request, timeout=self._deadline_s)
+            await self._stub.RegisterInstance(request, timeout=self._deadline_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in _UNREACHABLE:
                 raise SchedulerUnavailable(
@@ -60,7 +75,7 @@ class GrpcInstanceRegistry:
 
     async def destroy(self, instance_id: str, reason: str) -> None:
         request = registry_pb2.DestroyInstanceRequest(instance_id=instance_id, reason=reason)
-        await self._stub.DestroyInstance(request, timeout=self._deadline_s)
+        await self._stub.DestroyInstance(request, timeout=self._deadline_s, metadata=self._metadata)
 
     async def forward_traps(self, manager: InstanceManager) -> None:
         """Stops the instances the scheduler traps; runs until cancelled."""
@@ -68,7 +83,8 @@ class GrpcInstanceRegistry:
         num_failures = 0
         while True:
             try:
-                stream = self._stub.WatchInstanceEvents(registry_pb2.WatchInstanceEventsRequest())
+                stream = self._stub.WatchInstanceEvents(registry_pb2.WatchInstanceEventsRequest(),
+                                                        metadata=self._metadata)
                 async for event in stream:
                     if num_failures:
                         log.info("watching scheduler traps again at %s", self.address)

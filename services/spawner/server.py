@@ -8,6 +8,11 @@ health and reflection) on `config.listen_address`; controllers reach RuntimeServ
 span forwarder, see span_forwarder.py) only on the Unix socket `<socket_dir>/<runtime_socket_name>`,
 mounted at /run/l4m, identified by their `l4m-instance-token` metadata. `create_server` builds both
 around one `InstanceManager`, for `main()` and the tests alike.
+
+Users are authenticated per call from their `authorization: Bearer <key>` metadata (`users.py`); health
+and reflection stay open. The TCP listener speaks TLS when the config names a certificate and key.
+`create_server` refuses a spawner with neither a keys file nor `insecure_local`, and `insecure_local`
+on an address other than loopback.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
+from l4m.credentials import add_listener, bearer_token, read_secret_file, tls_files
 from l4m.spawner.config import SpawnerConfig
 from l4m.spawner.instances import (
     Instance,
@@ -32,8 +38,10 @@ from l4m.spawner.instances import (
     InstanceRegistry,
     LaunchFailed,
     NoScheduler,
+    QuotaExceeded,
     RegistrationRefused,
     SchedulerUnavailable,
+    TagTaken,
     TooManyChildren,
     TooManyInstances,
 )
@@ -50,6 +58,7 @@ from l4m.spawner.registry_client import GrpcInstanceRegistry
 from l4m.spawner.sandbox import ExitInfo, ExitReason, Limits, OutputStream, Sandbox
 from l4m.spawner.span_forwarder import TOKEN_METADATA_KEY, SpanForwarder
 from l4m.spawner.supervisor import ExitEvent, InstanceState, MessageEvent, OutputEvent
+from l4m.spawner.users import Authenticator, Unauthenticated, User
 from l4m.spawner.variables import VariableError
 from l4m.v1 import spawner_pb2, spawner_pb2_grpc
 
@@ -63,6 +72,9 @@ _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (ProgramTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (TooManyInstances, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (TooManyChildren, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (QuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (TagTaken, grpc.StatusCode.PERMISSION_DENIED),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (SchedulerUnavailable, grpc.StatusCode.UNAVAILABLE),
     (RegistrationRefused, grpc.StatusCode.FAILED_PRECONDITION),
     (LaunchFailed, grpc.StatusCode.UNAVAILABLE),
@@ -130,6 +142,8 @@ def instance_to_pb(instance: Instance) -> spawner_pb2.InstanceInfo:
         state=_STATE_TO_PB[instance.state],
         parent_instance_id=instance.parent_id,
         launched_at_unix_ms=instance.launched_at_unix_ms,
+        user=instance.owner.name,
+        detached=instance.detached,
     )
     if instance.exit_info is not None:
         info.exit.CopyFrom(exit_to_pb(instance.exit_info))
@@ -148,12 +162,19 @@ def _traceparent(context: grpc.aio.ServicerContext) -> str:
 
 
 class SpawnerServicer(spawner_pb2_grpc.SpawnerServiceServicer):
-    def __init__(self, manager: InstanceManager) -> None:
+    """Every call is a user's: `_user` authenticates its API key first (UNAUTHENTICATED otherwise)."""
+
+    def __init__(self, manager: InstanceManager, authenticator: Authenticator) -> None:
         self.manager = manager
         self.store: ProgramStore = manager.store
+        self.authenticator = authenticator
+
+    def _user(self, context: grpc.aio.ServicerContext) -> User:
+        return self.authenticator.authenticate(bearer_token(context.invocation_metadata()))
 
     async def UploadProgram(self, request_iterator, context):  # noqa: N802 - gRPC method names
         async with _errors_to_status(context):
+            user = self._user(context)
             upload = self.store.begin_upload()
             header = spawner_pb2.ProgramHeader()
             try:
@@ -166,7 +187,13 @@ class SpawnerServicer(spawner_pb2_grpc.SpawnerServiceServicer):
                 upload.abort()
                 raise
             tags = (header.tag,) if header.tag else ()
+            try:
+                self.manager.check_tags(tags, user)
+            except BaseException:
+                upload.abort()
+                raise
             result = self.store.finish_upload(upload, header.sha256, tags)
+            self.manager.record_upload(result.program.sha256, user)
             return spawner_pb2.UploadProgramResponse(
                 sha256=result.program.sha256,
                 size_bytes=result.program.size_bytes,
@@ -174,11 +201,12 @@ class SpawnerServicer(spawner_pb2_grpc.SpawnerServiceServicer):
             )
 
     async def ListPrograms(self, request, context):  # noqa: N802
-        programs = [
-            spawner_pb2.ProgramInfo(sha256=p.sha256, size_bytes=p.size_bytes, tags=p.tags)
-            for p in self.store.list_programs()
-        ]
-        return spawner_pb2.ListProgramsResponse(programs=programs)
+        async with _errors_to_status(context):
+            programs = [
+                spawner_pb2.ProgramInfo(sha256=p.sha256, size_bytes=p.size_bytes, tags=p.tags)
+                for p in self.manager.programs_of(self._user(context))
+            ]
+            return spawner_pb2.ListProgramsResponse(programs=programs)
 
     async def Launch(self, request, context):  # noqa: N802
         async with _errors_to_status(context):
@@ -189,6 +217,8 @@ class SpawnerServicer(spawner_pb2_grpc.SpawnerServiceServicer):
                 request.limits.max_tokens,
                 traceparent=_traceparent(context),
                 max_children=request.limits.max_children,
+                user=self._user(context),
+                detached=request.detached,
             )
             # Shielded: a caller that goes away mid-launch leaves a listed instance, not a half one.
             instance = await asyncio.shield(asyncio.ensure_future(launch))
@@ -196,24 +226,25 @@ class SpawnerServicer(spawner_pb2_grpc.SpawnerServiceServicer):
 
     async def Attach(self, request, context):  # noqa: N802
         async with _errors_to_status(context):
-            instance = self.manager.get(request.instance_id)
-        async for event in instance.supervisor.subscribe():
-            yield event_to_pb(event)
+            instance = self.manager.get(request.instance_id, self._user(context))
+        with self.manager.attached(instance):
+            async for event in instance.supervisor.subscribe():
+                yield event_to_pb(event)
 
     async def SendMessage(self, request, context):  # noqa: N802
         async with _errors_to_status(context):
-            self.manager.send_to_instance(request.instance_id, request.text)
+            self.manager.send_to_instance(request.instance_id, request.text, self._user(context))
             return spawner_pb2.SendMessageResponse()
 
     async def Terminate(self, request, context):  # noqa: N802
         async with _errors_to_status(context):
-            await self.manager.terminate(request.instance_id)
+            await self.manager.terminate(request.instance_id, user=self._user(context))
             return spawner_pb2.TerminateResponse()
 
     async def ListInstances(self, request, context):  # noqa: N802
-        return spawner_pb2.ListInstancesResponse(
-            instances=[instance_to_pb(i) for i in self.manager.list_instances()]
-        )
+        async with _errors_to_status(context):
+            instances = self.manager.list_instances(self._user(context))
+            return spawner_pb2.ListInstancesResponse(instances=[instance_to_pb(i) for i in instances])
 
 
 # -- RuntimeService -----------------------------------------------------------------------------
@@ -282,7 +313,12 @@ class RuntimeServicer(spawner_pb2_grpc.RuntimeServiceServicer):
         async with _errors_to_status(context):
             limits = limits_from_pb(request.limits) if request.HasField("limits") else None
             spawn = self.manager.spawn_child(
-                parent, request.program, tuple(request.args), limits, _traceparent(context)
+                parent,
+                request.program,
+                tuple(request.args),
+                limits,
+                _traceparent(context),
+                max_tokens=request.limits.max_tokens,
             )
             child = await asyncio.shield(asyncio.ensure_future(spawn))
             return spawner_pb2.SpawnChildResponse(instance_id=child.instance_id)
@@ -391,12 +427,10 @@ async def create_server(
     """Builds (does not start) both servers around a new core; the TCP port is bound already."""
     sandbox = sandbox or make_sandbox(config)
     await sandbox.cleanup_orphans()
+    authenticator = make_authenticator(config)
+    tls = tls_files(config.tls_cert, config.tls_key)
     if registry is None:
-        registry = (
-            GrpcInstanceRegistry(config.scheduler_registry_address)
-            if config.scheduler_registry_address
-            else NoScheduler()
-        )
+        registry = make_registry(config)
     store = ProgramStore(config.state_dir / "store", config.max_program_bytes)
     metrics = metrics or SpawnerMetrics(sandbox.kind)
     warm_pool_stats = getattr(sandbox, "warm_pool_stats", None)  # the process backend's pool
@@ -404,14 +438,12 @@ async def create_server(
     manager = InstanceManager(config, store, sandbox, registry, metrics)
 
     public = grpc.aio.server()
-    spawner_pb2_grpc.add_SpawnerServiceServicer_to_server(SpawnerServicer(manager), public)
+    spawner_pb2_grpc.add_SpawnerServiceServicer_to_server(SpawnerServicer(manager, authenticator), public)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, public)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
     reflection.enable_server_reflection((_SPAWNER_SERVICE, health_name, reflection.SERVICE_NAME), public)
-    port = public.add_insecure_port(config.listen_address)
-    if not port:
-        raise OSError(f"could not listen on {config.listen_address}")
+    port = add_listener(public, config.listen_address, tls)
 
     runtime = grpc.aio.server()
     spawner_pb2_grpc.add_RuntimeServiceServicer_to_server(RuntimeServicer(manager), runtime)
@@ -429,6 +461,35 @@ async def create_server(
     runtime_socket.unlink(missing_ok=True)
     runtime.add_insecure_port(f"unix://{runtime_socket}")
     return SpawnerServer(config, public, runtime, port, manager, health_servicer, registry, forwarder)
+
+
+class ConfigError(ValueError):
+    """A combination of settings the spawner refuses to start with; the message says which."""
+
+
+def is_loopback_address(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def make_authenticator(config: SpawnerConfig) -> Authenticator:
+    """Refuses a spawner that would let anyone in: it needs a keys file, or `insecure_local` on a
+    loopback address."""
+    if config.api_keys_file is None and not config.insecure_local:
+        raise ConfigError("the spawner needs --api-keys-file (see `l4m keys add`) or --insecure-local")
+    if config.insecure_local and not is_loopback_address(config.listen_address):
+        raise ConfigError(
+            f"--insecure-local lets callers in without a key, so it needs a loopback --listen address, "
+            f"not {config.listen_address}"
+        )
+    return Authenticator(config.api_keys_file, config.insecure_local)
+
+
+def make_registry(config: SpawnerConfig) -> InstanceRegistry:
+    if not config.scheduler_registry_address:
+        return NoScheduler()
+    secret = read_secret_file(config.cluster_secret_file) if config.cluster_secret_file else ""
+    return GrpcInstanceRegistry(config.scheduler_registry_address, secret, config.scheduler_tls_ca)
 
 
 def _instance_id_of_token(manager: InstanceManager, token: str) -> str | None:

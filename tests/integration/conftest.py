@@ -2,8 +2,10 @@
 
 `l4m_up` (session-scoped) is the real `l4m up` command on free ports with its own state directory:
 executor (SmolLM2 on CPU), scheduler and spawner with bubblewrap sandboxes, metrics endpoints on. `l4m_run`
-runs the real `l4m run FILE -- ARGS` against it, as a user does, and keeps its exit status, stdout
-(the controller's messages, one per line) and stderr (its log lines and, on an abnormal end, the reason).
+runs the real `l4m run FILE -- ARGS` against it, as a user does (with the admin key `l4m up` wrote, unless
+the options name another), and keeps its exit status, stdout (the controller's messages, one per line)
+and stderr (its log lines and, on an abnormal end, the reason). `UpCluster.add_user_key` makes a user's
+key with `l4m keys add`.
 
 `ServiceProcess` + `executor_argv` start a lone service (e.g. an executor that only a reference decoding
 talks to; extra executor flags from $L4M_EXECUTOR_ARGS, default `--device cpu`).
@@ -122,14 +124,15 @@ class Metrics:
 class UpCluster:
     """`l4m up` (the command users run) in a subprocess, its output in a file; stopped with Ctrl-C (SIGINT)."""
 
-    def __init__(self, work_dir: Path) -> None:
+    def __init__(self, work_dir: Path, extra_args: Sequence[str] = ()) -> None:
         self.state_dir = work_dir / "state"
         self.log_path = work_dir / "l4m-up.log"
         spawner_port, scheduler_port = free_port(), free_port()
         self.metrics_port_base = free_metrics_port_base()
         self.spawner_address, self.scheduler_address = f"127.0.0.1:{spawner_port}", f"127.0.0.1:{scheduler_port}"
         argv = [str(L4M_CLI), "up", "--state-dir", str(self.state_dir), "--spawner-port", str(spawner_port),
-                "--scheduler-port", str(scheduler_port), "--metrics-port-base", str(self.metrics_port_base), "--quiet"]
+                "--scheduler-port", str(scheduler_port), "--metrics-port-base", str(self.metrics_port_base), "--quiet",
+                *extra_args]
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=service_env())
 
@@ -141,6 +144,55 @@ class UpCluster:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"l4m up did not come up in {timeout_s:.0f} s:\n{self.output()}")
             time.sleep(0.2)
+
+    @property
+    def admin_key_path(self) -> Path:
+        """The admin's API key, written by `l4m up`."""
+        return self.state_dir / "admin.key"
+
+    @property
+    def admin_key(self) -> str:
+        return self.admin_key_path.read_text().strip()
+
+    @property
+    def keys_path(self) -> Path:
+        return self.state_dir / "api-keys.json"
+
+    @property
+    def cluster_secret_path(self) -> Path:
+        """The control plane's secret (the registry's and executors' bearer token)."""
+        return self.state_dir / "internal" / "cluster.secret"
+
+    @property
+    def cluster_secret(self) -> str:
+        return self.cluster_secret_path.read_text().strip()
+
+    @property
+    def registry_address(self) -> str:
+        return f"unix:{self.state_dir / 'internal' / 'registry.sock'}"
+
+    @property
+    def scheduler_socket(self) -> str:
+        """The data plane's L4M socket (what sandboxes see as /run/l4m/scheduler.sock)."""
+        return f"unix:{self.state_dir / 'sockets' / 'scheduler.sock'}"
+
+    def add_user_key(self, name: str, *options: str) -> str:
+        """`l4m keys --keys-file <state>/api-keys.json add NAME [OPTIONS]`; returns the new key it printed."""
+        argv = [str(L4M_CLI), "keys", "--keys-file", str(self.keys_path), "add", name, *options]
+        proc = subprocess.run(argv, cwd=REPO, env=service_env(), capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{shlex.join(argv)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        keys = [word for word in proc.stdout.split() if word.startswith("l4m_")]
+        if len(keys) != 1:
+            raise RuntimeError(f"{shlex.join(argv)} printed no single key:\n{proc.stdout}")
+        return keys[0]
+
+    def write_key_file(self, name: str, key: str) -> Path:
+        """A 0600 file holding `key`, for `l4m run --api-key-file`."""
+        path = self.state_dir / f"{name}.key"
+        path.write_text(key + "\n")
+        path.chmod(0o600)
+        return path
 
     def metrics(self, service: str) -> Metrics:
         """Scrape `spawner`, `scheduler` or `executor` (executor-0)."""
@@ -203,8 +255,9 @@ def l4m_run(l4m_up: UpCluster, request: pytest.FixtureRequest) -> Iterator[Calla
     runs: list[CliRun] = []
 
     def run(program: str | Path, *args: str, options: Sequence[str] = (), timeout_s: float = 300) -> CliRun:
-        """`l4m run [OPTIONS] PROGRAM -- ARGS`."""
-        argv = [str(L4M_CLI), "run", "--spawner", l4m_up.spawner_address, *options, str(program), "--", *args]
+        """`l4m run [OPTIONS] PROGRAM -- ARGS`, as the admin unless OPTIONS give `--api-key-file`."""
+        key = [] if "--api-key-file" in options else ["--api-key-file", str(l4m_up.admin_key_path)]
+        argv = [str(L4M_CLI), "run", "--spawner", l4m_up.spawner_address, *key, *options, str(program), "--", *args]
         proc = subprocess.run(argv, cwd=REPO, env=service_env(), capture_output=True, text=True, timeout=timeout_s)
         result = CliRun(argv, proc.returncode, proc.stdout, proc.stderr)
         runs.append(result)

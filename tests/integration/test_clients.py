@@ -66,7 +66,8 @@ def _free_port() -> int:
 
 
 class UpProcess:
-    """`l4m up --allow-anonymous` (greedy_session opens a session with no instance token), its output in a file."""
+    """`l4m up --allow-anonymous` (greedy_session opens a session with no instance token), its output in a file.
+    Every client presents the admin key `l4m up` wrote (`env` has it as L4M_API_KEY)."""
 
     def __init__(self, tmp_path: Path) -> None:
         self.state_dir = tmp_path / "state"
@@ -81,6 +82,11 @@ class UpProcess:
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment the clients run in: this cluster's admin key in L4M_API_KEY."""
+        return {**os.environ, "L4M_API_KEY": (self.state_dir / "admin.key").read_text().strip()}
 
     def wait_up(self) -> None:
         deadline = time.monotonic() + UP_TIMEOUT_S
@@ -148,7 +154,7 @@ def python_summaries(cluster: UpProcess) -> dict[str, dict]:
     summaries = {}
     for prompt, max_tokens in PROMPTS:
         proc = _run([str(L4M), "run", "--spawner", cluster.spawner_address, str(PROGRAM), "--",
-                     "--no-stream", "--max-tokens", str(max_tokens), prompt])
+                     "--no-stream", "--max-tokens", str(max_tokens), prompt], env=cluster.env)
         summaries[prompt] = _summary(proc.stdout)
     return summaries
 
@@ -162,10 +168,10 @@ def run_controller(request: pytest.FixtureRequest, cluster: UpProcess) -> list[s
     return [str(request.getfixturevalue("go_run_controller")), "-spawner", cluster.spawner_address]
 
 
-def test_run_controller_streams_what_l4m_run_prints(run_controller: list[str],
+def test_run_controller_streams_what_l4m_run_prints(run_controller: list[str], cluster: UpProcess,
                                                     python_summaries: dict[str, dict]) -> None:
     prompt, max_tokens = PROMPTS[0]
-    proc = _run([*run_controller, str(PROGRAM), "--", "--max-tokens", str(max_tokens), prompt])
+    proc = _run([*run_controller, str(PROGRAM), "--", "--max-tokens", str(max_tokens), prompt], env=cluster.env)
     lines = proc.stdout.strip().splitlines()
     summary = _summary(proc.stdout)
     assert summary == python_summaries[prompt]
@@ -173,11 +179,11 @@ def test_run_controller_streams_what_l4m_run_prints(run_controller: list[str],
     assert len(lines) > 2 and "".join(lines[:-1]) == summary["text"]
 
 
-def test_run_controller_reports_a_crash(run_controller: list[str], tmp_path: Path) -> None:
+def test_run_controller_reports_a_crash(run_controller: list[str], cluster: UpProcess, tmp_path: Path) -> None:
     crashing = tmp_path / "crashes.py"
     crashing.write_text("async def main(ctx):\n    await ctx.send('before')\n    raise RuntimeError('on purpose')\n")
     proc = subprocess.run([*run_controller, str(crashing)], cwd=REPO, capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S)
+                          timeout=RUN_TIMEOUT_S, env=cluster.env)
     assert (proc.returncode, proc.stdout) == (1, "before\n"), proc.stderr
     assert "RuntimeError: on purpose" in proc.stderr  # the controller's log lines
     assert "the controller ended: EXIT_REASON_CRASHED" in proc.stderr
@@ -224,9 +230,16 @@ client.close();
 """
 
 
+def test_run_controller_without_a_key_is_refused(run_controller: list[str], cluster: UpProcess) -> None:
+    env = {k: v for k, v in cluster.env.items() if k != "L4M_API_KEY"}
+    proc = subprocess.run([*run_controller, str(PROGRAM)], cwd=REPO, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S, env=env)
+    assert proc.returncode != 0 and "UNAUTHENTICATED" in proc.stderr.upper().replace(" ", "_"), proc.stderr
+
+
 def test_typescript_client_sends_and_terminates(cluster: UpProcess, typescript_dist: Path, tmp_path: Path) -> None:
     program = tmp_path / "echo.py"
     program.write_text(ECHO_CONTROLLER)
     script = SEND_AND_TERMINATE % {"index": (typescript_dist.parent / "src" / "index.js").as_uri()}
-    proc = _run(["node", "--input-type=module", "-e", script, cluster.spawner_address, str(program)])
+    proc = _run(["node", "--input-type=module", "-e", script, cluster.spawner_address, str(program)], env=cluster.env)
     assert proc.stdout.splitlines() == ["ready", "echo: hello", "INSTANCE_STATE_RUNNING", "EXIT_REASON_TERMINATED"]

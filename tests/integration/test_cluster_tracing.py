@@ -191,7 +191,8 @@ class LaunchRun:
 def launch(traced: TracedCluster) -> LaunchRun:
     program = REPO / "examples" / "controllers" / "text_completion.py"
     done = subprocess.run(
-        [str(L4M), "run", "--spawner", traced.up.spawner_address, str(program), "--", "--max-tokens", "4", "Hi"],
+        [str(L4M), "run", "--spawner", traced.up.spawner_address, "--api-key-file",
+         str(traced.up.state_dir / "admin.key"), str(program), "--", "--max-tokens", "4", "Hi"],
         cwd=REPO, env=traced.env, capture_output=True, text=True, timeout=120,
     )
     return LaunchRun(done.returncode, done.stdout, done.stderr)

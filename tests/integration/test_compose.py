@@ -140,8 +140,13 @@ def _compose_up_run_down() -> None:
 
         l4m = Path(sys.executable).with_name("l4m")
         program = "examples/controllers/text_completion.py"
+        # The admin key the `init` service made (root's file on the host: read it through the spawner).
+        key = _must([*COMPOSE, "exec", "-T", "spawner", "cat", f"{host_dir}/keys/admin.key"], 60,
+                    "reading the admin key", env).strip()
+        refused = _run([str(l4m), "run", "--spawner", f"127.0.0.1:{spawner_port}", program], 120, env)
+        assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr, refused.stderr  # no key, no entry
         run = _run([str(l4m), "run", "--spawner", f"127.0.0.1:{spawner_port}", program, "--",
-                    "--max-tokens", str(MAX_TOKENS), PROMPT], 300, env)
+                    "--max-tokens", str(MAX_TOKENS), PROMPT], 300, {**env, "L4M_API_KEY": key})
         assert run.returncode == 0, f"l4m run exited {run.returncode}:\n{run.stdout}\n{run.stderr}"
         summaries = [json.loads(line) for line in run.stdout.splitlines() if line.startswith('{"prompt_tokens"')]
         assert summaries, f"no JSON summary line in the controller's output:\n{run.stdout}\n{run.stderr}"

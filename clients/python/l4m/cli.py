@@ -2,7 +2,14 @@
 module adds one with `register(...)` (e.g. `up`, `demo`, service launchers).
 
   l4m run FILE [--spawner ADDR] [LIMITS] [-- ARGS...]   upload a controller, stream its output, exit with its
-                                                        status (its own code, 3 when trapped, 1 other ends)
+                                                        status (its own code, 3 when trapped, 1 other ends);
+                                                        Ctrl-C ends the instance
+  l4m run --detach FILE ...                             launch it to run on without a client; print its id
+  l4m attach ID                                         stream an instance's output, exit with its status
+  l4m keys add|list|remove                              the spawner's API keys (see l4m.keys)
+
+Credentials: the API key comes from --api-key-file, env L4M_API_KEY (the key) or L4M_API_KEY_FILE, else
+`<state dir>/admin.key` (written by `l4m up`); --tls-ca (env L4M_TLS_CA) talks TLS to the spawner.
 """
 
 from __future__ import annotations
@@ -59,7 +66,9 @@ LIMIT_FLAGS = (
     LimitFlag("cpu-time-s", "cpu_time_ms", 1000, float, "S", "CPU seconds of the controller's processes"),
     LimitFlag("memory-mib", "memory_bytes", MiB, int, "MIB", "memory of the controller's processes"),
     LimitFlag("max-output-mib", "max_output_bytes", MiB, int, "MIB", "messages and log lines together"),
-    LimitFlag("max-tokens", "max_tokens", 1, int, "N", "tokens the instance may feed through forward passes"),
+    LimitFlag("token-budget", "max_tokens", 1, int, "N",
+              "the instance's token budget: tokens it may feed through forward passes in all (Limits.max_tokens; "
+              "a controller's own length flag, like text_completion.py's --max-tokens, goes after `--`)"),
     LimitFlag("max-children", "max_children", 1, int, "N", "child controllers the launch tree may spawn"),
 )
 
@@ -79,11 +88,34 @@ def _positive(kind: type) -> Callable[[str], float | int]:
     return parse
 
 
-def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", help="controller program: a .py file or a zip with __main__.py")
+class _AmbiguousMaxTokens(argparse.Action):
+    """`l4m run --max-tokens` was the token budget, easily mistaken for a controller's length flag."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        parser.error("--max-tokens is not an `l4m run` flag: for the instance's token budget (all tokens it may "
+                     "feed) use --token-budget N; for the controller's own --max-tokens (a length), put it after "
+                     "`--`, e.g. `l4m run FILE -- --max-tokens 64 PROMPT`")
+
+
+def _add_spawner_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spawner", default=os.environ.get("L4M_SPAWNER_ADDR", DEFAULT_SPAWNER_ADDR),
                         help="spawner address host:port (env L4M_SPAWNER_ADDR)")
+    parser.add_argument("--api-key-file", default=None,
+                        help="file holding the API key (else env L4M_API_KEY, env L4M_API_KEY_FILE, "
+                             "or <state dir>/admin.key from `l4m up`)")
+    parser.add_argument("--tls-ca", default=os.environ.get("L4M_TLS_CA") or None,
+                        help="CA certificate (PEM) to talk TLS to the spawner (env L4M_TLS_CA)")
     parser.add_argument("--quiet-logs", action="store_true", help="do not show the controller's log lines")
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", help="controller program: a .py file or a zip with __main__.py")
+    _add_spawner_arguments(parser)
+    parser.add_argument("--detach", action="store_true",
+                        help="launch it to run on without a client, print its id and exit (`l4m attach ID` "
+                             "follows it later); otherwise Ctrl-C or a lost connection ends the instance")
+    parser.add_argument("--max-tokens", nargs="?", action=_AmbiguousMaxTokens, help=argparse.SUPPRESS)
     limits = parser.add_argument_group("limits of this launch (left out: the spawner's default; above the "
                                        "spawner's maximum: its maximum)")
     for flag in LIMIT_FLAGS:
@@ -101,13 +133,28 @@ def launch_limits(options: argparse.Namespace) -> spawner_pb2.Limits | None:
     return spawner_pb2.Limits(**fields) if fields else None
 
 
+def api_key_of(options: argparse.Namespace) -> str | None:
+    from l4m.client import find_api_key
+    from l4m.keys import ADMIN_KEY_FILE_NAME
+    from l4m.up import default_state_dir
+
+    return find_api_key(options.api_key_file, default_file=default_state_dir() / ADMIN_KEY_FILE_NAME)
+
+
 def _run(options: argparse.Namespace) -> int:
     from l4m import telemetry
-    from l4m.client import run_program
+    from l4m.client import launch_detached, run_program
+
+    credentials = {"api_key": api_key_of(options), "tls_ca": options.tls_ca}
+    if options.detach:
+        print(asyncio.run(launch_detached(options.spawner, options.file, options.args, launch_limits(options),
+                                          **credentials)), flush=True)
+        return 0
 
     def run() -> int:
         return asyncio.run(run_program(options.spawner, options.file, options.args,
-                                       show_logs=not options.quiet_logs, limits=launch_limits(options)))
+                                       show_logs=not options.quiet_logs, limits=launch_limits(options),
+                                       **credentials))
 
     if not telemetry.configure_tracing("l4m.cli"):
         return run()
@@ -125,6 +172,72 @@ def _run(options: argparse.Namespace) -> int:
 
 register("run", "upload a controller to a running cluster, stream its output, exit with its status",
          _add_run_arguments, _run)
+
+
+# ---- l4m attach ----------------------------------------------------------------------------------
+def _add_attach_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("instance_id", metavar="ID", help="the instance (as `l4m run --detach` printed it)")
+    _add_spawner_arguments(parser)
+
+
+def _attach(options: argparse.Namespace) -> int:
+    from l4m.client import attach_program
+
+    return asyncio.run(attach_program(options.spawner, options.instance_id, show_logs=not options.quiet_logs,
+                                      api_key=api_key_of(options), tls_ca=options.tls_ca))
+
+
+register("attach", "stream a running instance's output from its start and exit with its status (Ctrl-C "
+         "leaves a detached instance running, and ends one launched without --detach)", _add_attach_arguments,
+         _attach)
+
+
+# ---- l4m keys ------------------------------------------------------------------------------------
+def _add_keys_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--keys-file", default=None,
+                        help="the spawner's key store (default: <state dir>/api-keys.json, as `l4m up` uses)")
+    actions = parser.add_subparsers(dest="keys_action", required=True, metavar="ACTION")
+    add = actions.add_parser("add", help="make a key; it is printed once and stored only as a hash")
+    add.add_argument("name", help="the user's name (instances and programs belong to it)")
+    add.add_argument("--role", choices=("admin", "user"), default="user",
+                     help="user: sees only its own instances and programs; admin: sees and may end all")
+    add.add_argument("--max-instances", type=int, default=0,
+                     help="instances alive at once (0: the spawner's --max-instances-per-user)")
+    add.add_argument("--max-tokens-per-minute", type=int, default=0,
+                     help="tokens per minute (0: the spawner's --max-tokens-per-minute-per-user)")
+    actions.add_parser("list", help="names, roles and quotas (never the keys)")
+    remove = actions.add_parser("remove", help="revoke a key (a running spawner notices at once)")
+    remove.add_argument("name")
+
+
+def _keys(options: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from l4m.keys import KEYS_FILE_NAME, KeyStore, KeyStoreError
+    from l4m.up import default_state_dir
+
+    path = Path(options.keys_file) if options.keys_file else default_state_dir() / KEYS_FILE_NAME
+    try:
+        store = KeyStore.load(path)
+        if options.keys_action == "add":
+            key = store.add(options.name, options.role, options.max_instances, options.max_tokens_per_minute)
+            print(key)
+            print(f"l4m: added key {options.name!r} ({options.role}) to {path}; it is shown only this once",
+                  file=sys.stderr)
+        elif options.keys_action == "remove":
+            store.remove(options.name)
+        else:
+            print(f"{'NAME':<20} {'ROLE':<6} {'MAX INSTANCES':>13} {'MAX TOKENS/MIN':>14}")
+            for entry in store.keys():  # noqa: SIM118 - a list, not a dict
+                print(f"{entry.name:<20} {entry.role:<6} {entry.max_instances or 'default':>13} "
+                      f"{entry.max_tokens_per_minute or 'default':>14}")
+    except KeyStoreError as error:
+        print(f"l4m: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+register("keys", "manage the spawner's API keys (add prints the new key once)", _add_keys_arguments, _keys)
 
 
 # ---- l4m up / l4m demo ------------------------------------------------------------------------------

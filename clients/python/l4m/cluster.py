@@ -5,7 +5,13 @@ answer SERVING (showing the executors' progress while the model loads), prints t
 watches: Ctrl-C, SIGTERM, or any child dying stops everything, the dead child's log tail printed first.
 
 Internal hops use Unix sockets in the state directory; the user-facing services (spawner, scheduler)
-also listen on loopback TCP.
+also listen on loopback TCP (TLS with `--tls-cert/--tls-key`). The planes (docs/security.md):
+- `<state>/sockets/` (mounted into every sandbox as /run/l4m) holds only the scheduler's L4M socket and
+  the spawner's runtime socket;
+- `<state>/internal/` (0700: the operator's only) holds the executors' sockets, the scheduler's
+  registry socket and the cluster secret (`cluster.secret`) that every control-plane call presents;
+- `<state>/api-keys.json` is the spawner's key store; `<state>/admin.key` the local admin's key, which
+  `l4m run` reads when it is given no key.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ from pathlib import Path
 import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from l4m.credentials import CredentialError, open_channel, write_secret_file
+from l4m.keys import ADMIN_KEY_FILE_NAME, KEYS_FILE_NAME, KeyStoreError, ensure_admin_key
 
 STOP_GRACE_S = 10.0
 LOG_TAIL_LINES = 40
@@ -54,6 +63,10 @@ class ClusterConfig:
     warm_pool_size: int | None = None  # process sandboxes started ahead of demand; None: the spawner's default
     max_continuation_steps: int | None = None  # per forward_text (0: off); None: the scheduler's default
     allow_anonymous: bool = False
+    insecure_local: bool = False  # the spawner lets callers without a key in as an admin: one-person machines only
+    tls_cert: Path | None = None  # TLS on the spawner's and scheduler's TCP listeners (with tls_key)
+    tls_key: Path | None = None
+    tls_ca: Path | None = None  # what the health checks trust; None: tls_cert itself (a self-signed one)
     start_timeout_s: float = 300.0
     echo_logs: bool = True
 
@@ -89,6 +102,37 @@ class ClusterConfig:
     def executor_socket(self, index: int) -> Path:
         return self.internal_socket_dir / f"executor-{index}.sock"
 
+    @property
+    def scheduler_socket(self) -> Path:
+        """The data plane's L4M socket, the one the sandboxes see as /run/l4m/scheduler.sock."""
+        return self.socket_dir / "scheduler.sock"
+
+    @property
+    def registry_socket(self) -> Path:
+        """The scheduler's InstanceRegistryService: the spawner's alone, beside the other internal sockets."""
+        return self.internal_socket_dir / "registry.sock"
+
+    @property
+    def cluster_secret_file(self) -> Path:
+        return self.internal_socket_dir / "cluster.secret"
+
+    @property
+    def api_keys_file(self) -> Path:
+        return self.state_dir / KEYS_FILE_NAME
+
+    @property
+    def admin_key_file(self) -> Path:
+        return self.state_dir / ADMIN_KEY_FILE_NAME
+
+    def admin_key(self) -> str:
+        """The local admin's API key (`l4m up` writes it at start); empty with `insecure_local`."""
+        return "" if self.insecure_local else self.admin_key_file.read_text().strip()
+
+    @property
+    def health_ca(self) -> Path | None:
+        """The CA the health checks of TLS listeners verify against."""
+        return self.tls_ca or self.tls_cert
+
     def metrics_port(self, offset: int) -> int:
         return self.metrics_port_base + offset if self.metrics_port_base else 0
 
@@ -101,6 +145,7 @@ class ServiceSpec:
     argv: tuple[str, ...]
     health_address: str
     metrics_port: int = 0
+    tls_ca: Path | None = None  # the health check's TLS trust; None: a plain channel
 
 
 @dataclass
@@ -121,12 +166,16 @@ def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
         address = f"unix:{config.executor_socket(index)}"
         executor_addresses.append(address)
         argv = [python, "-m", "l4m.executor", "--listen", address, "--device", device, "--dtype", config.dtype]
+        argv += ["--cluster-secret-file", str(config.cluster_secret_file)]
         argv += ["--metrics-port", str(config.metrics_port(10 + index))]
         if config.model:
             argv += ["--model", config.model]
         specs.append(ServiceSpec(f"executor-{index}", tuple(argv), address, config.metrics_port(10 + index)))
+    secret = ["--cluster-secret-file", str(config.cluster_secret_file)]
+    tls = ["--tls-cert", str(config.tls_cert), "--tls-key", str(config.tls_key)] if config.tls_cert else []
     argv = [python, "-m", "l4m.scheduler", "--listen", config.scheduler_address]
-    argv += ["--listen-unix", str(config.socket_dir / "scheduler.sock"), "--batching", config.batching]
+    argv += ["--listen-unix", str(config.scheduler_socket), "--batching", config.batching]
+    argv += ["--registry-listen", f"unix:{config.registry_socket}", *secret, *tls]
     argv += ["--metrics-port", str(config.metrics_port(1))]
     for address in executor_addresses:
         argv += ["--executor", address]
@@ -134,15 +183,30 @@ def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
         argv.append("--allow-anonymous")
     if config.max_continuation_steps is not None:
         argv += ["--max-continuation-steps", str(config.max_continuation_steps)]
-    specs.append(ServiceSpec("scheduler", tuple(argv), config.scheduler_address, config.metrics_port(1)))
-    argv = [python, "-m", "l4m.spawner", "--listen", config.spawner_address]
-    argv += ["--scheduler", f"unix:{config.socket_dir / 'scheduler.sock'}", "--socket-dir", str(config.socket_dir)]
+    # Its health is checked on the L4M socket: plain (a Unix socket), whatever the TCP listener's TLS.
+    specs.append(ServiceSpec("scheduler", tuple(argv), f"unix:{config.scheduler_socket}", config.metrics_port(1)))
+    argv = [python, "-m", "l4m.spawner", "--listen", config.spawner_address, *tls]
+    argv += ["--scheduler", f"unix:{config.registry_socket}", *secret, "--socket-dir", str(config.socket_dir)]
     argv += ["--state-dir", str(config.state_dir / "spawner"), "--sandbox", config.sandbox]
     argv += ["--metrics-port", str(config.metrics_port(0)), "--spawner-id", config.spawner_id]
+    argv += ["--insecure-local"] if config.insecure_local else ["--api-keys-file", str(config.api_keys_file)]
     if config.warm_pool_size is not None:
         argv += ["--warm-pool-size", str(config.warm_pool_size)]
-    specs.append(ServiceSpec("spawner", tuple(argv), config.spawner_address, config.metrics_port(0)))
+    specs.append(ServiceSpec("spawner", tuple(argv), config.spawner_address, config.metrics_port(0),
+                             tls_ca=config.health_ca if config.tls_cert else None))
     return specs
+
+
+def prepare_state_dir(config: ClusterConfig) -> str:
+    """The directories, the cluster secret and the local admin key (each made once, kept across restarts);
+    returns the admin key. `internal/` is the operator's only (0700), whatever an older run left."""
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    for directory in (config.socket_dir, config.log_dir):
+        directory.mkdir(parents=True, exist_ok=True)
+    config.internal_socket_dir.mkdir(mode=0o700, exist_ok=True)
+    config.internal_socket_dir.chmod(0o700)
+    write_secret_file(config.cluster_secret_file)
+    return ensure_admin_key(config.state_dir)
 
 
 class Cluster:
@@ -156,8 +220,10 @@ class Cluster:
 
     async def start(self) -> None:
         """Start every service in order and wait for each to be healthy; on any failure stop all and raise."""
-        for directory in (self.config.socket_dir, self.config.internal_socket_dir, self.config.log_dir):
-            directory.mkdir(parents=True, exist_ok=True)
+        try:
+            prepare_state_dir(self.config)
+        except (CredentialError, KeyStoreError) as error:  # e.g. a secret file others may read
+            raise ClusterError(str(error)) from error
         try:
             for spec in service_specs(self.config):
                 service = await self._spawn(spec)
@@ -167,9 +233,12 @@ class Cluster:
             raise
 
     def endpoints(self) -> list[str]:
+        scheme = " (TLS)" if self.config.tls_cert else ""
         lines = [
-            f"spawner    {self.config.spawner_address}   (users: l4m run --spawner {self.config.spawner_address} FILE)",
-            f"scheduler  {self.config.scheduler_address}   (L4M sessions; unix:{self.config.socket_dir}/scheduler.sock)",
+            f"spawner    {self.config.spawner_address}{scheme}   (users: l4m run --spawner {self.config.spawner_address} FILE)",
+            f"scheduler  {self.config.scheduler_address}{scheme}   (L4M sessions; unix:{self.config.scheduler_socket})",
+            f"registry   unix:{self.config.registry_socket}   (the spawner's only; cluster secret "
+            f"{self.config.cluster_secret_file})",
         ]
         lines += [f"{s.spec.name} {s.spec.health_address}" for s in self._services if s.spec.name.startswith("executor")]
         lines += [
@@ -177,6 +246,11 @@ class Cluster:
             for s in self._services
             if s.spec.metrics_port
         ]
+        if self.config.insecure_local:
+            lines.append("api keys   none needed: --insecure-local lets every local caller in as an admin")
+        else:
+            lines.append(f"admin key  {self.config.admin_key_file}   (l4m run reads it; more users: l4m keys "
+                         f"--keys-file {self.config.api_keys_file} add NAME)")
         lines.append(f"logs       {self.config.log_dir}")
         return lines
 
@@ -250,7 +324,7 @@ class Cluster:
         started = time.monotonic()
         deadline = started + self.config.start_timeout_s
         next_note = started + 5.0
-        async with grpc.aio.insecure_channel(service.spec.health_address, options=_HEALTH_CHANNEL_OPTIONS) as channel:
+        async with open_channel(service.spec.health_address, service.spec.tls_ca, _HEALTH_CHANNEL_OPTIONS) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
                 if service.process.returncode is not None:

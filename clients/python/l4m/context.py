@@ -414,9 +414,11 @@ class Context:
             child._wait_before_send = self._wait_before_send
         return child
 
-    async def export(self, name: str, persistent: bool = False) -> None:
-        """Publish this context's pages under `name` (copy-free). Another instance, or a later run with
-        `persistent=True`, continues from here with `Context.import_(model, name)`."""
+    async def export(self, name: str, persistent: bool = False, is_public: bool = False) -> None:
+        """Publish this context's pages under `name` (copy-free). Another instance of the same user, or a
+        later run with `persistent=True`, continues from here with `Context.import_(model, name)`;
+        `is_public=True` lets every user's instances import it. The pages become read-only to every
+        holder (this context keeps writing into fresh pages of its own)."""
         self._check_alive()
         # A taken name traps the instance (protocol rule); asking first turns the common case into advice.
         if await self.model.has_export(name):
@@ -436,7 +438,8 @@ class Context:
             "kv_last_page_length": self.kv_last_page_length,
         }
         command = l4m_pb2.ExportKvPagesCommand(
-            name=name, kv_page_ids=self._page_ids, persistent=persistent, metadata=json.dumps(metadata).encode()
+            name=name, kv_page_ids=self._page_ids, persistent=persistent, metadata=json.dumps(metadata).encode(),
+            is_public=is_public,
         )
         self._session.send("export_kv_pages", command, self.stream_id)
         self.model.frozen_kv_pages.update(self._page_ids)

@@ -19,9 +19,15 @@ _TRAP_ADVICE = {
     l4m_pb2.TRAP_KIND_EXECUTOR_LOST: "the executor holding this instance's pages went away; run again",
     l4m_pb2.TRAP_KIND_DESTROYED: "the spawner ended this instance (terminated, or a limit was hit)",
     l4m_pb2.TRAP_KIND_TOKEN_BUDGET: (
-        "the instance fed more tokens than its budget; raise Limits.max_tokens (`l4m run --max-tokens N`)"
+        "the instance fed more tokens than a budget allows (the reason says whose: its own, its parent's "
+        "or its user's per-minute quota); raise Limits.max_tokens (`l4m run --token-budget N`), or wait a minute "
+        "for a per-minute quota"
     ),
     l4m_pb2.TRAP_KIND_UNSUPPORTED: "the model cannot do this; check `model.info.capabilities` first",
+    l4m_pb2.TRAP_KIND_PERMISSION_DENIED: (
+        "this instance may not do that: cluster-wide knobs need an admin key, and only the user who "
+        "exported something may unexport it"
+    ),
 }
 
 

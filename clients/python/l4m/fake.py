@@ -3,7 +3,9 @@ deterministic "model", behind the same stub interface as `L4MServiceStub` (`GetI
 
 Controller authors can unit-test their programs with it (`FakeL4M().session()`), and the SDK's own
 unit tests run against it with no socket. It checks what the real services check -- the LENGTH RULE,
-the MASK RULE, ownership of ids, page capacity -- and traps the session the same way.
+the MASK RULE, ownership of ids, page capacity, read-only exported pages -- and traps the session the
+same way. Every session is one user here: each sees and may unexport every export (the scheduler
+keeps users apart; see ExportKvPagesCommand).
 
 The "model": every KV slot stores the (token, position) written there; the logits after a token are a
 pseudo-random vector seeded by the (token, position) pairs that token can see (its causal slots, minus
@@ -76,6 +78,7 @@ class _Page:
     slots: list[tuple[int, int] | None]
     visible: np.ndarray
     num_holders: int = 1
+    is_frozen: bool = False  # exported: read-only to every holder until freed (as in the scheduler)
 
 
 @dataclass
@@ -84,6 +87,7 @@ class _Export:
     metadata: bytes
     persistent: bool
     owner: int
+    is_public: bool = False
 
 
 @dataclass
@@ -268,6 +272,13 @@ class FakeCall:
             raise _invalid(f"{field_name}: KV page {virtual} is not allocated by this instance")
         return self._kv[virtual]
 
+    def _writable(self, virtual: int, field_name: str) -> _Page:
+        page = self._backend.pages[self._physical(virtual, field_name)]
+        if page.is_frozen:
+            raise _invalid(f"{field_name}: kv page {virtual} is shared by an export (read-only): copy_kv_page it "
+                           f"into a page you own first")
+        return page
+
     def _do_get_info(self, command: l4m_pb2.GetInfoCommand) -> l4m_pb2.SessionResponse:
         return l4m_pb2.SessionResponse(info=self._backend.info())
 
@@ -310,6 +321,8 @@ class FakeCall:
             raise _invalid("forward_text.attention_masks: one row per token, or none")
         if len(item.samplers) != len(item.output_indices) or any(i >= num_tokens for i in item.output_indices):
             raise _invalid("forward_text: output_indices and samplers must match and index the tokens")
+        for index in range(num_context // page_size, len(pages)):  # the pages the new slots land in
+            self._writable(item.kv_page_ids[index], "forward_text.kv_page_ids")
         for i, (token, position) in enumerate(zip(item.token_ids, item.position_ids, strict=True)):
             if token >= backend.vocab_size:
                 raise _invalid(f"forward_text.token_ids[{i}] = {token} >= vocab_size {backend.vocab_size}")
@@ -389,11 +402,11 @@ class FakeCall:
         visibility = brle.decode(item.visibility.run_lengths)
         if visibility.size != self._backend.kv_page_size:
             raise _invalid(f"mask_kv_page.visibility decodes to {visibility.size} values, not the page size")
-        self._backend.pages[self._physical(item.kv_page_id, "mask_kv_page.kv_page_id")].visible = visibility
+        self._writable(item.kv_page_id, "mask_kv_page.kv_page_id").visible = visibility
 
     def _do_copy_kv_page(self, item: common_pb2.CopyKvPageItem) -> None:
         source = self._backend.pages[self._physical(item.source_kv_page_id, "copy_kv_page.source_kv_page_id")]
-        target = self._backend.pages[self._physical(item.destination_kv_page_id, "copy_kv_page.destination")]
+        target = self._writable(item.destination_kv_page_id, "copy_kv_page.destination")
         n = item.length_tokens
         target.slots[item.destination_offset_tokens:item.destination_offset_tokens + n] = \
             source.slots[item.source_offset_tokens:item.source_offset_tokens + n]
@@ -404,7 +417,9 @@ class FakeCall:
         physical = [self._physical(v, "export_kv_pages.kv_page_ids") for v in command.kv_page_ids]
         for p in physical:
             self._backend.pages[p].num_holders += 1
-        self._backend.exports[command.name] = _Export(physical, command.metadata, command.persistent, self._number)
+            self._backend.pages[p].is_frozen = True
+        self._backend.exports[command.name] = _Export(physical, command.metadata, command.persistent, self._number,
+                                                      command.is_public)
 
     def _do_unexport_kv_pages(self, command: l4m_pb2.UnexportKvPagesCommand) -> None:
         if command.name not in self._backend.exports:
@@ -431,7 +446,8 @@ class FakeCall:
 
     def _do_list_exports(self, command: l4m_pb2.ListExportsCommand) -> l4m_pb2.SessionResponse:
         exports = [l4m_pb2.ExportInfo(name=n, num_kv_pages=len(e.physical_ids), persistent=e.persistent,
-                                      metadata_bytes=len(e.metadata)) for n, e in self._backend.exports.items()]
+                                      metadata_bytes=len(e.metadata), is_public=e.is_public)
+                   for n, e in self._backend.exports.items()]
         return l4m_pb2.SessionResponse(list_exports=l4m_pb2.ListExportsResult(exports=exports))
 
     def _do_synchronize(self, command: l4m_pb2.SynchronizeCommand) -> l4m_pb2.SessionResponse:

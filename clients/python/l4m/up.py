@@ -56,10 +56,28 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "64; 0 turns continuation off: one round trip per token)",
     )
     parser.add_argument("--allow-anonymous", action="store_true", help="dev: L4M sessions without a token")
+    security = parser.add_argument_group("users and TLS (docs/security.md)")
+    security.add_argument(
+        "--insecure-local", action="store_true",
+        help="the spawner lets callers without an API key in as an admin: for a one-person development "
+        "machine only (default: every call needs a key; `l4m up` writes the admin's to STATE_DIR/admin.key)",
+    )
+    security.add_argument("--tls-cert", type=Path, default=None,
+                          help="PEM certificate chain: TLS on the spawner's and scheduler's TCP listeners")
+    security.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    security.add_argument("--tls-ca", type=Path, default=None,
+                          help="CA that signed --tls-cert, for the start-up health checks (default: the "
+                          "certificate itself, right for a self-signed one)")
     parser.add_argument("--quiet", action="store_true", help="do not echo the services' logs")
 
 
 def cluster_config(args: argparse.Namespace) -> ClusterConfig:
+    from l4m.credentials import CredentialError, tls_files
+
+    try:
+        tls_files(args.tls_cert, args.tls_key)
+    except CredentialError as error:
+        raise SystemExit(f"l4m {getattr(args, 'command', 'up')}: {error}") from None
     return ClusterConfig(
         state_dir=args.state_dir or default_state_dir(),
         host=args.host,
@@ -74,6 +92,10 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         warm_pool_size=args.warm_pool_size,
         max_continuation_steps=args.max_continuation_steps,
         allow_anonymous=args.allow_anonymous,
+        insecure_local=args.insecure_local,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_ca=args.tls_ca,
         echo_logs=not args.quiet,
     )
 
@@ -117,7 +139,8 @@ async def _demo(config: ClusterConfig, prompt: str, max_tokens: int) -> int:
         print("[l4m demo] cluster is up; running examples/controllers/text_completion.py", flush=True)
         program = EXAMPLES_DIR / "text_completion.py"
         return await run_program(
-            config.spawner_address, program, ["--no-stream", "--max-tokens", str(max_tokens), prompt], echo=True
+            config.spawner_address, program, ["--no-stream", "--max-tokens", str(max_tokens), prompt], echo=True,
+            api_key=config.admin_key() or None, tls_ca=config.health_ca if config.tls_cert else None,
         )
     except ClusterError as error:
         print(f"l4m demo: {error}", file=sys.stderr)

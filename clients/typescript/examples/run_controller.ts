@@ -4,6 +4,8 @@
  *
  *   node dist/examples/run_controller.js --spawner 127.0.0.1:7410 \
  *     ../../examples/controllers/text_completion.py -- --max-tokens 8 "What is 2+2?"
+ *
+ * The API key comes from $L4M_API_KEY (e.g. `export L4M_API_KEY=$(cat /tmp/l4m-$USER/admin.key)`).
  */
 import { parseArgs } from "node:util";
 

@@ -2,12 +2,18 @@
  * The user's side of l4m: a SpawnerService client. Upload a controller program (chunked,
  * content-addressed by sha256), launch instances of it, attach to their output as an async iterator,
  * send them messages and terminate them. `run()` is `l4m run`. Every unary call has a deadline.
+ *
+ * Every call carries the user's API key as `authorization: Bearer <key>` metadata: the `apiKey`
+ * option, else the environment's `L4M_API_KEY` (a spawner without `--insecure-local` refuses a call
+ * without one: UNAUTHENTICATED). With `tlsCa` (PEM bytes of the CA, or `L4M_TLS_CA` naming a file) the
+ * channel is TLS, verified against it.
  */
 import { createHash } from "node:crypto";
+import { readFileSync } from "node:fs";
 import { readFile } from "node:fs/promises";
 import { basename } from "node:path";
 
-import { credentials, Metadata, type ServiceError } from "@grpc/grpc-js";
+import { credentials, Metadata, type ServiceError, status } from "@grpc/grpc-js";
 
 import { L4MError } from "./errors.js";
 import {
@@ -28,11 +34,22 @@ import {
 export const CHUNK_BYTES = 1 << 20;
 export const DEFAULT_TIMEOUT_MS = 30_000;
 
+export interface SpawnerClientOptions {
+  /** The user's API key (default: the environment's L4M_API_KEY). */
+  apiKey?: string;
+  /** PEM of the CA that signed the spawner's certificate: TLS (default: the file $L4M_TLS_CA names, else plaintext). */
+  tlsCa?: Buffer;
+}
+
 export class SpawnerClient {
   private readonly stub: SpawnerServiceClient;
+  private readonly apiKey: string | undefined;
 
-  constructor(readonly address: string, readonly timeoutMs: number = DEFAULT_TIMEOUT_MS) {
-    this.stub = new SpawnerServiceClient(address, credentials.createInsecure());
+  constructor(readonly address: string, readonly timeoutMs: number = DEFAULT_TIMEOUT_MS, options: SpawnerClientOptions = {}) {
+    this.apiKey = options.apiKey ?? (process.env.L4M_API_KEY || undefined);
+    const caFile = process.env.L4M_TLS_CA;
+    const tlsCa = options.tlsCa ?? (caFile ? readFileSync(caFile) : undefined);
+    this.stub = new SpawnerServiceClient(address, tlsCa ? credentials.createSsl(tlsCa) : credentials.createInsecure());
   }
 
   close(): void {
@@ -49,7 +66,7 @@ export class SpawnerClient {
       parts.push({ part: { $case: "chunk", value: Buffer.from(program.subarray(start, start + CHUNK_BYTES)) } });
     }
     const response = await new Promise<{ sha256: string }>((resolve, reject) => {
-      const call = this.stub.uploadProgram({ deadline: this.deadline(4) }, (error, reply) =>
+      const call = this.stub.uploadProgram(this.metadata(), { deadline: this.deadline(4) }, (error, reply) =>
         error ? reject(this.failure("upload", error)) : resolve(reply!),
       );
       parts.forEach((part) => call.write(part));
@@ -65,17 +82,20 @@ export class SpawnerClient {
     return this.upload(await readFile(path), basename(path), tag);
   }
 
-  /** Start an instance of a stored program (its id or "name:tag"); resolves to the instance id. */
-  async launch(program: string, args: string[] = [], limits?: Limits): Promise<string> {
+  /**
+   * Start an instance of a stored program (its id or "name:tag"); resolves to the instance id. Unless
+   * `detached`, the spawner ends it when nobody attaches (or the last attached client goes away).
+   */
+  async launch(program: string, args: string[] = [], limits?: Limits, detached = false): Promise<string> {
     const response = await this.unary<LaunchResponse>("launch", (done) =>
-      this.stub.launch({ program, args, limits }, new Metadata(), { deadline: this.deadline() }, done),
+      this.stub.launch({ program, args, limits, detached }, this.metadata(), { deadline: this.deadline() }, done),
     );
     return response.instanceId;
   }
 
   /** Every event of the instance, from its start, ending with its exit. No deadline: stop iterating to detach. */
   async *attach(instanceId: string): AsyncGenerator<AttachResponse> {
-    const call = this.stub.attach({ instanceId });
+    const call = this.stub.attach({ instanceId }, this.metadata());
     try {
       for await (const event of call as AsyncIterable<AttachResponse>) {
         yield event;
@@ -88,15 +108,15 @@ export class SpawnerClient {
   }
 
   async send(instanceId: string, text: string): Promise<void> {
-    await this.unary<SendMessageResponse>("send", (done) => this.stub.sendMessage({ instanceId, text }, new Metadata(), { deadline: this.deadline() }, done));
+    await this.unary<SendMessageResponse>("send", (done) => this.stub.sendMessage({ instanceId, text }, this.metadata(), { deadline: this.deadline() }, done));
   }
 
   async terminate(instanceId: string): Promise<void> {
-    await this.unary<TerminateResponse>("terminate", (done) => this.stub.terminate({ instanceId }, new Metadata(), { deadline: this.deadline() }, done));
+    await this.unary<TerminateResponse>("terminate", (done) => this.stub.terminate({ instanceId }, this.metadata(), { deadline: this.deadline() }, done));
   }
 
   async listInstances(): Promise<InstanceInfo[]> {
-    const response = await this.unary<ListInstancesResponse>("list", (done) => this.stub.listInstances({}, new Metadata(), { deadline: this.deadline() }, done));
+    const response = await this.unary<ListInstancesResponse>("list", (done) => this.stub.listInstances({}, this.metadata(), { deadline: this.deadline() }, done));
     return response.instances;
   }
 
@@ -112,6 +132,13 @@ export class SpawnerClient {
     throw new L4MError(`the spawner ended the attach stream of ${instanceId} without an exit event`);
   }
 
+  /** Per call: the API key as `authorization: Bearer <key>`. */
+  private metadata(): Metadata {
+    const metadata = new Metadata();
+    if (this.apiKey) metadata.set("authorization", `Bearer ${this.apiKey}`);
+    return metadata;
+  }
+
   private deadline(factor = 1): Date {
     return new Date(Date.now() + factor * this.timeoutMs);
   }
@@ -123,7 +150,11 @@ export class SpawnerClient {
   }
 
   private failure(what: string, error: ServiceError): L4MError {
-    return new L4MError(`${what} failed: ${error.message} -- is the spawner running at ${this.address}?`, { cause: error });
+    // Only an unreachable spawner is worth asking about; a refusal (no key, another user's instance) says itself.
+    const unreachable = error.code === status.UNAVAILABLE || error.code === status.DEADLINE_EXCEEDED;
+    const hint = unreachable ? ` -- is the spawner running at ${this.address}?` : "";
+    const keyHint = error.code === status.UNAUTHENTICATED ? " (set L4M_API_KEY or the apiKey option)" : "";
+    return new L4MError(`${what} failed: ${error.message}${keyHint}${hint}`, { cause: error });
   }
 }
 

@@ -89,8 +89,8 @@ def test_a_wall_time_limit_ends_the_run_with_that_reason(l4m_run: Callable[..., 
 
 
 def test_a_token_budget_traps_with_advice_to_raise_it(l4m_run: Callable[..., CliRun]) -> None:
-    run = l4m_run(REPO / "examples" / "controllers" / "text_completion.py", "Hi there", options=["--max-tokens", "20"])
+    run = l4m_run(REPO / "examples" / "controllers" / "text_completion.py", "Hi there", options=["--token-budget", "20"])
     assert (run.returncode, run.stdout) == (3, "")
-    assert "TRAP_KIND_TOKEN_BUDGET" in run.stderr and "raise Limits.max_tokens (`l4m run --max-tokens N`)" in run.stderr
+    assert "TRAP_KIND_TOKEN_BUDGET" in run.stderr and "raise Limits.max_tokens (`l4m run --token-budget N`)" in run.stderr
     assert reason(run).startswith("l4m: the controller ended: EXIT_REASON_TRAPPED: ")
     assert reason(run).endswith("of the instance's budget of 20")

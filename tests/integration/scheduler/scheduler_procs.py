@@ -46,9 +46,16 @@ class Process:
                 self.proc.kill()
 
 
-def wait_for(address: str, probe, timeout_s: float, process: Process) -> None:  # type: ignore[no-untyped-def]
+def sync_channel(address: str, ca_path: Path | None = None) -> grpc.Channel:
+    """A blocking channel: TLS verified against `ca_path` when given."""
+    if ca_path is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(ca_path.read_bytes()))
+
+
+def wait_for(address: str, probe, timeout_s: float, process: Process, ca_path: Path | None = None) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with sync_channel(address, ca_path) as channel:
         while True:
             if process.proc.poll() is not None:
                 raise RuntimeError(f"{process.name} exited:\n{process.output()}")
@@ -73,12 +80,12 @@ class Cluster:
     def __init__(self) -> None:
         self.processes: list[Process] = []
 
-    def start(self, name: str, argv: list[str], probe, timeout_s: float = 60) -> str:  # type: ignore[no-untyped-def]
+    def start(self, name: str, argv: list[str], probe, timeout_s: float = 60, ca_path: Path | None = None) -> str:  # type: ignore[no-untyped-def]
         port = free_port()
         address = f"127.0.0.1:{port}"
         process = Process(name, [arg.replace("{listen}", address) for arg in argv])
         self.processes.append(process)
-        wait_for(address, probe, timeout_s, process)
+        wait_for(address, probe, timeout_s, process, ca_path)
         return address
 
     def simulated_executor(self, *extra: str) -> str:
@@ -90,12 +97,15 @@ class Cluster:
         return self.start("executor", [sys.executable, "-m", "l4m.executor", "--listen", "{listen}", *extra],
                           _executor_probe, timeout_s=300)
 
-    def scheduler(self, *executors: str, batching: str = "adaptive") -> str:
-        argv = [sys.executable, "-m", "l4m.scheduler", "--listen", "{listen}", "--allow-anonymous",
-                "--batching", batching, "--log-level", "WARNING"]
+    def scheduler(self, *executors: str, batching: str = "adaptive", extra: tuple[str, ...] = ("--allow-anonymous",),
+                  ca_path: Path | None = None) -> str:
+        """Its L4M address (TLS when `extra` has --tls-cert: pass the CA); `extra` may add a registry
+        listener (--registry-listen, --cluster-secret-file)."""
+        argv = [sys.executable, "-m", "l4m.scheduler", "--listen", "{listen}", "--batching", batching,
+                "--log-level", "WARNING", *extra]
         for executor in executors:
             argv += ["--executor", executor]
-        return self.start("scheduler", argv, _scheduler_probe)
+        return self.start("scheduler", argv, _scheduler_probe, ca_path=ca_path)
 
     def stop(self) -> None:
         for process in reversed(self.processes):

@@ -36,6 +36,7 @@ class Fuzzer:
         self.rng = rng
         self.session_no = session_no
         self.pages: set[int] = set()
+        self.frozen: set[int] = set()  # exported or imported: read-only, so never a write target
         self.slots: set[int] = set()
         self.exports: list[tuple[str, int]] = []
         self.next_id = 0
@@ -45,10 +46,13 @@ class Fuzzer:
         self.next_id += count
         return ids
 
+    def _writable(self) -> list[int]:
+        return sorted(self.pages - self.frozen)
+
     def valid(self) -> l4m_pb2.SessionRequest:
         rng = self.rng
         choice = rng.random()
-        if len(self.pages) < 2 or choice < 0.1:
+        if len(self._writable()) < 2 or choice < 0.1:
             ids = self._fresh(rng.randint(1, 3))
             self.pages.update(ids)
             return rq.allocate(ids)
@@ -59,9 +63,11 @@ class Fuzzer:
         if choice < 0.2 and len(self.pages) > 2:
             victim = rng.choice(sorted(self.pages))
             self.pages.discard(victim)
+            self.frozen.discard(victim)
             return rq.deallocate([victim])
+        writable = self._writable()
         if choice < 0.6:
-            pages = rng.sample(sorted(self.pages), rng.randint(1, min(3, len(self.pages))))
+            pages = rng.sample(writable, rng.randint(1, min(3, len(writable))))
             last = rng.randint(1, PAGE_SIZE)
             total = PAGE_SIZE * (len(pages) - 1) + last
             num_tokens = rng.randint(1, min(8, total))
@@ -77,13 +83,13 @@ class Fuzzer:
                                    [num_context + i for i in range(num_tokens)], outputs=outputs, samplers=samplers,
                                    masks=masks)
         if choice < 0.65:
-            source, destination = rng.choice(sorted(self.pages)), rng.choice(sorted(self.pages))
+            source, destination = rng.choice(sorted(self.pages)), rng.choice(writable)
             return rq.request(copy_kv_page=common_pb2.CopyKvPageItem(
                 source_kv_page_id=source, destination_kv_page_id=destination, source_offset_tokens=2,
                 destination_offset_tokens=3, length_tokens=4))
         if choice < 0.7:
             return rq.request(mask_kv_page=common_pb2.MaskKvPageItem(
-                kv_page_id=rng.choice(sorted(self.pages)), visibility=common_pb2.Brle(run_lengths=[4, 2, 10])))
+                kv_page_id=rng.choice(writable), visibility=common_pb2.Brle(run_lengths=[4, 2, 10])))
         if choice < 0.75 and self.slots:
             slot = rng.choice(sorted(self.slots))
             return rq.request(embed_text=common_pb2.EmbedTextItem(embed_slot_ids=[slot], token_ids=[3], position_ids=[0]))
@@ -93,11 +99,14 @@ class Fuzzer:
             name = f"s{self.session_no}-e{len(self.exports)}"
             page = rng.choice(sorted(self.pages))
             self.exports.append((name, 1))
-            return rq.export(name, [page], persistent=rng.random() < 0.3)
+            self.frozen.add(page)
+            # Not persistent: an anonymous session is a user of its own, so nobody else could unexport it.
+            return rq.export(name, [page])
         if choice < 0.88 and self.exports:
             name, count = self.exports[-1]
             ids = self._fresh(count)
             self.pages.update(ids)
+            self.frozen.update(ids)
             return rq.import_pages(name, ids)
         if choice < 0.9:
             return rq.request(list_exports=l4m_pb2.ListExportsCommand())
@@ -202,10 +211,7 @@ async def _run(address: str) -> None:
         good_runs = sum(await asyncio.gather(*good))
         probe = Session(channel)
         stats = json.loads((await probe.ask(rq.debug_query("stats", request_id=1))).debug_query.response)
-        # Persistent exports deliberately outlive their sessions: unexport them, then check the pools.
-        exports = (await probe.ask(rq.request(list_exports=l4m_pb2.ListExportsCommand(), request_id=2))).list_exports
-        for n, export in enumerate(exports.exports):
-            await probe.write(rq.unexport(export.name, request_id=10 + n))
+        # Every export went with its (anonymous) exporter: the pools are whole again.
         final = json.loads((await probe.ask(rq.debug_query("stats", request_id=3))).debug_query.response)
         await probe.close()
     elapsed = time.monotonic() - started

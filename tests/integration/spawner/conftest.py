@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from l4m.credentials import write_secret_file
 from l4m.spawner.docker_image import ensure_controller_image
 from l4m.spawner.docker_sandbox import DockerSandbox, DockerSandboxConfig
 from l4m.spawner.process_sandbox import ProcessSandbox, ProcessSandboxConfig
@@ -111,11 +112,13 @@ def sandbox(request: pytest.FixtureRequest) -> Sandbox:
 
 @dataclass(frozen=True)
 class SchedulerCluster:
-    """A real scheduler (with a simulated executor) whose Unix socket lies in `socket_dir`."""
+    """A real scheduler (with a simulated executor) whose L4M Unix socket lies in `socket_dir`; its
+    registry is on a separate socket, outside `socket_dir`, and needs the cluster secret."""
 
     socket_dir: Path
     registry_address: str  # the spawner's --scheduler
     scheduler_address: str  # TCP, for the test's own (anonymous) sessions
+    cluster_secret_file: Path  # the spawner's --cluster-secret-file
 
 
 @pytest.fixture
@@ -124,6 +127,10 @@ def scheduler_cluster(tmp_path: Path) -> Iterator[SchedulerCluster]:
     logs are printed at teardown (pytest shows them when the test fails)."""
     socket_dir = tmp_path / "sockets"
     socket_dir.mkdir()
+    internal = tmp_path / "internal"
+    secret_file = internal / "cluster.secret"
+    write_secret_file(secret_file)
+    registry_socket = internal / "registry.sock"
     executor = ServiceProcess(
         "l4m.scheduler.simulated",
         ["--listen", "127.0.0.1:0", "--num-kv-pages", "256"],
@@ -136,12 +143,15 @@ def scheduler_cluster(tmp_path: Path) -> Iterator[SchedulerCluster]:
         scheduler = ServiceProcess(
             "l4m.scheduler",
             ["--executor", f"127.0.0.1:{executor_port}", "--listen", "127.0.0.1:0",
-             "--listen-unix", str(scheduler_socket), "--allow-anonymous"],
+             "--listen-unix", str(scheduler_socket), "--allow-anonymous",
+             "--registry-listen", f"unix:{registry_socket}", "--cluster-secret-file", str(secret_file)],
             tmp_path / "scheduler.log",
         )  # fmt: skip
         processes.append(scheduler)
         scheduler_port = scheduler.wait_listening()
-        yield SchedulerCluster(socket_dir, f"unix:{scheduler_socket}", f"127.0.0.1:{scheduler_port}")
+        yield SchedulerCluster(
+            socket_dir, f"unix:{registry_socket}", f"127.0.0.1:{scheduler_port}", secret_file
+        )
     finally:
         for process in reversed(processes):
             process.stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import re
 import subprocess
@@ -74,6 +75,10 @@ class RunningSpawner:
 async def running_spawner(
     config: SpawnerConfig, sandbox: Sandbox, registry: InstanceRegistry | None = None
 ) -> AsyncIterator[RunningSpawner]:
+    """`stub` calls without a key: a config with no keys file runs --insecure-local (the caller is the
+    admin "local"); tests of users pass `api_keys_file` and talk through `l4m.client.Client`."""
+    if config.api_keys_file is None:
+        config = dataclasses.replace(config, insecure_local=True)
     server = await create_server(config, sandbox=sandbox, registry=registry)
     await server.start()
     try:

@@ -66,7 +66,8 @@ def test_the_spawner_process_traces_meters_and_stops_cleanly(
     with OtlpReceiver() as receiver:
         spawner = ServiceProcess(
             "l4m.spawner",
-            ["--listen", "127.0.0.1:0", "--scheduler", scheduler_cluster.registry_address,
+            ["--listen", "127.0.0.1:0", "--scheduler", scheduler_cluster.registry_address, "--insecure-local",
+             "--cluster-secret-file", str(scheduler_cluster.cluster_secret_file),
              "--socket-dir", str(scheduler_cluster.socket_dir), "--state-dir", str(tmp_path / "spawner"),
              "--sandbox", "process", "--metrics-port", str(metrics_port), "--spawner-id", "cli-test"],
             tmp_path / "spawner.log",

@@ -329,3 +329,199 @@ print("HEALTH", health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
     assert run.exit.reason is ExitReason.EXITED, f"{run.exit}\n{run.stderr}"
     assert "HEALTH SERVING" in run.stdout
     assert run.is_warm == serves_warm(sandbox)
+
+
+# -- the kernel's attack surface (issue #16): namespaces, mounts, ptrace, keyrings, BPF ----------------
+
+KERNEL_PROBES = """
+import ctypes, errno, os, platform, signal, subprocess, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+NR = {"x86_64": {"keyctl": 250, "bpf": 321, "perf_event_open": 298, "ptrace": 101},
+      "aarch64": {"keyctl": 219, "bpf": 280, "perf_event_open": 241, "ptrace": 117}}[platform.machine()]
+CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
+PTRACE_ATTACH, PTRACE_DETACH = 16, 17
+
+
+def report(name, ret):
+    code = ctypes.get_errno()
+    if ret == -1:
+        print("DENIED", name, errno.errorcode.get(code, code), flush=True)
+    else:
+        print("ALLOWED", name, ret, flush=True)
+
+
+def run(name, argv):
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+    except FileNotFoundError:
+        print("MISSING", name, flush=True)
+        return
+    print("ALLOWED" if done.returncode == 0 else "DENIED", name, repr(done.stderr.strip()[-200:]), flush=True)
+
+
+os.makedirs("/tmp/mnt", exist_ok=True)
+report("unshare-user", libc.unshare(CLONE_NEWUSER))
+report("unshare-user-mount", libc.unshare(CLONE_NEWUSER | CLONE_NEWNS))
+report("unshare-mount", libc.unshare(CLONE_NEWNS))
+report("mount-tmpfs", libc.mount(b"none", b"/tmp/mnt", b"tmpfs", 0, None))
+run("unshare-Urm", ["unshare", "-Urm", "sh", "-c", "mount -t tmpfs none /tmp/mnt && id -u"])
+run("mount-command", ["mount", "-t", "tmpfs", "none", "/tmp/mnt"])
+# KEYCTL_JOIN_SESSION_KEYRING with a NULL name: a new anonymous session keyring.
+report("keyctl", libc.syscall(NR["keyctl"], 1, None, 0, 0, 0))
+attr = ctypes.create_string_buffer(128)  # BPF_MAP_CREATE of an all-zero (invalid) map: EINVAL if reached
+report("bpf", libc.syscall(NR["bpf"], 0, attr, 128))
+report("perf_event_open", libc.syscall(NR["perf_event_open"], ctypes.create_string_buffer(128), 0, -1, -1, 0))
+child = os.fork()
+if child == 0:
+    time.sleep(60)
+    os._exit(0)
+report("ptrace-child", libc.syscall(NR["ptrace"], PTRACE_ATTACH, child, None, None))
+report("ptrace-parent", libc.syscall(NR["ptrace"], PTRACE_ATTACH, os.getppid(), None, None))
+os.kill(child, signal.SIGKILL)
+os.waitpid(child, 0)
+status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+print("NoNewPrivs", status["NoNewPrivs"].strip())
+print("Seccomp", status["Seccomp"].strip())
+print("CapEff", status["CapEff"].strip())
+print("done", flush=True)
+"""
+# Every probe a controller may not have on either backend.
+KERNEL_PROBES_DENIED = (
+    "unshare-user",
+    "unshare-user-mount",
+    "unshare-mount",
+    "mount-tmpfs",
+    "unshare-Urm",
+    "mount-command",
+    "keyctl",
+    "bpf",
+    "perf_event_open",
+    # Even the controller's own child: the sandbox's processes share a uid (Docker's default profile
+    # alone would allow both inside the container; l4m's filter, stacked on it, does not).
+    "ptrace-child",
+    "ptrace-parent",
+)
+
+
+def probe_results(stdout: str) -> dict[str, str]:
+    """{probe: DENIED | ALLOWED | MISSING} from KERNEL_PROBES' output."""
+    return {
+        fields[1]: fields[0]
+        for fields in (line.split() for line in stdout.splitlines())
+        if len(fields) >= 2 and fields[0] in ("DENIED", "ALLOWED", "MISSING")
+    }
+
+
+def test_namespaces_mounts_ptrace_keyrings_and_bpf_are_denied(sandbox: Sandbox, store: ProgramStore) -> None:
+    run = run_with(sandbox, run_next_to_bystanders(sandbox, store, KERNEL_PROBES))
+    assert run.exit.reason is ExitReason.EXITED, f"{run.exit}\n{run.stderr}"
+    assert "done" in run.stdout, run.stdout
+    results = probe_results(run.stdout)
+    for probe in KERNEL_PROBES_DENIED:
+        assert results.get(probe) == "DENIED", f"{probe}: {results.get(probe)}\n{run.stdout}"
+    for line in ("NoNewPrivs 1", "Seccomp 2", "CapEff 0000000000000000"):
+        assert line in run.stdout.splitlines(), f"{line!r} missing:\n{run.stdout}"
+
+
+NORMAL_CONTROLLER = """
+import asyncio, concurrent.futures, os, subprocess, sys, threading
+import grpc, l4m
+
+results = []
+threads = [threading.Thread(target=results.append, args=(n,)) for n in range(8)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    squares = sorted(pool.map(lambda n: n * n, range(8)))
+print("threads", len(results), sum(squares), flush=True)
+
+
+async def main():
+    process = await asyncio.create_subprocess_exec("/bin/echo", "from", "exec", stdout=asyncio.subprocess.PIPE)
+    out, _ = await process.communicate()
+    await asyncio.gather(*(asyncio.sleep(0.01) for _ in range(10)))
+    return out.decode().strip()
+
+
+print("asyncio", asyncio.run(main()), flush=True)
+print("subprocess", subprocess.run([sys.executable, "-c", "print(6 * 7)"], capture_output=True, text=True).stdout.strip())
+child = os.fork()
+if child == 0:
+    os._exit(7)
+print("fork", os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]), flush=True)
+"""
+
+
+def test_a_normal_controller_still_runs_threads_asyncio_and_subprocesses(
+    sandbox: Sandbox, store: ProgramStore
+) -> None:
+    run = run_with(
+        sandbox, run_program(sandbox, store, NORMAL_CONTROLLER, socket_dir=default_socket_dir(sandbox))
+    )
+    assert run.exit.reason is ExitReason.EXITED, f"{run.exit}\n{run.stderr}"
+    assert run.stdout.splitlines() == ["threads 8 140", "asyncio from exec", "subprocess 42", "fork 7"], (
+        run.stdout
+    )
+    assert run.is_warm == serves_warm(sandbox)
+
+
+def test_only_the_data_plane_sockets_are_visible(
+    sandbox: Sandbox, store: ProgramStore, tmp_path: Path
+) -> None:
+    """The sandbox's /run/l4m holds the scheduler's L4M socket and the runtime socket, nothing else; the
+    control plane (<state>/internal: the registry socket, the cluster secret) is not in the sandbox at
+    all, by its host path or by any path relative to the socket directory."""
+    socket_dir = _accessible_socket_dir(sandbox, tmp_path)
+    internal = tmp_path / "internal"
+    internal.mkdir(mode=0o700)
+    (internal / "cluster.secret").write_text("CLUSTER-SECRET-5e1d")
+    source = """
+import os, socket, sys
+print("LISTING", sorted(os.listdir("/run/l4m")))
+for path in sys.argv[1:]:
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(path)
+        print("CONNECTED", path)
+    except OSError as e:
+        print("REFUSED", path, type(e).__name__)
+    finally:
+        s.close()
+try:
+    print("READ", open(os.path.join(os.path.dirname(sys.argv[1]), "cluster.secret")).read())
+except OSError as e:
+    print("REFUSED secret", type(e).__name__)
+"""
+    names = ("scheduler.sock", "runtime.sock")
+    registry = internal / "registry.sock"
+    targets = (
+        str(registry),
+        "/run/l4m/../internal/registry.sock",
+        str(socket_dir.parent / "internal/registry.sock"),
+    )
+
+    async def go() -> Run:
+        servers = [await asyncio.start_unix_server(lambda r, w: w.close(), path=str(registry))]
+        for name in names:
+            servers.append(
+                await asyncio.start_unix_server(lambda r, w: w.close(), path=str(socket_dir / name))
+            )
+            (socket_dir / name).chmod(0o666)
+        registry.chmod(0o666)  # even a socket anyone may connect to is out of reach: it is not there
+        try:
+            return await run_program(sandbox, store, source, args=targets, socket_dir=socket_dir)
+        finally:
+            for server in servers:
+                server.close()
+            for name in names:
+                (socket_dir / name).unlink(missing_ok=True)
+
+    run = run_with(sandbox, go())
+    assert run.exit.reason is ExitReason.EXITED, f"{run.exit}\n{run.stderr}"
+    assert "LISTING ['runtime.sock', 'scheduler.sock']" in run.stdout, run.stdout
+    assert "CONNECTED" not in run.stdout and "SECRET" not in run.stdout, run.stdout
+    assert run.stdout.count("REFUSED") == len(targets) + 1, run.stdout
+    assert run.is_warm == serves_warm(sandbox)

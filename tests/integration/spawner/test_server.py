@@ -28,7 +28,8 @@ def test_upload_launch_message_attach(process_sandbox: ProcessSandbox, tmp_path:
     async def go() -> list[spawner_pb2.AttachResponse]:
         socket_dir = tmp_path / "sockets"
         config = SpawnerConfig(
-            state_dir=tmp_path / "state", socket_dir=socket_dir, spawner_id="srv-test", controller_runner=""
+            state_dir=tmp_path / "state", socket_dir=socket_dir, spawner_id="srv-test", controller_runner="",
+            insecure_local=True,
         )
         server = await create_server(config, sandbox=process_sandbox)
         await server.start()

@@ -455,7 +455,7 @@ def test_a_warm_launch_through_the_spawner_gets_its_token_and_stopping_leaves_no
 
 
 def spawner_process(spawner_id: str, state_dir: Path, log_path: Path) -> subprocess.Popen[bytes]:
-    args = ["--listen", "127.0.0.1:0", "--state-dir", str(state_dir), "--spawner-id", spawner_id]
+    args = ["--listen", "127.0.0.1:0", "--state-dir", str(state_dir), "--spawner-id", spawner_id, "--insecure-local"]
     with open(log_path, "wb") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "l4m.spawner", *args, "--warm-pool-size", "2"], stdout=log, stderr=log

@@ -29,6 +29,7 @@ def _config(tmp_path: Path, cluster: SchedulerCluster, **overrides: object) -> S
         socket_dir=cluster.socket_dir,
         spawner_id=f"sched-{tmp_path.name[-20:]}",
         scheduler_registry_address=cluster.registry_address,
+        cluster_secret_file=cluster.cluster_secret_file,
         **overrides,
     )
 

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+import stat
 from pathlib import Path
 
-from l4m.cluster import ClusterConfig, service_specs
+import pytest
+
+from l4m.cluster import ClusterConfig, prepare_state_dir, service_specs
+from l4m.keys import KeyStore
+from l4m.up import add_cluster_arguments, cluster_config
 
 
 def _config(tmp_path: Path, **overrides: object) -> ClusterConfig:
@@ -72,3 +78,88 @@ def test_max_continuation_steps_reaches_the_scheduler_only_when_set(tmp_path: Pa
     assert "--max-continuation-steps" not in scheduler_argv()
     argv = scheduler_argv(max_continuation_steps=0)
     assert argv[argv.index("--max-continuation-steps") + 1] == "0"
+
+
+def _flag(argv: tuple[str, ...], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def _flags(argv: tuple[str, ...], name: str) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == name]
+
+
+def test_the_sandbox_directory_holds_only_the_data_plane(tmp_path: Path) -> None:
+    """Every path a service is given that lies in the sandboxes' directory is scheduler.sock or runtime.sock
+    (the spawner creates runtime.sock there itself); the registry, executors and secret are elsewhere."""
+    config = _config(tmp_path)
+    sandbox_dir = config.socket_dir
+    for spec in service_specs(config):
+        for word in spec.argv:
+            path = Path(word.removeprefix("unix:"))
+            if sandbox_dir in path.parents:
+                assert path.name in {"scheduler.sock", "runtime.sock"}, f"{spec.name}: {word}"
+
+
+def test_the_registry_has_its_own_socket_that_only_the_spawner_is_given(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    specs = {s.name: s for s in service_specs(config)}
+    registry = f"unix:{tmp_path / 'internal' / 'registry.sock'}"
+    assert _flag(specs["scheduler"].argv, "--registry-listen") == registry
+    assert _flag(specs["spawner"].argv, "--scheduler") == registry
+    assert _flag(specs["scheduler"].argv, "--listen-unix") == str(tmp_path / "sockets" / "scheduler.sock")
+    assert _flag(specs["scheduler"].argv, "--listen") == config.scheduler_address  # L4M on TCP, no registry
+    for name in ("executor-0", "executor-1"):
+        assert registry not in specs[name].argv
+
+
+def test_every_service_gets_the_cluster_secret(tmp_path: Path) -> None:
+    secret = str(tmp_path / "internal" / "cluster.secret")
+    for spec in service_specs(_config(tmp_path)):
+        assert _flag(spec.argv, "--cluster-secret-file") == secret, spec.name
+
+
+def test_the_spawner_needs_keys_unless_insecure_local(tmp_path: Path) -> None:
+    spawner = service_specs(_config(tmp_path))[-1].argv
+    assert _flag(spawner, "--api-keys-file") == str(tmp_path / "api-keys.json")
+    assert "--insecure-local" not in spawner
+    spawner = service_specs(_config(tmp_path, insecure_local=True))[-1].argv
+    assert "--insecure-local" in spawner and "--api-keys-file" not in spawner
+
+
+def test_tls_reaches_the_tcp_listeners_and_their_health_checks(tmp_path: Path) -> None:
+    cert, key = tmp_path / "server.pem", tmp_path / "server.key"
+    plain = service_specs(_config(tmp_path))
+    assert all("--tls-cert" not in s.argv and s.tls_ca is None for s in plain)
+    specs = {s.name: s for s in service_specs(_config(tmp_path, tls_cert=cert, tls_key=key))}
+    for name in ("scheduler", "spawner"):
+        assert (_flag(specs[name].argv, "--tls-cert"), _flag(specs[name].argv, "--tls-key")) == (str(cert), str(key))
+    assert "--tls-cert" not in specs["executor-0"].argv  # a Unix socket: its directory protects it
+    assert specs["spawner"].tls_ca == cert  # a self-signed certificate is its own CA
+    assert specs["scheduler"].health_address.startswith("unix:")  # checked on its (plain) Unix socket
+    ca = tmp_path / "ca.pem"
+    spawner = service_specs(_config(tmp_path, tls_cert=cert, tls_key=key, tls_ca=ca))[-1]
+    assert spawner.tls_ca == ca
+
+
+def test_prepare_state_dir_makes_a_private_internal_dir_secret_and_admin_key(tmp_path: Path) -> None:
+    config = _config(tmp_path / "state")
+    key = prepare_state_dir(config)
+    assert stat.S_IMODE(config.internal_socket_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE(config.cluster_secret_file.stat().st_mode) == 0o600
+    assert config.admin_key_file.read_text().strip() == key
+    entry = KeyStore.load(config.api_keys_file).authenticate(key)
+    assert entry is not None and entry.role == "admin"
+    secret = config.cluster_secret_file.read_text()
+    assert prepare_state_dir(config) == key and config.cluster_secret_file.read_text() == secret  # kept
+    assert sorted(p.name for p in config.socket_dir.iterdir()) == []  # nothing but what services create
+
+
+def test_l4m_up_flags_reach_the_config(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_cluster_arguments(parser)
+    config = cluster_config(parser.parse_args(["--state-dir", str(tmp_path), "--insecure-local", "--tls-cert",
+                                               "c.pem", "--tls-key", "k.pem", "--tls-ca", "ca.pem"]))
+    assert (config.insecure_local, config.tls_cert, config.tls_key, config.health_ca) == (
+        True, Path("c.pem"), Path("k.pem"), Path("ca.pem"))
+    with pytest.raises(SystemExit, match="--tls-cert and --tls-key go together"):
+        cluster_config(parser.parse_args(["--tls-cert", "c.pem"]))

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from l4m.credentials import write_secret_file
 from l4m.executor.__main__ import parse_config
 
 
@@ -17,3 +20,18 @@ def test_a_bad_decode_kernel_value_is_refused(capsys: pytest.CaptureFixture[str]
         parse_config(["--decode-kernel", "maybe"])
     assert exit_.value.code == 2
     assert "--decode-kernel" in capsys.readouterr().err
+
+
+def test_the_cluster_secret_and_tls_reach_the_config(tmp_path: Path) -> None:
+    secret_file = tmp_path / "cluster.secret"
+    secret = write_secret_file(secret_file)
+    config = parse_config(["--model", "m.gguf", "--cluster-secret-file", str(secret_file), "--tls-cert", "c.pem",
+                           "--tls-key", "k.pem"])[0]
+    assert config.cluster_secret == secret and config.tls is not None and config.tls.key_path == Path("k.pem")
+    assert parse_config(["--model", "m.gguf"])[0].cluster_secret == ""
+
+
+def test_an_unreadable_secret_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_config(["--model", "m.gguf", "--cluster-secret-file", str(tmp_path / "missing")])
+    assert "cannot read the secret file" in capsys.readouterr().err

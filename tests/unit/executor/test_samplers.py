@@ -5,13 +5,15 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from l4m import brle
 from l4m.executor.commands import Distribution, SampledToken, SamplerKind, SamplerSpec
-from l4m.executor.sampler import apply_samplers, decode_vocab_masks
+from l4m.executor.errors import InvalidCommand
+from l4m.executor.sampler import MIN_SAMPLE_TEMPERATURE, apply_samplers, decode_vocab_masks, validate_sampler
 
 V = 64
 
@@ -122,3 +124,38 @@ def dataclass_replace(item, **changes):
     import dataclasses
 
     return dataclasses.replace(item, **changes)
+
+
+SMALLEST_FLOAT32_SUBNORMAL = float(np.nextafter(np.float32(0), np.float32(1)))  # ~1.4e-45
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    temperature=st.sampled_from([1e-38, 1e-45, SMALLEST_FLOAT32_SUBNORMAL, 1.2e-38, 1e-30, 1e-6]),
+    top_k=st.sampled_from([0, 5]),
+)
+def test_tiny_temperature_samples_greedily(seed: int, temperature: float, top_k: int) -> None:
+    """Below MIN_SAMPLE_TEMPERATURE it is greedy by rule; above it the shift to max 0 keeps the
+    scaled logits finite, so a near-zero temperature draws the argmax (never token 0 from NaNs)."""
+    logits = logits_of(seed, 2) * 30  # large logits: logits / 1e-38 would overflow float32
+    spec = SamplerSpec(SamplerKind.SAMPLE, temperature=temperature, top_k=top_k, seed=seed)
+    results = apply_samplers(logits, [spec, spec], None)
+    assert [r.token_id for r in results] == logits.argmax(dim=-1).tolist()
+
+
+def test_tiny_temperature_respects_the_vocab_mask() -> None:
+    logits = logits_of(3) * 30
+    best = int(logits[0].argmax())
+    mask = [best, 1, V - best - 1]  # every token but the argmax allowed
+    allowed = decode_vocab_masks([SamplerSpec(SamplerKind.SAMPLE, vocab_mask=tuple(mask))], V, ["x"])
+    spec = SamplerSpec(SamplerKind.SAMPLE, temperature=1e-45, vocab_mask=tuple(mask))
+    (result,) = apply_samplers(logits, [spec], allowed)
+    expected = int(logits[0].masked_fill(~torch.from_numpy(allowed[0]), -math.inf).argmax())
+    assert result.token_id == expected != best
+
+
+def test_zero_temperature_is_rejected() -> None:
+    with pytest.raises(InvalidCommand, match="temperature"):
+        validate_sampler(SamplerSpec(SamplerKind.SAMPLE, temperature=0.0), V, "x")
+    assert 1e-45 < MIN_SAMPLE_TEMPERATURE < 1e-37  # so 1e-38 and every subnormal sample greedily

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
+from collections.abc import Callable
 
 import pytest
 
@@ -52,20 +54,25 @@ class Harness:
     """A started `Scheduler` over `num_executors` simulated executors."""
 
     def __init__(self, batching: str = "adaptive", num_executors: int = 1, tracer: SchedulerTracer | None = None,
-                 config: dict[str, object] | None = None, **sim: object) -> None:
+                 config: dict[str, object] | None = None, clock: Callable[[], float] = time.monotonic,
+                 **sim: object) -> None:
         sim_config = SimulatedExecutorConfig(**{"num_kv_pages": 64, "num_embed_slots": 64, **sim})  # type: ignore[arg-type]
         self.links = [SimulatedLink(SimulatedExecutor(sim_config), address=f"sim{i}") for i in range(num_executors)]
         scheduler_config = SchedulerConfig(batching=batching, **(config or {}))  # type: ignore[arg-type]
-        self.scheduler = Scheduler(scheduler_config, self.links, tracer=tracer)  # type: ignore[arg-type]
+        self.scheduler = Scheduler(scheduler_config, self.links, tracer=tracer, clock=clock)  # type: ignore[arg-type]
         self.scheduler.start()
         self.sinks: dict[str, ListSink] = {}
         self._launch_ms = 1000
 
-    def open(self, name: str | None = None, launched_at_unix_ms: int | None = None, max_tokens: int = 0) -> tuple[Instance, ListSink]:
+    def open(self, name: str | None = None, launched_at_unix_ms: int | None = None, max_tokens: int = 0, *,
+             user: str = "tester", is_admin: bool = False, parent: str = "",
+             tokens_per_minute: int = 0) -> tuple[Instance, ListSink]:
+        """Registers and opens an instance; every instance of one harness is the same user unless told."""
         name = name or f"i{len(self.sinks)}"
         self._launch_ms += 1
         instance = self.scheduler.register_instance(
-            name, f"token-of-{name}-0123456789", max_tokens, launched_at_unix_ms or self._launch_ms
+            name, f"token-of-{name}-0123456789", max_tokens, launched_at_unix_ms or self._launch_ms,
+            user=user, is_admin=is_admin, parent_instance_id=parent, user_max_tokens_per_minute=tokens_per_minute,
         )
         sink = ListSink()
         self.scheduler.open_session(instance, sink)

@@ -116,7 +116,7 @@ async def test_export_import_unexport_respect_refcounts(harness_factory) -> None
     h.send(b, rq.unexport("prefix"))
     await h.settle()
     assert h.free_pages() == 62  # the importer still holds them
-    assert h.scheduler.exports.get("prefix") is None
+    assert h.scheduler.exports.find("prefix", b.user) is None
     h.send(b, rq.deallocate([10, 11]))
     await h.settle()
     assert h.free_pages() == 64 and h.sim().allocated_pages == set()
@@ -132,7 +132,7 @@ async def test_owned_export_disappears_with_its_exporter_but_importers_keep_page
     h.send(b, rq.import_pages("x", [5]))
     await h.settle()
     h.scheduler.close_session(a)
-    assert h.scheduler.exports.get("x") is None
+    assert h.scheduler.exports.find("x", b.user) is None
     assert h.free_pages() == 63 and b.table.kv_pages == {5: 0}
     h.scheduler.close_session(b)
     assert h.free_pages() == 64
@@ -276,7 +276,7 @@ async def test_destroy_instance_traps_and_reports_freed(harness_factory) -> None
 
 async def test_debug_query_switches_strategy_live(harness_factory) -> None:  # type: ignore[no-untyped-def]
     h = harness_factory()
-    a, sink = h.open()
+    a, sink = h.open(is_admin=True)
     h.send(a, rq.debug_query("ping"), rq.debug_query("batching:k-or-t:4:2"), rq.debug_query("batching"),
            rq.debug_query("stats"))
     await h.settle()
@@ -432,3 +432,18 @@ async def test_a_scheduler_with_continuation_off_says_so_and_traps_it(harness_fa
     h.send(a, rq.allocate([0]), _continued([0], 3, [3], [0], 2, request_id=1))
     await h.settle()
     assert sink.trap is not None and "max_continuation_steps 0" in sink.trap.reason
+
+
+async def test_a_deallocate_reaches_the_executor_even_when_its_instance_traps_in_the_same_batch(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory()
+    offender, sink = h.open("offender")
+    h.send(offender, rq.allocate([1, 2]), rq.synchronize())
+    await h.settle()
+    h.send(offender, rq.deallocate([1]), rq.deallocate([999]))  # one batch: the second traps the instance
+    await h.settle()
+    assert sink.trap is not None and "999" in sink.trap.reason
+    assert h.free_pages() == 64 and h.sim().allocated_pages == set()  # page 1 was told too, not only page 2
+    other, other_sink = h.open("other")
+    h.send(other, rq.allocate([5, 6]), rq.forward_text([5, 6], 1, [1] * 17, outputs=[16], request_id=3))
+    await h.settle()
+    assert other_sink.trap is None and h.sim().num_errors == 0

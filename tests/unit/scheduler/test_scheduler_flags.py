@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from l4m.credentials import write_secret_file
 from l4m.scheduler.__main__ import parse_config
 from l4m.scheduler.validation import MAX_CONTINUATION_STEPS
 
@@ -19,3 +22,37 @@ def test_max_continuation_steps_out_of_range_is_refused(value: str, capsys: pyte
         parse_config(["--executor", "unix:/x", "--max-continuation-steps", value])
     assert exit_info.value.code == 2
     assert f"--max-continuation-steps must be in 0..{MAX_CONTINUATION_STEPS}" in capsys.readouterr().err
+
+
+def test_the_registry_never_starts_without_the_cluster_secret(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["--executor", "unix:/x", "--registry-listen", "unix:/tmp/registry.sock"])
+    assert exit_info.value.code == 2
+    assert "--registry-listen needs --cluster-secret-file" in capsys.readouterr().err
+
+
+def test_control_plane_flags_reach_the_config(tmp_path: Path) -> None:
+    secret_file = tmp_path / "cluster.secret"
+    secret = write_secret_file(secret_file)
+    config = parse_config(["--executor", "unix:/x", "--registry-listen", "unix:/r.sock", "--cluster-secret-file",
+                           str(secret_file), "--tls-cert", "c.pem", "--tls-key", "k.pem", "--executor-tls-ca", "ca.pem",
+                           "--max-instances", "7"])[0]
+    assert (config.registry_listen, config.cluster_secret, config.max_instances) == ("unix:/r.sock", secret, 7)
+    assert config.tls is not None and config.tls.cert_path == Path("c.pem") and config.executor_tls_ca == Path("ca.pem")
+    assert config.listen != config.registry_listen
+
+
+def test_a_secret_file_others_can_read_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    secret_file = tmp_path / "cluster.secret"
+    write_secret_file(secret_file)
+    secret_file.chmod(0o644)
+    with pytest.raises(SystemExit):
+        parse_config(["--executor", "unix:/x", "--registry-listen", "unix:/r.sock", "--cluster-secret-file",
+                      str(secret_file)])
+    assert "readable by others" in capsys.readouterr().err
+
+
+def test_tls_cert_without_key_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_config(["--executor", "unix:/x", "--tls-cert", "c.pem"])
+    assert "--tls-cert and --tls-key go together" in capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from l4m.scheduler.contention import choose_victim
+from l4m.scheduler.errors import AlreadyRegistered
 from l4m.scheduler.exports import Export, ExportTable
 from l4m.scheduler.instances import Instance, InstanceRegistry, InstanceState
 from l4m.scheduler.resources import RefCountedPool, ResourceTable
@@ -49,15 +50,43 @@ def test_table_clear_returns_held_physical_ids() -> None:
 
 def test_export_table_lifecycle() -> None:
     exports = ExportTable()
-    exports.add(Export("a", 0, (1, 2), False, b"m", "i1"))
-    exports.add(Export("b", 1, (3,), True, b"", "i1"))
-    assert not exports.can_add("a")
+    a = Export("a", 0, (1, 2), False, b"m", "i1", "alice")
+    exports.add(a)
+    exports.add(Export("b", 1, (3,), True, b"", "i1", "alice"))
+    assert not exports.can_add("a", "alice", is_public=False)
     with pytest.raises(ValueError):
-        exports.add(Export("a", 0, (5,), False, b"", "i2"))
+        exports.add(Export("a", 0, (5,), False, b"", "i2", "alice"))
     assert [e.name for e in exports.owned_by("i1", is_persistent=False)] == ["a"]
     assert [e.name for e in exports.on_executor(1)] == ["b"]
-    assert exports.remove("a").physical_page_ids == (1, 2)
+    assert exports.remove(a).physical_page_ids == (1, 2)
     assert len(exports) == 1
+
+
+def test_export_names_are_per_user_and_private_ones_are_invisible_to_others() -> None:
+    exports = ExportTable()
+    private = Export("p", 0, (1,), False, b"", "i1", "alice")
+    public = Export("q", 0, (2,), False, b"", "i1", "alice", is_public=True)
+    exports.add(private)
+    exports.add(public)
+    assert exports.find("p", "alice") is private and exports.find("p", "bob") is None
+    assert exports.find("q", "bob") is public
+    assert exports.find("p", "bob", is_admin=True) is private
+    assert exports.can_add("p", "bob", is_public=False)  # bob's own namespace: alice's "p" is not revealed
+    assert not exports.can_add("q", "bob", is_public=True)  # one namespace of public names
+    assert [e.name for e in exports.visible_to("bob", False)] == ["q"]
+    assert {e.name for e in exports.visible_to("alice", False)} == {"p", "q"}
+    exports.remove(public)
+    assert exports.find("q", "bob") is None and exports.can_add("q", "bob", is_public=True)
+
+
+def test_frozen_pages_thaw_only_when_freed() -> None:
+    pool = RefCountedPool(4)
+    ids = pool.allocate(2)
+    pool.retain(ids)
+    pool.freeze(ids)
+    assert pool.release(ids) == [] and all(pool.is_frozen(i) for i in ids)
+    assert sorted(pool.release(ids)) == sorted(ids)
+    assert not any(pool.is_frozen(i) for i in ids)
 
 
 def _alive(instance_id: str, launched_at: int, seq: int, pages: int) -> Instance:
@@ -90,7 +119,7 @@ def test_registry_rejects_duplicate_ids_and_tokens() -> None:
     registry.register("a", "tok-a", 0, 1)
     assert not registry.can_register("a", "other")
     assert not registry.can_register("b", "tok-a")
-    with pytest.raises(ValueError):
+    with pytest.raises(AlreadyRegistered):
         registry.register("a", "x", 0, 1)
     assert registry.by_token("tok-a").instance_id == "a"  # type: ignore[union-attr]
     registry.remove("a")

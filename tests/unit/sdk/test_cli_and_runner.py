@@ -10,10 +10,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from l4m import cli
-from l4m.client import exit_status
+from l4m.client import exit_status, find_api_key
 from l4m.controller import ControllerConfig, load_program, run_main, run_span
-from l4m.errors import ProgramError
+from l4m.errors import L4MError, ProgramError
 from l4m.fake import FakeL4M
+from l4m.keys import KeyStore
 from l4m.runtime import MESSAGE_PREFIX, LocalRuntime, LocalVariables
 from l4m.session import Session
 from l4m.v1 import spawner_pb2
@@ -121,7 +122,7 @@ def test_l4m_run_exits_with_the_controllers_own_status(reason: str, exit_code: i
 
 def test_run_limits_become_the_launchs_limits_in_the_protos_units() -> None:
     options = cli.build_parser().parse_args(["run", "p.py", "--wall-time-s", "1.5", "--memory-mib", "256",
-                                             "--max-tokens", "900", "--max-children", "2"])
+                                             "--token-budget", "900", "--max-children", "2"])
     assert cli.launch_limits(options) == spawner_pb2.Limits(wall_time_ms=1500, memory_bytes=256 * 1024 * 1024,
                                                             max_tokens=900, max_children=2)
     assert cli.launch_limits(cli.build_parser().parse_args(["run", "p.py"])) is None  # the spawner's defaults
@@ -131,7 +132,7 @@ def test_run_limits_become_the_launchs_limits_in_the_protos_units() -> None:
     ("--wall-time-s", "0", "must be a finite number > 0 (leave the flag out for the spawner's default)"),
     ("--cpu-time-s", "-3", "must be a finite number > 0"),
     ("--cpu-time-s", "inf", "must be a finite number > 0"),
-    ("--max-tokens", "1.5", "'1.5' is not an integer"),
+    ("--token-budget", "1.5", "'1.5' is not an integer"),
     ("--memory-mib", "lots", "'lots' is not an integer"),
 ])
 def test_bad_run_limits_are_refused_with_the_reason(flag: str, value: str, error: str,
@@ -141,3 +142,56 @@ def test_bad_run_limits_are_refused_with_the_reason(flag: str, value: str, error
     assert exit_info.value.code == 2
     message = capsys.readouterr().err.strip().splitlines()[-1]
     assert message.startswith(f"l4m run: error: argument {flag}: ") and error in message
+
+
+def test_max_tokens_before_the_double_dash_is_refused_naming_both_meanings(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["run", "p.py", "--max-tokens", "20", "--", "Hi"])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err
+    assert "--token-budget N" in message and "`l4m run FILE -- --max-tokens 64 PROMPT`" in message
+
+
+def test_run_and_attach_take_detach_and_credentials() -> None:
+    options = cli.build_parser().parse_args(["run", "--detach", "p.py", "--api-key-file", "k", "--tls-ca", "ca.pem"])
+    assert (options.detach, options.api_key_file, options.tls_ca) == (True, "k", "ca.pem")
+    options = cli.build_parser().parse_args(["attach", "i-1", "--spawner", "h:1"])
+    assert (options.command, options.instance_id, options.spawner) == ("attach", "i-1", "h:1")
+
+
+def _secret_file(path: Path, text: str) -> Path:
+    path.write_text(text + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def test_the_api_key_comes_from_the_flag_then_the_environment_then_the_admin_key(tmp_path: Path) -> None:
+    flag_file = _secret_file(tmp_path / "flag.key", "l4m_" + "f" * 43)
+    env_file = _secret_file(tmp_path / "env.key", "l4m_" + "e" * 43)
+    admin = _secret_file(tmp_path / "admin.key", "l4m_" + "a" * 43)
+    env = {"L4M_API_KEY": "l4m_" + "k" * 43, "L4M_API_KEY_FILE": str(env_file)}
+    assert find_api_key(flag_file, env, admin) == "l4m_" + "f" * 43
+    assert find_api_key(None, env, admin) == "l4m_" + "k" * 43
+    assert find_api_key(None, {"L4M_API_KEY_FILE": str(env_file)}, admin) == "l4m_" + "e" * 43
+    assert find_api_key(None, {}, admin) == "l4m_" + "a" * 43
+    assert find_api_key(None, {}, tmp_path / "missing.key") is None
+    admin.chmod(0o644)
+    with pytest.raises(L4MError, match="readable by others"):
+        find_api_key(None, {}, admin)
+
+
+def test_l4m_keys_add_prints_the_key_once_and_list_never_shows_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    keys_file = tmp_path / "api-keys.json"
+    assert cli.main(["keys", "--keys-file", str(keys_file), "add", "alice", "--max-instances", "3"]) == 0
+    key = capsys.readouterr().out.strip()
+    assert key.startswith("l4m_") and len(key) == 47
+    assert KeyStore.load(keys_file).authenticate(key).name == "alice"
+    assert cli.main(["keys", "--keys-file", str(keys_file), "list"]) == 0
+    listing = capsys.readouterr().out
+    assert "alice" in listing and "user" in listing and key not in listing and key[4:] not in listing
+    assert cli.main(["keys", "--keys-file", str(keys_file), "add", "alice"]) == 2
+    assert "exists already" in capsys.readouterr().err
+    assert cli.main(["keys", "--keys-file", str(keys_file), "remove", "alice"]) == 0
+    assert KeyStore.load(keys_file).authenticate(key) is None

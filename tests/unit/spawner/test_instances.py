@@ -25,12 +25,16 @@ class FakeRegistry:
     def __init__(self, is_reachable: bool = True) -> None:
         self.is_reachable = is_reachable
         self.registered: list[str] = []
+        self.registrations: dict[str, dict[str, object]] = {}
         self.destroyed: list[tuple[str, str]] = []
 
-    async def register(self, instance_id: str, token: str, max_tokens: int, launched_at_unix_ms: int) -> None:
+    async def register(
+        self, instance_id: str, token: str, max_tokens: int, launched_at_unix_ms: int, **owner: object
+    ) -> None:
         if not self.is_reachable:
             raise SchedulerUnavailable("the scheduler at unix:/x is unreachable")
         self.registered.append(instance_id)
+        self.registrations[instance_id] = {"max_tokens": max_tokens, **owner}
 
     async def destroy(self, instance_id: str, reason: str) -> None:
         self.destroyed.append((instance_id, reason))

@@ -26,12 +26,13 @@ CONFIG = ProcessSandboxConfig(
     python_base_prefix=Path("/root/.pyenv/versions/3.11.7"),
     sdk_path=Path("/work/app/clients/python"),
 )
+SECCOMP_FD = 7
 
 
 def command(socket_dir: Path | None = Path("/srv/sock"), has_memory_cgroup: bool = True) -> list[str]:
     spec = SandboxSpec("i-1", Path("/store/programs/abc"), ("--n", "3"), {"TOKEN": "t"}, socket_dir, Limits())
     procs = [Path("/sys/fs/cgroup/pids/l4m/x/i-1/cgroup.procs")]
-    return build_command(CONFIG, spec, 100_007, procs, has_memory_cgroup)
+    return build_command(CONFIG, spec, 100_007, procs, has_memory_cgroup, SECCOMP_FD)
 
 
 def binds(argv: list[str]) -> list[tuple[str, str, str]]:
@@ -76,6 +77,12 @@ def test_namespaces_and_capabilities() -> None:
     ):
         assert flag in setpriv
     assert setpriv[-4:] == ["/opt/l4m/venv/bin/python3", "/opt/l4m/program/main.py", "--n", "3"]
+
+
+def test_cold_and_warm_sandboxes_run_under_the_seccomp_filter() -> None:
+    for argv in (command(), warm_command()):
+        bwrap = argv[argv.index("bwrap") : argv.index("setpriv")]
+        assert bwrap[bwrap.index("--seccomp") + 1] == str(SECCOMP_FD)
 
 
 def test_mount_point_parents_are_created_traversable() -> None:
@@ -125,7 +132,9 @@ WARM_CONFIG = dataclasses.replace(
 
 def warm_command(has_memory_cgroup: bool = True) -> list[str]:
     procs = [Path("/sys/fs/cgroup/pids/l4m/x/warm-1/cgroup.procs")]
-    return build_warm_command(WARM_CONFIG, Path("/state/warm/warm-1"), 100_008, procs, has_memory_cgroup)
+    return build_warm_command(
+        WARM_CONFIG, Path("/state/warm/warm-1"), 100_008, procs, has_memory_cgroup, SECCOMP_FD
+    )
 
 
 def test_a_warm_sandbox_runs_the_zygote_with_an_empty_program_directory() -> None:
@@ -159,7 +168,7 @@ def test_the_launch_lowers_to_exactly_the_cold_rlimits() -> None:
         spec = SandboxSpec(
             "i-2", Path("/store/programs/abc"), ("x",), {"L4M_INSTANCE_TOKEN": "t"}, None, Limits()
         )
-        cold = build_command(CONFIG, spec, 100_007, [], has_memory_cgroup)
+        cold = build_command(CONFIG, spec, 100_007, [], has_memory_cgroup, SECCOMP_FD)
         cold_flags = {arg for arg in cold[: cold.index("bwrap")] if arg.startswith("--")} - {"--"}
         launch = warm_launch(spec, has_memory_cgroup)
         flags = {f"--cpu={launch['cpu_time_s']}:{launch['cpu_time_s'] + 1}"}
@@ -237,7 +246,7 @@ def test_a_warm_sandbox_defers_its_cpu_group_and_joins_the_idle_one_last() -> No
         cgroup.dirs["cpuacct"] / "cgroup.procs",
         IDLE_GROUP / "cgroup.procs",
     ]
-    script = build_warm_command(WARM_CONFIG, Path("/state/warm/warm-1"), 100_008, joins, True)[2]
+    script = build_warm_command(WARM_CONFIG, Path("/state/warm/warm-1"), 100_008, joins, True, SECCOMP_FD)[2]
     assert str(cgroup.dirs["cpu"]) not in script
     assert script.index("/memory/") < script.index("/cpuacct/") < script.index("/l4m-idle/")
     # A cold start joins its cpu group at once.

@@ -1,6 +1,7 @@
 // Command run_controller runs a Python controller on an l4m cluster and streams its output, like
 // `l4m run`: messages to stdout, log lines to stderr, and the instance's exit status as its own.
 //
+//	export L4M_API_KEY=$(cat /tmp/l4m-$USER/admin.key)   # the key `l4m up` wrote
 //	run_controller -spawner 127.0.0.1:7410 examples/controllers/text_completion.py -- --max-tokens 8 "What is 2+2?"
 package main
 

@@ -1,6 +1,10 @@
 // Package l4m is a thin client of l4m's SpawnerService: upload a controller program, launch instances
 // of it, attach to their output, send them messages and terminate them. The generated stubs it wraps
 // live in l4m/v1 (package l4mv1); use them directly for anything this package leaves out.
+//
+// Every call carries the user's API key as `authorization: Bearer <key>` metadata (Dial takes it from
+// $L4M_API_KEY; DialWithAPIKey from its argument): a spawner without --insecure-local refuses a call
+// without one (UNAUTHENTICATED).
 package l4m
 
 import (
@@ -29,18 +33,52 @@ type Client struct {
 	stub    l4mv1.SpawnerServiceClient
 }
 
-// Dial connects to a spawner at "host:port" (plaintext, as `l4m up` serves it).
+// Dial connects to a spawner at "host:port" (plaintext, as `l4m up` serves it), with the API key in
+// $L4M_API_KEY.
 func Dial(address string) (*Client, error) {
+	return DialWithAPIKey(address, os.Getenv("L4M_API_KEY"))
+}
+
+// DialWithAPIKey connects to a spawner at "host:port" (plaintext) and presents apiKey on every call
+// (none when empty).
+func DialWithAPIKey(address, apiKey string) (*Client, error) {
 	// WithInsecure, not credentials/insecure: Debian bookworm ships grpc-go 1.33, which predates it.
-	conn, err := grpc.Dial(address, grpc.WithInsecure())
+	options := []grpc.DialOption{grpc.WithInsecure()}
+	if apiKey != "" {
+		options = append(options, grpc.WithPerRPCCredentials(bearer(apiKey)))
+	}
+	conn, err := grpc.Dial(address, options...)
 	if err != nil {
 		return nil, fmt.Errorf("dial spawner %s: %w", address, err)
 	}
 	return &Client{Address: address, Timeout: 30 * time.Second, conn: conn, stub: l4mv1.NewSpawnerServiceClient(conn)}, nil
 }
 
+// bearer is an API key as per-call credentials.
+type bearer string
+
+func (key bearer) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
+	return map[string]string{"authorization": "Bearer " + string(key)}, nil
+}
+
+// RequireTransportSecurity is false: `l4m up` serves plaintext on loopback. Keys are bearer secrets:
+// beyond loopback, use TLS.
+func (bearer) RequireTransportSecurity() bool { return false }
+
 // Close releases the connection.
 func (c *Client) Close() error { return c.conn.Close() }
+
+// uploadStatus turns the io.EOF of a Send on a stream the server ended (a refused API key, a program
+// too large) into the server's status, which only the stream's receive side carries.
+func uploadStatus(stream l4mv1.SpawnerService_UploadProgramClient, err error) error {
+	if err != io.EOF {
+		return err
+	}
+	if _, recvErr := stream.CloseAndRecv(); recvErr != nil {
+		return recvErr
+	}
+	return err
+}
 
 // Upload stores a program (a .py file or a zip, told apart by filename) and returns its id, the sha256.
 func (c *Client) Upload(ctx context.Context, program []byte, filename, tag string) (string, error) {
@@ -54,13 +92,13 @@ func (c *Client) Upload(ctx context.Context, program []byte, filename, tag strin
 	}
 	header := &l4mv1.ProgramHeader{SizeBytes: uint64(len(program)), Sha256: want, Tag: tag, Filename: filename}
 	if err := stream.Send(&l4mv1.UploadProgramRequest{Part: &l4mv1.UploadProgramRequest_Header{Header: header}}); err != nil {
-		return "", c.fail("upload", err)
+		return "", c.fail("upload", uploadStatus(stream, err))
 	}
 	for start := 0; start < len(program); start += ChunkBytes {
 		end := min(start+ChunkBytes, len(program))
 		part := &l4mv1.UploadProgramRequest_Chunk{Chunk: program[start:end]}
 		if err := stream.Send(&l4mv1.UploadProgramRequest{Part: part}); err != nil {
-			return "", c.fail("upload", err)
+			return "", c.fail("upload", uploadStatus(stream, err))
 		}
 	}
 	response, err := stream.CloseAndRecv()

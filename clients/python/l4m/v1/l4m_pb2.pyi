@@ -25,6 +25,7 @@ class TrapKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRAP_KIND_DESTROYED: _ClassVar[TrapKind]
     TRAP_KIND_TOKEN_BUDGET: _ClassVar[TrapKind]
     TRAP_KIND_UNSUPPORTED: _ClassVar[TrapKind]
+    TRAP_KIND_PERMISSION_DENIED: _ClassVar[TrapKind]
 STREAM_PRIORITY_UNSPECIFIED: StreamPriority
 STREAM_PRIORITY_LOW: StreamPriority
 STREAM_PRIORITY_NORMAL: StreamPriority
@@ -37,6 +38,7 @@ TRAP_KIND_EXECUTOR_LOST: TrapKind
 TRAP_KIND_DESTROYED: TrapKind
 TRAP_KIND_TOKEN_BUDGET: TrapKind
 TRAP_KIND_UNSUPPORTED: TrapKind
+TRAP_KIND_PERMISSION_DENIED: TrapKind
 
 class GetInfoRequest(_message.Message):
     __slots__ = ("omit_tokenizer_json",)
@@ -113,16 +115,18 @@ class GetInfoCommand(_message.Message):
     def __init__(self, omit_tokenizer_json: _Optional[bool] = ...) -> None: ...
 
 class ExportKvPagesCommand(_message.Message):
-    __slots__ = ("name", "kv_page_ids", "persistent", "metadata")
+    __slots__ = ("name", "kv_page_ids", "persistent", "metadata", "is_public")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KV_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     PERSISTENT_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    IS_PUBLIC_FIELD_NUMBER: _ClassVar[int]
     name: str
     kv_page_ids: _containers.RepeatedScalarFieldContainer[int]
     persistent: bool
     metadata: bytes
-    def __init__(self, name: _Optional[str] = ..., kv_page_ids: _Optional[_Iterable[int]] = ..., persistent: _Optional[bool] = ..., metadata: _Optional[bytes] = ...) -> None: ...
+    is_public: bool
+    def __init__(self, name: _Optional[str] = ..., kv_page_ids: _Optional[_Iterable[int]] = ..., persistent: _Optional[bool] = ..., metadata: _Optional[bytes] = ..., is_public: _Optional[bool] = ...) -> None: ...
 
 class UnexportKvPagesCommand(_message.Message):
     __slots__ = ("name",)
@@ -203,16 +207,18 @@ class ListExportsResult(_message.Message):
     def __init__(self, exports: _Optional[_Iterable[_Union[ExportInfo, _Mapping]]] = ...) -> None: ...
 
 class ExportInfo(_message.Message):
-    __slots__ = ("name", "num_kv_pages", "persistent", "metadata_bytes")
+    __slots__ = ("name", "num_kv_pages", "persistent", "metadata_bytes", "is_public")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     PERSISTENT_FIELD_NUMBER: _ClassVar[int]
     METADATA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IS_PUBLIC_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_kv_pages: int
     persistent: bool
     metadata_bytes: int
-    def __init__(self, name: _Optional[str] = ..., num_kv_pages: _Optional[int] = ..., persistent: _Optional[bool] = ..., metadata_bytes: _Optional[int] = ...) -> None: ...
+    is_public: bool
+    def __init__(self, name: _Optional[str] = ..., num_kv_pages: _Optional[int] = ..., persistent: _Optional[bool] = ..., metadata_bytes: _Optional[int] = ..., is_public: _Optional[bool] = ...) -> None: ...
 
 class SynchronizeDone(_message.Message):
     __slots__ = ()

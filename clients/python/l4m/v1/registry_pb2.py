@@ -25,25 +25,25 @@ _sym_db = _symbol_database.Default()
 from l4m.v1 import l4m_pb2 as l4m_dot_v1_dot_l4m__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15l4m/v1/registry.proto\x12\x06l4m.v1\x1a\x10l4m/v1/l4m.proto\"n\n\x17RegisterInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\x12\n\nmax_tokens\x18\x03 \x01(\x04\x12\x1b\n\x13launched_at_unix_ms\x18\x04 \x01(\x04\"\x1a\n\x18RegisterInstanceResponse\"=\n\x16\x44\x65stroyInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"T\n\x17\x44\x65stroyInstanceResponse\x12\x1a\n\x12num_kv_pages_freed\x18\x01 \x01(\r\x12\x1d\n\x15num_embed_slots_freed\x18\x02 \x01(\r\"\x1c\n\x1aWatchInstanceEventsRequest\"N\n\x1bWatchInstanceEventsResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1a\n\x04trap\x18\x02 \x01(\x0b\x32\x0c.l4m.v1.Trap2\xa6\x02\n\x17InstanceRegistryService\x12U\n\x10RegisterInstance\x12\x1f.l4m.v1.RegisterInstanceRequest\x1a .l4m.v1.RegisterInstanceResponse\x12R\n\x0f\x44\x65stroyInstance\x12\x1e.l4m.v1.DestroyInstanceRequest\x1a\x1f.l4m.v1.DestroyInstanceResponse\x12`\n\x13WatchInstanceEvents\x12\".l4m.v1.WatchInstanceEventsRequest\x1a#.l4m.v1.WatchInstanceEventsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15l4m/v1/registry.proto\x12\x06l4m.v1\x1a\x10l4m/v1/l4m.proto\"\xce\x01\n\x17RegisterInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\x12\n\nmax_tokens\x18\x03 \x01(\x04\x12\x1b\n\x13launched_at_unix_ms\x18\x04 \x01(\x04\x12\x0c\n\x04user\x18\x05 \x01(\t\x12\x10\n\x08is_admin\x18\x06 \x01(\x08\x12\x1a\n\x12parent_instance_id\x18\x07 \x01(\t\x12\"\n\x1auser_max_tokens_per_minute\x18\x08 \x01(\x04\"\x1a\n\x18RegisterInstanceResponse\"=\n\x16\x44\x65stroyInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"T\n\x17\x44\x65stroyInstanceResponse\x12\x1a\n\x12num_kv_pages_freed\x18\x01 \x01(\r\x12\x1d\n\x15num_embed_slots_freed\x18\x02 \x01(\r\"\x1c\n\x1aWatchInstanceEventsRequest\"N\n\x1bWatchInstanceEventsResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1a\n\x04trap\x18\x02 \x01(\x0b\x32\x0c.l4m.v1.Trap2\xa6\x02\n\x17InstanceRegistryService\x12U\n\x10RegisterInstance\x12\x1f.l4m.v1.RegisterInstanceRequest\x1a .l4m.v1.RegisterInstanceResponse\x12R\n\x0f\x44\x65stroyInstance\x12\x1e.l4m.v1.DestroyInstanceRequest\x1a\x1f.l4m.v1.DestroyInstanceResponse\x12`\n\x13WatchInstanceEvents\x12\".l4m.v1.WatchInstanceEventsRequest\x1a#.l4m.v1.WatchInstanceEventsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'l4m.v1.registry_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REGISTERINSTANCEREQUEST']._serialized_start=51
-  _globals['_REGISTERINSTANCEREQUEST']._serialized_end=161
-  _globals['_REGISTERINSTANCERESPONSE']._serialized_start=163
-  _globals['_REGISTERINSTANCERESPONSE']._serialized_end=189
-  _globals['_DESTROYINSTANCEREQUEST']._serialized_start=191
-  _globals['_DESTROYINSTANCEREQUEST']._serialized_end=252
-  _globals['_DESTROYINSTANCERESPONSE']._serialized_start=254
-  _globals['_DESTROYINSTANCERESPONSE']._serialized_end=338
-  _globals['_WATCHINSTANCEEVENTSREQUEST']._serialized_start=340
-  _globals['_WATCHINSTANCEEVENTSREQUEST']._serialized_end=368
-  _globals['_WATCHINSTANCEEVENTSRESPONSE']._serialized_start=370
-  _globals['_WATCHINSTANCEEVENTSRESPONSE']._serialized_end=448
-  _globals['_INSTANCEREGISTRYSERVICE']._serialized_start=451
-  _globals['_INSTANCEREGISTRYSERVICE']._serialized_end=745
+  _globals['_REGISTERINSTANCEREQUEST']._serialized_start=52
+  _globals['_REGISTERINSTANCEREQUEST']._serialized_end=258
+  _globals['_REGISTERINSTANCERESPONSE']._serialized_start=260
+  _globals['_REGISTERINSTANCERESPONSE']._serialized_end=286
+  _globals['_DESTROYINSTANCEREQUEST']._serialized_start=288
+  _globals['_DESTROYINSTANCEREQUEST']._serialized_end=349
+  _globals['_DESTROYINSTANCERESPONSE']._serialized_start=351
+  _globals['_DESTROYINSTANCERESPONSE']._serialized_end=435
+  _globals['_WATCHINSTANCEEVENTSREQUEST']._serialized_start=437
+  _globals['_WATCHINSTANCEEVENTSREQUEST']._serialized_end=465
+  _globals['_WATCHINSTANCEEVENTSRESPONSE']._serialized_start=467
+  _globals['_WATCHINSTANCEEVENTSRESPONSE']._serialized_end=545
+  _globals['_INSTANCEREGISTRYSERVICE']._serialized_start=548
+  _globals['_INSTANCEREGISTRYSERVICE']._serialized_end=842
 # @@protoc_insertion_point(module_scope)

@@ -7,16 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterInstanceRequest(_message.Message):
-    __slots__ = ("instance_id", "token", "max_tokens", "launched_at_unix_ms")
+    __slots__ = ("instance_id", "token", "max_tokens", "launched_at_unix_ms", "user", "is_admin", "parent_instance_id", "user_max_tokens_per_minute")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAUNCHED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
+    IS_ADMIN_FIELD_NUMBER: _ClassVar[int]
+    PARENT_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    USER_MAX_TOKENS_PER_MINUTE_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     token: str
     max_tokens: int
     launched_at_unix_ms: int
-    def __init__(self, instance_id: _Optional[str] = ..., token: _Optional[str] = ..., max_tokens: _Optional[int] = ..., launched_at_unix_ms: _Optional[int] = ...) -> None: ...
+    user: str
+    is_admin: bool
+    parent_instance_id: str
+    user_max_tokens_per_minute: int
+    def __init__(self, instance_id: _Optional[str] = ..., token: _Optional[str] = ..., max_tokens: _Optional[int] = ..., launched_at_unix_ms: _Optional[int] = ..., user: _Optional[str] = ..., is_admin: _Optional[bool] = ..., parent_instance_id: _Optional[str] = ..., user_max_tokens_per_minute: _Optional[int] = ...) -> None: ...
 
 class RegisterInstanceResponse(_message.Message):
     __slots__ = ()

@@ -125,14 +125,16 @@ class Limits(_message.Message):
     def __init__(self, wall_time_ms: _Optional[int] = ..., cpu_time_ms: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., max_processes: _Optional[int] = ..., max_open_files: _Optional[int] = ..., max_output_bytes: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_children: _Optional[int] = ...) -> None: ...
 
 class LaunchRequest(_message.Message):
-    __slots__ = ("program", "args", "limits")
+    __slots__ = ("program", "args", "limits", "detached")
     PROGRAM_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    DETACHED_FIELD_NUMBER: _ClassVar[int]
     program: str
     args: _containers.RepeatedScalarFieldContainer[str]
     limits: Limits
-    def __init__(self, program: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ...) -> None: ...
+    detached: bool
+    def __init__(self, program: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., detached: _Optional[bool] = ...) -> None: ...
 
 class LaunchResponse(_message.Message):
     __slots__ = ("instance_id",)
@@ -215,7 +217,7 @@ class ListInstancesResponse(_message.Message):
     def __init__(self, instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("instance_id", "program_sha256", "args", "state", "exit", "parent_instance_id", "launched_at_unix_ms")
+    __slots__ = ("instance_id", "program_sha256", "args", "state", "exit", "parent_instance_id", "launched_at_unix_ms", "user", "detached")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PROGRAM_SHA256_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +225,8 @@ class InstanceInfo(_message.Message):
     EXIT_FIELD_NUMBER: _ClassVar[int]
     PARENT_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     LAUNCHED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
+    DETACHED_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     program_sha256: str
     args: _containers.RepeatedScalarFieldContainer[str]
@@ -230,7 +234,9 @@ class InstanceInfo(_message.Message):
     exit: InstanceExit
     parent_instance_id: str
     launched_at_unix_ms: int
-    def __init__(self, instance_id: _Optional[str] = ..., program_sha256: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., state: _Optional[_Union[InstanceState, str]] = ..., exit: _Optional[_Union[InstanceExit, _Mapping]] = ..., parent_instance_id: _Optional[str] = ..., launched_at_unix_ms: _Optional[int] = ...) -> None: ...
+    user: str
+    detached: bool
+    def __init__(self, instance_id: _Optional[str] = ..., program_sha256: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., state: _Optional[_Union[InstanceState, str]] = ..., exit: _Optional[_Union[InstanceExit, _Mapping]] = ..., parent_instance_id: _Optional[str] = ..., launched_at_unix_ms: _Optional[int] = ..., user: _Optional[str] = ..., detached: _Optional[bool] = ...) -> None: ...
 
 class SendToUserRequest(_message.Message):
     __slots__ = ("text",)

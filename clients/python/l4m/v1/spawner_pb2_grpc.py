@@ -27,6 +27,15 @@ if _version_not_supported:
 
 class SpawnerServiceStub:
     """What users call: programs and instances.
+
+    Every call carries an API key as `authorization: Bearer <key>` metadata (keys are made with
+    `l4m keys add NAME`); a missing or unknown key answers UNAUTHENTICATED, unless the spawner runs
+    with --insecure-local (then a call without a key is the admin user "local"). An instance belongs to
+    the user who launched it (a child to its parent's user): Attach, SendMessage, Terminate and
+    ListInstances see only the caller's own instances, and another user's instance id answers
+    NOT_FOUND exactly like an unknown one. ListPrograms and Launch see only programs the caller
+    uploaded. An admin key sees everything. A user's instances alive at once are capped by a quota
+    (RESOURCE_EXHAUSTED, naming it).
     """
 
     def __init__(self, channel):
@@ -74,6 +83,15 @@ class SpawnerServiceStub:
 
 class SpawnerServiceServicer:
     """What users call: programs and instances.
+
+    Every call carries an API key as `authorization: Bearer <key>` metadata (keys are made with
+    `l4m keys add NAME`); a missing or unknown key answers UNAUTHENTICATED, unless the spawner runs
+    with --insecure-local (then a call without a key is the admin user "local"). An instance belongs to
+    the user who launched it (a child to its parent's user): Attach, SendMessage, Terminate and
+    ListInstances see only the caller's own instances, and another user's instance id answers
+    NOT_FOUND exactly like an unknown one. ListPrograms and Launch see only programs the caller
+    uploaded. An admin key sees everything. A user's instances alive at once are capped by a quota
+    (RESOURCE_EXHAUSTED, naming it).
     """
 
     def UploadProgram(self, request_iterator, context):
@@ -175,6 +193,15 @@ def add_SpawnerServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class SpawnerService:
     """What users call: programs and instances.
+
+    Every call carries an API key as `authorization: Bearer <key>` metadata (keys are made with
+    `l4m keys add NAME`); a missing or unknown key answers UNAUTHENTICATED, unless the spawner runs
+    with --insecure-local (then a call without a key is the admin user "local"). An instance belongs to
+    the user who launched it (a child to its parent's user): Attach, SendMessage, Terminate and
+    ListInstances see only the caller's own instances, and another user's instance id answers
+    NOT_FOUND exactly like an unknown one. ListPrograms and Launch see only programs the caller
+    uploaded. An admin key sees everything. A user's instances alive at once are capped by a quota
+    (RESOURCE_EXHAUSTED, naming it).
     """
 
     @staticmethod

@@ -121,10 +121,12 @@ export enum TrapKind {
   TRAP_KIND_EXECUTOR_LOST = 4,
   /** TRAP_KIND_DESTROYED - The spawner destroyed the instance (exit, kill, limit). */
   TRAP_KIND_DESTROYED = 5,
-  /** TRAP_KIND_TOKEN_BUDGET - The instance used up its token budget. */
+  /** TRAP_KIND_TOKEN_BUDGET - The instance used up its token budget, an ancestor's, or its user's tokens per minute. */
   TRAP_KIND_TOKEN_BUDGET = 6,
   /** TRAP_KIND_UNSUPPORTED - The model cannot do this (e.g. EmbedImage on a text-only model). */
   TRAP_KIND_UNSUPPORTED = 7,
+  /** TRAP_KIND_PERMISSION_DENIED - The instance may not do this (a cluster-wide knob without the admin role, another user's export). */
+  TRAP_KIND_PERMISSION_DENIED = 8,
   UNRECOGNIZED = -1,
 }
 
@@ -154,6 +156,9 @@ export function trapKindFromJSON(object: any): TrapKind {
     case 7:
     case "TRAP_KIND_UNSUPPORTED":
       return TrapKind.TRAP_KIND_UNSUPPORTED;
+    case 8:
+    case "TRAP_KIND_PERMISSION_DENIED":
+      return TrapKind.TRAP_KIND_PERMISSION_DENIED;
     case -1:
     case "UNRECOGNIZED":
     default:
@@ -179,6 +184,8 @@ export function trapKindToJSON(object: TrapKind): string {
       return "TRAP_KIND_TOKEN_BUDGET";
     case TrapKind.TRAP_KIND_UNSUPPORTED:
       return "TRAP_KIND_UNSUPPORTED";
+    case TrapKind.TRAP_KIND_PERMISSION_DENIED:
+      return "TRAP_KIND_PERMISSION_DENIED";
     case TrapKind.UNRECOGNIZED:
     default:
       return "UNRECOGNIZED";
@@ -253,6 +260,13 @@ export interface GetInfoCommand {
 /**
  * Publish KV pages under a name so other instances (or later runs) can import them. Copy-free: the
  * pages are shared by reference count. Replied with nothing; a taken name traps.
+ *
+ * OWNERSHIP: the export belongs to the exporting instance's user. Only an instance of that user (or an
+ * admin instance) may unexport it. Unless `is_public`, only that user's instances see it (list, import);
+ * for everyone else a private export answers exactly like a missing one.
+ * READ-ONLY: from export until they are freed, the exported pages are read-only to every holder, the
+ * exporter included: a forward or forward_text that would write KV into one, a mask_kv_page on one or a
+ * copy_kv_page into one traps (INVALID_COMMAND) naming the page. Copy it into a page you own first.
  */
 export interface ExportKvPagesCommand {
   /** Unique name, 1..256 bytes of UTF-8. */
@@ -266,16 +280,23 @@ export interface ExportKvPagesCommand {
   persistent: boolean;
   /** Opaque bytes stored with the export (e.g. the tokens and last-page length), at most 1 MiB. */
   metadata: Buffer;
+  /** TRUE: every user's instances may list and import it. FALSE: only the exporter's user's. */
+  isPublic: boolean;
 }
 
-/** Remove an export. Its pages are freed only when no instance holds them any more (importers keep theirs). */
+/**
+ * Remove an export. Its pages are freed only when no instance holds them any more (importers keep theirs).
+ * Only the export's user (or an admin instance) may: anyone else traps (PERMISSION_DENIED, or
+ * INVALID_COMMAND "no export is named ..." when the export is private to another user).
+ */
 export interface UnexportKvPagesCommand {
   name: string;
 }
 
 /**
- * Map an export's pages onto new virtual ids of the importer (copy-free, shared, read them; writing into
- * a shared page is the controller's business: copy it first). Replied with `import_kv_pages`.
+ * Map an export's pages onto new virtual ids of the importer (copy-free, shared). The pages are
+ * read-only (see ExportKvPagesCommand): copy_kv_page one into a page you own before writing into it.
+ * Replied with `import_kv_pages`.
  */
 export interface ImportKvPagesCommand {
   name: string;
@@ -300,7 +321,8 @@ export interface SetStreamPriorityCommand {
  * Introspection and live tuning. Replied with `debug_query`. Queries:
  *   "ping" -> "pong"; "stats" -> JSON counters; "batching" -> the current strategy;
  *   "batching:adaptive" | "batching:t-only:<t_ms>" | "batching:k-only:<k>" | "batching:k-or-t:<k>:<t_ms>"
- *   switch the forward batching strategy for everyone.
+ *   switch the forward batching strategy for everyone: only an admin instance may (others trap with
+ *   TRAP_KIND_PERMISSION_DENIED).
  */
 export interface DebugQueryCommand {
   query: string;
@@ -344,6 +366,8 @@ export interface ExportInfo {
   persistent: boolean;
   /** Size of the export's metadata. */
   metadataBytes: number;
+  /** Visible to every user (ExportKvPagesCommand.is_public). */
+  isPublic: boolean;
 }
 
 export interface SynchronizeDone {
@@ -1222,7 +1246,7 @@ export const GetInfoCommand: MessageFns<GetInfoCommand> = {
 };
 
 function createBaseExportKvPagesCommand(): ExportKvPagesCommand {
-  return { name: "", kvPageIds: [], persistent: false, metadata: Buffer.alloc(0) };
+  return { name: "", kvPageIds: [], persistent: false, metadata: Buffer.alloc(0), isPublic: false };
 }
 
 export const ExportKvPagesCommand: MessageFns<ExportKvPagesCommand> = {
@@ -1242,6 +1266,9 @@ export const ExportKvPagesCommand: MessageFns<ExportKvPagesCommand> = {
     }
     if (message.metadata.length !== 0) {
       writer.uint32(34).bytes(message.metadata);
+    }
+    if (message.isPublic !== false) {
+      writer.uint32(40).bool(message.isPublic);
     }
     return writer;
   },
@@ -1301,6 +1328,14 @@ export const ExportKvPagesCommand: MessageFns<ExportKvPagesCommand> = {
             message.metadata = Buffer.from(reader.bytes());
             continue;
           }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.isPublic = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1323,6 +1358,11 @@ export const ExportKvPagesCommand: MessageFns<ExportKvPagesCommand> = {
         : [],
       persistent: isSet(object.persistent) ? globalThis.Boolean(object.persistent) : false,
       metadata: isSet(object.metadata) ? Buffer.from(bytesFromBase64(object.metadata)) : Buffer.alloc(0),
+      isPublic: isSet(object.isPublic)
+        ? globalThis.Boolean(object.isPublic)
+        : isSet(object.is_public)
+        ? globalThis.Boolean(object.is_public)
+        : false,
     };
   },
 
@@ -1340,6 +1380,9 @@ export const ExportKvPagesCommand: MessageFns<ExportKvPagesCommand> = {
     if (message.metadata.length !== 0) {
       obj.metadata = base64FromBytes(message.metadata);
     }
+    if (message.isPublic !== false) {
+      obj.isPublic = message.isPublic;
+    }
     return obj;
   },
 
@@ -1352,6 +1395,7 @@ export const ExportKvPagesCommand: MessageFns<ExportKvPagesCommand> = {
     message.kvPageIds = object.kvPageIds?.map((e) => e) || [];
     message.persistent = object.persistent ?? false;
     message.metadata = object.metadata ?? Buffer.alloc(0);
+    message.isPublic = object.isPublic ?? false;
     return message;
   },
 };
@@ -2273,7 +2317,7 @@ export const ListExportsResult: MessageFns<ListExportsResult> = {
 };
 
 function createBaseExportInfo(): ExportInfo {
-  return { name: "", numKvPages: 0, persistent: false, metadataBytes: 0 };
+  return { name: "", numKvPages: 0, persistent: false, metadataBytes: 0, isPublic: false };
 }
 
 export const ExportInfo: MessageFns<ExportInfo> = {
@@ -2289,6 +2333,9 @@ export const ExportInfo: MessageFns<ExportInfo> = {
     }
     if (message.metadataBytes !== 0) {
       writer.uint32(32).uint32(message.metadataBytes);
+    }
+    if (message.isPublic !== false) {
+      writer.uint32(40).bool(message.isPublic);
     }
     return writer;
   },
@@ -2338,6 +2385,14 @@ export const ExportInfo: MessageFns<ExportInfo> = {
             message.metadataBytes = reader.uint32();
             continue;
           }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.isPublic = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2364,6 +2419,11 @@ export const ExportInfo: MessageFns<ExportInfo> = {
         : isSet(object.metadata_bytes)
         ? globalThis.Number(object.metadata_bytes)
         : 0,
+      isPublic: isSet(object.isPublic)
+        ? globalThis.Boolean(object.isPublic)
+        : isSet(object.is_public)
+        ? globalThis.Boolean(object.is_public)
+        : false,
     };
   },
 
@@ -2381,6 +2441,9 @@ export const ExportInfo: MessageFns<ExportInfo> = {
     if (message.metadataBytes !== 0) {
       obj.metadataBytes = Math.round(message.metadataBytes);
     }
+    if (message.isPublic !== false) {
+      obj.isPublic = message.isPublic;
+    }
     return obj;
   },
 
@@ -2393,6 +2456,7 @@ export const ExportInfo: MessageFns<ExportInfo> = {
     message.numKvPages = object.numKvPages ?? 0;
     message.persistent = object.persistent ?? false;
     message.metadataBytes = object.metadataBytes ?? 0;
+    message.isPublic = object.isPublic ?? false;
     return message;
   },
 };

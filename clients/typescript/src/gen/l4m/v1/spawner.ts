@@ -291,7 +291,15 @@ export interface LaunchRequest {
   program: string;
   /** Command-line arguments, as `sys.argv[1:]` of the controller. */
   args: string[];
-  limits: Limits | undefined;
+  limits:
+    | Limits
+    | undefined;
+  /**
+   * Keep running when no client is attached (`l4m run --detach`). Otherwise the instance is
+   * terminated (EXIT_REASON_TERMINATED, "its client went away") when its last Attach stream ends
+   * while it runs, or when nobody attaches within the spawner's --unattached-grace-s of launch.
+   */
+  detached: boolean;
 }
 
 export interface LaunchResponse {
@@ -373,6 +381,13 @@ export interface InstanceInfo {
   parentInstanceId: string;
   /** Launch time, milliseconds since the Unix epoch. */
   launchedAtUnixMs: number;
+  /**
+   * The user (API key name) who launched it; a child's is its parent's. Only that user and admins
+   * see the instance at all.
+   */
+  user: string;
+  /** Launched with `LaunchRequest.detached`. */
+  detached: boolean;
 }
 
 export interface SendToUserRequest {
@@ -1253,7 +1268,7 @@ export const Limits: MessageFns<Limits> = {
 };
 
 function createBaseLaunchRequest(): LaunchRequest {
-  return { program: "", args: [], limits: undefined };
+  return { program: "", args: [], limits: undefined, detached: false };
 }
 
 export const LaunchRequest: MessageFns<LaunchRequest> = {
@@ -1266,6 +1281,9 @@ export const LaunchRequest: MessageFns<LaunchRequest> = {
     }
     if (message.limits !== undefined) {
       Limits.encode(message.limits, writer.uint32(26).fork()).join();
+    }
+    if (message.detached !== false) {
+      writer.uint32(32).bool(message.detached);
     }
     return writer;
   },
@@ -1307,6 +1325,14 @@ export const LaunchRequest: MessageFns<LaunchRequest> = {
             message.limits = Limits.decode(reader, reader.uint32());
             continue;
           }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.detached = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1324,6 +1350,7 @@ export const LaunchRequest: MessageFns<LaunchRequest> = {
       program: isSet(object.program) ? globalThis.String(object.program) : "",
       args: globalThis.Array.isArray(object?.args) ? object.args.map((e: any) => globalThis.String(e)) : [],
       limits: isSet(object.limits) ? Limits.fromJSON(object.limits) : undefined,
+      detached: isSet(object.detached) ? globalThis.Boolean(object.detached) : false,
     };
   },
 
@@ -1338,6 +1365,9 @@ export const LaunchRequest: MessageFns<LaunchRequest> = {
     if (message.limits !== undefined) {
       obj.limits = Limits.toJSON(message.limits);
     }
+    if (message.detached !== false) {
+      obj.detached = message.detached;
+    }
     return obj;
   },
 
@@ -1351,6 +1381,7 @@ export const LaunchRequest: MessageFns<LaunchRequest> = {
     message.limits = (object.limits !== undefined && object.limits !== null)
       ? Limits.fromPartial(object.limits)
       : undefined;
+    message.detached = object.detached ?? false;
     return message;
   },
 };
@@ -2294,6 +2325,8 @@ function createBaseInstanceInfo(): InstanceInfo {
     exit: undefined,
     parentInstanceId: "",
     launchedAtUnixMs: 0,
+    user: "",
+    detached: false,
   };
 }
 
@@ -2319,6 +2352,12 @@ export const InstanceInfo: MessageFns<InstanceInfo> = {
     }
     if (message.launchedAtUnixMs !== 0) {
       writer.uint32(56).uint64(message.launchedAtUnixMs);
+    }
+    if (message.user !== "") {
+      writer.uint32(66).string(message.user);
+    }
+    if (message.detached !== false) {
+      writer.uint32(72).bool(message.detached);
     }
     return writer;
   },
@@ -2392,6 +2431,22 @@ export const InstanceInfo: MessageFns<InstanceInfo> = {
             message.launchedAtUnixMs = longToNumber(reader.uint64());
             continue;
           }
+          case 8: {
+            if (tag !== 66) {
+              break;
+            }
+
+            message.user = reader.string();
+            continue;
+          }
+          case 9: {
+            if (tag !== 72) {
+              break;
+            }
+
+            message.detached = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2429,6 +2484,8 @@ export const InstanceInfo: MessageFns<InstanceInfo> = {
         : isSet(object.launched_at_unix_ms)
         ? globalThis.Number(object.launched_at_unix_ms)
         : 0,
+      user: isSet(object.user) ? globalThis.String(object.user) : "",
+      detached: isSet(object.detached) ? globalThis.Boolean(object.detached) : false,
     };
   },
 
@@ -2455,6 +2512,12 @@ export const InstanceInfo: MessageFns<InstanceInfo> = {
     if (message.launchedAtUnixMs !== 0) {
       obj.launchedAtUnixMs = Math.round(message.launchedAtUnixMs);
     }
+    if (message.user !== "") {
+      obj.user = message.user;
+    }
+    if (message.detached !== false) {
+      obj.detached = message.detached;
+    }
     return obj;
   },
 
@@ -2472,6 +2535,8 @@ export const InstanceInfo: MessageFns<InstanceInfo> = {
       : undefined;
     message.parentInstanceId = object.parentInstanceId ?? "";
     message.launchedAtUnixMs = object.launchedAtUnixMs ?? 0;
+    message.user = object.user ?? "";
+    message.detached = object.detached ?? false;
     return message;
   },
 };
@@ -3957,7 +4022,18 @@ export const WaitChildResponse: MessageFns<WaitChildResponse> = {
   },
 };
 
-/** What users call: programs and instances. */
+/**
+ * What users call: programs and instances.
+ *
+ * Every call carries an API key as `authorization: Bearer <key>` metadata (keys are made with
+ * `l4m keys add NAME`); a missing or unknown key answers UNAUTHENTICATED, unless the spawner runs
+ * with --insecure-local (then a call without a key is the admin user "local"). An instance belongs to
+ * the user who launched it (a child to its parent's user): Attach, SendMessage, Terminate and
+ * ListInstances see only the caller's own instances, and another user's instance id answers
+ * NOT_FOUND exactly like an unknown one. ListPrograms and Launch see only programs the caller
+ * uploaded. An admin key sees everything. A user's instances alive at once are capped by a quota
+ * (RESOURCE_EXHAUSTED, naming it).
+ */
 export type SpawnerServiceService = typeof SpawnerServiceService;
 export const SpawnerServiceService = {
   /**
