@@ -53,7 +53,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, int]:
     parser.add_argument("--max-batch-tokens", type=int, default=8192)
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on 127.0.0.1; 0 = off")
     parser.add_argument("--cluster-secret-file", type=Path, default=None,
-                        help="file (mode 0600) holding the cluster secret: Execute and GetInfo refuse calls "
+                        help="file (mode 0600) holding the cluster secret: Execute, GetInfo and Reset refuse calls "
                         "without it (UNAUTHENTICATED)")
     parser.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: TLS on a TCP --listen")
     parser.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")

@@ -1,16 +1,23 @@
 """Protobuf <-> executor dataclasses (`from_pb` / `to_pb`); the only module of the core that knows pb.
 
 Conversion errors (an unspecified enum, a batch with no kind) are `InvalidCommand`s, answered as that
-batch's error like any validation failure.
+batch's error like any validation failure. Conversion also enforces the bounds of `l4m.limits` that the
+executor advertises in GetInfo, before a batch costs any work: BRLE masks of at most
+`max_brle_runs(length)` runs, and batches whose reply fits the gRPC send limit (distribution entries and
+worst-case reply bytes). The scheduler checks the same bounds first; these are the executor's own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from l4m import limits
 from l4m.executor import commands as c
 from l4m.executor.errors import ExecutorError, InvalidCommand
 from l4m.v1 import common_pb2, executor_pb2
+
+# The budget of a batch's items in the reply: the send limit less the envelope.
+MAX_BATCH_REPLY_BYTES = limits.EXECUTOR_MAX_REPLY_BYTES - limits.MESSAGE_MARGIN_BYTES
 
 _RESOURCE_KINDS = {
     common_pb2.RESOURCE_KIND_KV_PAGE: c.ResourceKind.KV_PAGE,
@@ -29,10 +36,21 @@ def _resource_kind(kind: int, index: int) -> c.ResourceKind:
     return _RESOURCE_KINDS[kind]
 
 
+def runs_from_pb(brle: common_pb2.Brle, field: str, index: int) -> tuple[int, ...]:
+    """A BRLE's runs, refused when they are more than `limits.max_brle_runs` of their length."""
+    runs = tuple(brle.run_lengths)
+    if len(runs) > 1:
+        num_values = sum(runs)
+        if len(runs) > limits.max_brle_runs(num_values):
+            raise InvalidCommand(f"item {index}: {field} has {len(runs)} runs for {num_values} values, more than "
+                                 f"the {limits.max_brle_runs(num_values)} allowed", index)
+    return runs
+
+
 def sampler_from_pb(spec: common_pb2.SamplerSpec, index: int) -> c.SamplerSpec:
     if spec.kind not in _SAMPLER_KINDS:
         raise InvalidCommand(f"item {index}: sampler kind {spec.kind} is unspecified or unknown", index)
-    mask = tuple(spec.vocabulary_mask.run_lengths) if spec.HasField("vocabulary_mask") else ()
+    mask = runs_from_pb(spec.vocabulary_mask, "vocabulary_mask", index) if spec.HasField("vocabulary_mask") else ()
     return c.SamplerSpec(
         kind=_SAMPLER_KINDS[spec.kind],
         temperature=spec.temperature,
@@ -51,7 +69,8 @@ def _forward_text_from_pb(item: common_pb2.ForwardTextItem, index: int) -> c.For
         kv_last_page_length=item.kv_last_page_length,
         token_ids=tuple(item.token_ids),
         position_ids=tuple(item.position_ids),
-        attention_mask=tuple(tuple(row.run_lengths) for row in item.attention_masks),
+        attention_mask=tuple(runs_from_pb(row, f"attention_masks[{i}]", index)
+                             for i, row in enumerate(item.attention_masks)),
         output_indices=tuple(item.output_indices),
         samplers=tuple(sampler_from_pb(s, index) for s in item.samplers),
         num_continuation_steps=item.num_continuation_steps,
@@ -87,13 +106,41 @@ def batch_from_pb(request: executor_pb2.ExecuteRequest) -> list[c.Command]:
             it.destination_offset_tokens,
             it.length_tokens,
         ),
-        "mask_kv_page": lambda it, i: c.MaskKvPage(it.kv_page_id, tuple(it.visibility.run_lengths)),
+        "mask_kv_page": lambda it, i: c.MaskKvPage(it.kv_page_id, runs_from_pb(it.visibility, "visibility", i)),
         "embed_image": lambda it, i: c.EmbedImage(
             tuple(it.embed_slot_ids), it.image_bytes, it.position_offset
         ),
         "debug_query": lambda it, i: c.DebugQuery(it),
     }
+    check_reply_bounds(kind, items)
     return [converters[kind](item, i) for i, item in enumerate(items)]
+
+
+def check_reply_bounds(kind: str, items: Sequence[object]) -> None:
+    """Refuses a batch whose reply could pass the send limit (which would break the stream, and every
+    instance on it, instead of failing this batch): too many distribution entries, or too many bytes at
+    the worst case. An item over a bound alone is named (item_index); a batch over it only together
+    names none."""
+    if kind not in ("forward_text", "sample_top_k"):
+        return
+    max_entries = limits.EXECUTOR_MAX_DISTRIBUTION_ENTRIES_PER_BATCH
+    num_entries, num_bytes = 0, 0
+    for index, item in enumerate(items):
+        item_entries, item_bytes = limits.reply_cost(kind, item)
+        if item_entries > max_entries:
+            raise InvalidCommand(f"{kind} item {index}: asks for {item_entries} distribution entries, more than "
+                                 f"max_distribution_entries_per_batch {max_entries}", index)
+        if item_bytes > MAX_BATCH_REPLY_BYTES:
+            raise InvalidCommand(f"{kind} item {index}: its reply could take {item_bytes} bytes, more than "
+                                 f"max_reply_bytes less the envelope ({MAX_BATCH_REPLY_BYTES})", index)
+        num_entries += item_entries
+        num_bytes += item_bytes
+    if num_entries > max_entries:
+        raise InvalidCommand(f"the {kind} batch asks for {num_entries} distribution entries, more than "
+                             f"max_distribution_entries_per_batch {max_entries}")
+    if num_bytes > MAX_BATCH_REPLY_BYTES:
+        raise InvalidCommand(f"the {kind} batch's reply could take {num_bytes} bytes, more than max_reply_bytes "
+                             f"less the envelope ({MAX_BATCH_REPLY_BYTES})")
 
 
 def output_to_pb(result: c.SamplerResult) -> common_pb2.OutputResult:
@@ -138,7 +185,8 @@ def error_to_pb(
     return executor_pb2.ExecuteResponse(
         correlation_id=correlation_id,
         error=executor_pb2.BatchError(
-            item_index=error.item_index, reason=error.reason, is_unsupported=is_unsupported
+            item_index=error.item_index or 0, reason=error.reason, is_unsupported=is_unsupported,
+            has_item_index=error.item_index is not None,
         ),
     )
 
@@ -168,4 +216,7 @@ def info_to_pb(info: c.ExecutorInfo) -> executor_pb2.ExecutorServiceGetInfoRespo
         num_kv_pages=info.num_kv_pages,
         num_embed_slots=info.num_embed_slots,
         max_batch_tokens=info.max_batch_tokens,
+        max_request_bytes=limits.EXECUTOR_MAX_REQUEST_BYTES,
+        max_reply_bytes=limits.EXECUTOR_MAX_REPLY_BYTES,
+        max_distribution_entries_per_batch=limits.EXECUTOR_MAX_DISTRIBUTION_ENTRIES_PER_BATCH,
     )

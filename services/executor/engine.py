@@ -38,6 +38,7 @@ from l4m.executor.commands import (
     MaskKvPage,
     ResourceKind,
     SamplerKind,
+    SamplerSpec,
     SampleTopK,
 )
 from l4m.executor.errors import CapabilityError, ExecutorError, InvalidCommand, UnknownResource
@@ -307,11 +308,22 @@ class Engine:
         if bad:
             raise InvalidCommand(f"{where}: output index {bad[0]} is out of range (0..{num_new - 1})")
 
-    @staticmethod
-    def _check_no_write_collision(prepared: Sequence[_PreparedItem]) -> None:
+    def _check_no_write_collision(self, prepared: Sequence[_PreparedItem], kind: str) -> None:
+        """Raises, naming the first item that writes a slot an earlier item of the batch writes too
+        (an item never writes one slot twice: its pages are distinct)."""
         slots = np.concatenate([p.write_slots for p in prepared])
-        if np.unique(slots).size != slots.size:
-            raise InvalidCommand("two tokens of this batch would be written into the same kv page slot")
+        if np.unique(slots).size == slots.size:
+            return
+        owners = np.repeat(np.arange(len(prepared)), [p.write_slots.size for p in prepared])
+        order = np.argsort(slots, kind="stable")  # equal slots stay in item order
+        repeated = np.flatnonzero(slots[order][1:] == slots[order][:-1]) + 1
+        first = repeated[np.argmin(owners[order][repeated])]
+        item, earlier = int(owners[order][first]), int(owners[order][first - 1])
+        page, offset = divmod(int(slots[order][first]), self.cache.page_size)
+        raise InvalidCommand(
+            f"{kind} item {item}: writes kv page {page} slot {offset}, the same kv page slot as item {earlier} of this batch",
+            item_index=item,
+        )
 
     # ---- resources ------------------------------------------------------------------------------
 
@@ -323,23 +335,29 @@ class Engine:
         self, items: Sequence[Allocate | Deallocate], should_be_allocated: bool
     ) -> None:
         verb = "deallocate" if should_be_allocated else "allocate"
-        for kind, capacity, table in (
-            (ResourceKind.KV_PAGE, self.cache.num_pages, self.cache.is_page_allocated),
-            (ResourceKind.EMBED_SLOT, self.cache.num_embed_slots, self.cache.is_slot_allocated),
-        ):
-            ids = self._resource_ids(items, kind)
-            label = "kv page" if kind is ResourceKind.KV_PAGE else "embed slot"
-            for i in ids.tolist():
+        seen: dict[ResourceKind, set[int]] = {ResourceKind.KV_PAGE: set(), ResourceKind.EMBED_SLOT: set()}
+        for n, it in enumerate(items):
+            where = f"{verb} item {n}"
+            if not isinstance(it.kind, ResourceKind):
+                raise InvalidCommand(f"{where}: unknown resource kind {it.kind!r}", item_index=n)
+            if it.kind is ResourceKind.KV_PAGE:
+                label, capacity, table = "kv page", self.cache.num_pages, self.cache.is_page_allocated
+            else:
+                label, capacity, table = "embed slot", self.cache.num_embed_slots, self.cache.is_slot_allocated
+            for i in it.ids:
                 if not 0 <= i < capacity:
-                    raise UnknownResource(f"{verb}: {label} {i} is out of range (0..{capacity - 1})")
+                    raise UnknownResource(f"{where}: {label} {i} is out of range (0..{capacity - 1})", item_index=n)
                 if table[i] != should_be_allocated:
                     state = "not allocated" if should_be_allocated else "already allocated"
-                    raise InvalidCommand(f"{verb}: {label} {i} is {state}")
-            if np.unique(ids).size != ids.size:
-                raise InvalidCommand(f"{verb}: a {label} id appears twice in the batch")
-        for it in items:
-            if not isinstance(it.kind, ResourceKind):
-                raise InvalidCommand(f"{verb}: unknown resource kind {it.kind!r}")
+                    raise InvalidCommand(f"{where}: {label} {i} is {state}", item_index=n)
+                if i in seen[it.kind]:
+                    raise InvalidCommand(f"{where}: {label} {i} appears twice in the batch", item_index=n)
+                seen[it.kind].add(i)
+
+    def reset(self) -> tuple[int, int]:
+        """Free every KV page and embedding slot (the scheduler reconnected with empty tables); returns
+        how many of each were allocated."""
+        return self.cache.free_all()
 
     def allocate(self, items: Sequence[Allocate]) -> None:
         self._check_resource_batch(items, should_be_allocated=False)
@@ -395,6 +413,21 @@ class Engine:
             validate_sampler(spec, self.loaded.config.vocab_size, f"{where} sampler {j}")
         return p
 
+    def _vocab_masks(
+        self, items: Sequence[ForwardText], specs: Sequence[SamplerSpec], wheres: Sequence[str]
+    ) -> np.ndarray | None:
+        """The batch's decoded vocabulary masks; a bad mask is blamed on its item (each item is decoded
+        alone only then, to find it)."""
+        vocab = self.loaded.config.vocab_size
+        try:
+            return decode_vocab_masks(specs, vocab, wheres)
+        except InvalidCommand:
+            for n, item in enumerate(items):
+                with _item(n):
+                    decode_vocab_masks(item.samplers, vocab, [f"forward_text item {n} sampler {j}"
+                                                             for j in range(len(item.samplers))])
+            raise
+
     def _check_batch_tokens(self, num_tokens: int) -> None:
         if num_tokens > self.config.max_batch_tokens:
             raise InvalidCommand(
@@ -406,8 +439,11 @@ class Engine:
         together, one batched step at a time, until each has run its steps or sampled a stop token."""
         if not any(item.num_continuation_steps for item in items):
             return self._forward_text_once(items)
-        steps = [self._continuation_plan(item, f"forward_text item {n}") for n, item in enumerate(items)]
-        self._check_no_write_collision([plan.written for plan in steps])
+        steps = []
+        for n, item in enumerate(items):
+            with _item(n):
+                steps.append(self._continuation_plan(item, f"forward_text item {n}"))
+        self._check_no_write_collision([plan.written for plan in steps], "forward_text")
         results = self._forward_text_once([plan.first_pass for plan in steps])
         outputs = [list(result.outputs) for result in results]
         active = [n for n, plan in enumerate(steps) if plan.num_steps and not plan.stops(outputs[n][-1])]
@@ -455,7 +491,6 @@ class Engine:
         return _Continuation(item, num_steps, prepared, self.cache.page_size, first_total)
 
     def _forward_text_once(self, items: Sequence[ForwardText]) -> list[ForwardTextResult]:
-        vocab = self.loaded.config.vocab_size
         with torch.inference_mode():
             with _tracer.start_as_current_span("prepare"):
                 prepared, output_rows, specs, wheres = [], [], [], []
@@ -471,8 +506,8 @@ class Engine:
                     specs.extend(item.samplers)
                     offset += len(item.token_ids)
                 self._check_batch_tokens(offset)
-                self._check_no_write_collision(prepared)
-                allowed = decode_vocab_masks(specs, vocab, wheres)
+                self._check_no_write_collision(prepared, "forward_text")
+                allowed = self._vocab_masks(items, specs, wheres)
                 tokens = torch.tensor(
                     [t for it in items for t in it.token_ids], dtype=torch.long, device=self.device
                 )
@@ -512,7 +547,7 @@ class Engine:
                     output_slots.extend(item.output_slot_ids)
                     offset += len(item.input_slot_ids)
                 self._check_batch_tokens(offset)
-                self._check_no_write_collision(prepared)
+                self._check_no_write_collision(prepared, "forward")
                 inputs = torch.tensor(
                     [s for it in items for s in it.input_slot_ids], dtype=torch.long, device=self.device
                 )
@@ -564,20 +599,23 @@ class Engine:
     def copy_kv_page(self, items: Sequence[CopyKvPage]) -> None:
         page_size = self.cache.page_size
         for n, item in enumerate(items):
-            where = f"copy_kv_page item {n}"
-            self._check_pages([item.src_page_id, item.dst_page_id], where)
-            for name, offset in (("src_offset", item.src_offset), ("dst_offset", item.dst_offset)):
-                if not offset >= 0 or offset + item.length > page_size:
-                    raise InvalidCommand(
-                        f"{where}: {name} {offset} + length {item.length} leaves the page (page_size {page_size})"
-                    )
-            if item.length < 0:
-                raise InvalidCommand(f"{where}: length must be >= 0, got {item.length}")
+            with _item(n):
+                self._check_copy(item, f"copy_kv_page item {n}", page_size)
         with torch.inference_mode():
             for item in items:  # in order: a later copy may read what an earlier one wrote
                 self.cache.copy_slots(
                     item.src_page_id, item.dst_page_id, item.src_offset, item.dst_offset, item.length
                 )
+
+    def _check_copy(self, item: CopyKvPage, where: str, page_size: int) -> None:
+        self._check_pages([item.src_page_id, item.dst_page_id], where)
+        for name, offset in (("src_offset", item.src_offset), ("dst_offset", item.dst_offset)):
+            if not offset >= 0 or offset + item.length > page_size:
+                raise InvalidCommand(
+                    f"{where}: {name} {offset} + length {item.length} leaves the page (page_size {page_size})"
+                )
+        if item.length < 0:
+            raise InvalidCommand(f"{where}: length must be >= 0, got {item.length}")
 
     def mask_kv_page(self, items: Sequence[MaskKvPage]) -> None:
         """Set each page's slot visibility to its BRLE (first run visible); later attention ANDs it in."""
@@ -593,6 +631,11 @@ class Engine:
         try:
             decoded = decode_rows([it.mask for it in items], page_size)
         except BrleError as exc:
+            for n, item in enumerate(items):  # blame the item whose mask does not decode alone
+                try:
+                    decode_rows([item.mask], page_size)
+                except BrleError as item_exc:
+                    raise InvalidCommand(f"mask_kv_page item {n}: {item_exc}", item_index=n) from item_exc
             raise InvalidCommand(f"mask_kv_page: {exc}") from exc
         rows = torch.from_numpy(decoded).to(self.device)
         for item, row in zip(items, rows, strict=True):  # in order: the last mask of a page wins

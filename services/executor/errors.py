@@ -10,10 +10,11 @@ from __future__ import annotations
 class ExecutorError(Exception):
     """Base class: a command the executor refuses, with a human reason."""
 
-    def __init__(self, reason: str, item_index: int = 0) -> None:
+    def __init__(self, reason: str, item_index: int | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
-        self.item_index = item_index  # the first offending item of the batch
+        # The first offending item of the batch; None when the batch as a whole is refused.
+        self.item_index = item_index
 
 
 class InvalidCommand(ExecutorError):

@@ -13,7 +13,8 @@ Invariants:
   `index_fill_` per layer (no host sync on CUDA): ~0.2-0.6 ms per 720 KiB page of SmolLM2-135M
   (float32, page_size 16) on a busy 2-core CPU, under 1% of a decode step that needs a new page.
 - The executor keeps its own allocation flags (`is_page_allocated`, `is_slot_allocated`) to reject
-  unknown ids; the scheduler owns the real tables.
+  unknown ids; the scheduler owns the real tables. `free_all` (the executor's Reset RPC) clears them
+  when the scheduler reconnects with empty tables, so the two never disagree.
 """
 
 from __future__ import annotations
@@ -97,6 +98,17 @@ class KvCache:
 
     def deallocate_slots(self, slot_ids: np.ndarray) -> None:
         self.is_slot_allocated[slot_ids] = False
+
+    def free_all(self) -> tuple[int, int]:
+        """Free every page and slot, zeroing what was held (as allocation would); returns how many
+        pages and slots were allocated."""
+        pages = np.flatnonzero(self.is_page_allocated)
+        slots = np.flatnonzero(self.is_slot_allocated)
+        self.allocate_pages(pages)
+        self.allocate_slots(slots)
+        self.is_page_allocated[:] = False
+        self.is_slot_allocated[:] = False
+        return len(pages), len(slots)
 
     def copy_slots(self, src_page: int, dst_page: int, src_offset: int, dst_offset: int, length: int) -> None:
         """Copy K/V and visibility of `length` token slots from one page to another, every layer."""

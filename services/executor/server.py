@@ -4,8 +4,12 @@ Batches run on ONE worker thread, in arrival order across all streams, so the ev
 and fire-and-forget batches keep their order. A stream pipelines: requests are read and queued while
 earlier batches compute; replies go out in the same order.
 
-Only the scheduler talks to an executor: with a cluster secret configured, Execute and GetInfo answer
-UNAUTHENTICATED to a call without it (health and reflection stay open, for probes).
+Only the scheduler talks to an executor: with a cluster secret configured, Execute, GetInfo and Reset
+answer UNAUTHENTICATED to a call without it (health and reflection stay open, for probes).
+
+Reset (the scheduler calls it on every connect) frees every page and slot on the worker thread, after
+the batches already queued there, and retires every Execute stream opened before it: a batch of an
+older stream that has not run yet is dropped, so nothing an old stream sent lands after the reset.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from l4m import limits
 from l4m.credentials import TlsFiles, add_listener, bearer_token, secrets_equal
 from l4m.executor.convert import batch_from_pb, error_to_pb, info_to_pb, reply_to_pb
 from l4m.executor.engine import Engine, EngineConfig
@@ -40,7 +45,7 @@ class ExecutorConfig:
     listen: str  # "127.0.0.1:0", "[::]:50061" or "unix:/path/executor.sock"
     model_path: str
     engine: EngineConfig
-    # Execute and GetInfo need it as `authorization: Bearer` metadata; "" = open (a test or dev setup).
+    # Execute, GetInfo and Reset need it as `authorization: Bearer` metadata; "" = open (a test or dev setup).
     cluster_secret: str = ""
     tls: TlsFiles | None = None  # TLS on a TCP listener
 
@@ -59,6 +64,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
         self.engine = engine
         self._worker = worker or device_thread()
         self._cluster_secret = cluster_secret
+        # Bumped by each Reset; an Execute stream runs batches only while the generation it opened in is
+        # current.
+        self._generation = 0
 
     async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
         """Whoever can Execute can read and write every instance's pages: only the scheduler may."""
@@ -67,8 +75,13 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "the executor needs the cluster secret as 'authorization: Bearer' metadata")
 
-    def _run_batch(self, request: executor_pb2.ExecuteRequest) -> executor_pb2.ExecuteResponse | None:
-        """Runs on the worker thread; every failure becomes this batch's error reply."""
+    def _run_batch(
+        self, request: executor_pb2.ExecuteRequest, generation: int
+    ) -> executor_pb2.ExecuteResponse | None:
+        """Runs on the worker thread; every failure becomes this batch's error reply. A batch of a stream
+        opened before the last Reset is dropped (None)."""
+        if generation != self._generation:
+            return None
         cid = request.correlation_id
         try:
             batch = batch_from_pb(request)
@@ -92,17 +105,29 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
         info = await asyncio.get_running_loop().run_in_executor(self._worker, self.engine.get_info)
         return info_to_pb(info)
 
+    async def Reset(
+        self, request: executor_pb2.ExecutorServiceResetRequest, context: grpc.aio.ServicerContext
+    ) -> executor_pb2.ExecutorServiceResetResponse:
+        await self._authenticate(context)
+        self._generation += 1
+        num_pages, num_slots = await asyncio.get_running_loop().run_in_executor(self._worker, self.engine.reset)
+        log.info("reset: freed %d kv pages and %d embed slots; earlier Execute streams retired", num_pages, num_slots)
+        return executor_pb2.ExecutorServiceResetResponse(num_kv_pages_freed=num_pages, num_embed_slots_freed=num_slots)
+
     async def Execute(
         self, request_iterator: AsyncIterator[executor_pb2.ExecuteRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[executor_pb2.ExecuteResponse]:
         await self._authenticate(context)
         loop = asyncio.get_running_loop()
         pending: asyncio.Queue[asyncio.Future | None] = asyncio.Queue()
+        generation = self._generation
 
         async def read() -> None:
             try:
                 async for request in request_iterator:
-                    await pending.put(loop.run_in_executor(self._worker, self._run_batch, request))
+                    if generation != self._generation:
+                        break  # a Reset retired this stream
+                    await pending.put(loop.run_in_executor(self._worker, self._run_batch, request, generation))
             finally:
                 await pending.put(None)
 
@@ -126,8 +151,9 @@ async def create_server(config: ExecutorConfig, engine: Engine | None = None) ->
         engine = await asyncio.get_running_loop().run_in_executor(
             worker, lambda: Engine(load_model(config.model_path), config.engine)
         )
+    # The limits GetInfo advertises (l4m.limits): batches are bounded so that their replies fit.
     server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        options=limits.grpc_options(limits.EXECUTOR_MAX_REPLY_BYTES, limits.EXECUTOR_MAX_REQUEST_BYTES)
     )
     executor_pb2_grpc.add_ExecutorServiceServicer_to_server(ExecutorServicer(engine, worker, config.cluster_secret),
                                                             server)

@@ -43,6 +43,9 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, in
     parser.add_argument("--max-continuation-steps", type=int, default=MAX_CONTINUATION_STEPS,
                         help="decode steps one forward_text may ask the executor to run on its own "
                         f"(0..{MAX_CONTINUATION_STEPS}; 0 turns continuation off)")
+    parser.add_argument("--max-export-pages-per-user", type=int, default=None,
+                        help="distinct KV pages one user's persistent exports may hold together; one more traps the "
+                        "export RESOURCE_EXHAUSTED (default: half of the smallest executor's pages; 0: unlimited)")
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on 127.0.0.1; 0 = off")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
@@ -58,6 +61,8 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, in
         parser.error("--registry-listen needs --cluster-secret-file: the registry never runs unauthenticated")
     if args.max_instances < 1:
         parser.error("--max-instances must be at least 1")
+    if args.max_export_pages_per_user is not None and args.max_export_pages_per_user < 0:
+        parser.error("--max-export-pages-per-user must be >= 0 (0: unlimited)")
     try:
         secret = read_secret_file(args.cluster_secret_file) if args.cluster_secret_file else ""
         tls = tls_files(args.tls_cert, args.tls_key)
@@ -70,6 +75,7 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, in
         max_embed_slots_per_instance=args.slot_budget, allow_anonymous=args.allow_anonymous,
         max_continuation_steps=args.max_continuation_steps, registry_listen=args.registry_listen,
         cluster_secret=secret, tls=tls, executor_tls_ca=args.executor_tls_ca, max_instances=args.max_instances,
+        max_export_pages_per_user=args.max_export_pages_per_user,
     )
     return config, args.metrics_port
 

@@ -6,6 +6,11 @@ on, so a stream's commands reach its executor in the order it sent them, across 
 Horizontal batching: a queue's strategy decides when and how many items (from any instances) fire
 as one batch. HIGH streams' items fire before NORMAL, NORMAL before LOW.
 
+Every batch stays within its executor's bounds (`BatchBounds`): the tokens of a forward pass, the
+distribution entries its reply carries, and the bytes of the batch and of its reply at their worst case,
+so that neither message passes a gRPC limit of the executor link (one would break the stream, and every
+instance on it). A batch always takes its first item: validation bounds each command by the same limits.
+
 Forward kinds (forward, forward_text) use the configured strategy; every other kind fires eagerly.
 Commands that never reach an executor (exports, synchronize, ...) run as soon as they are at the head
 of their stream: everything the stream sent before them has been sent by then.
@@ -17,7 +22,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
+
+from l4m import limits
 
 FORWARD_KINDS = frozenset({"forward", "forward_text"})
 EXECUTOR_KINDS = (
@@ -36,10 +44,34 @@ PRIORITY_LEVEL = {3: 0, 2: 1, 0: 1, 1: 2}
 NUM_LEVELS = 3
 
 
-class Command:
-    """One L4M command on its way through the scheduler (the item is the protobuf message)."""
+# Id fields the scheduler rewrites (virtual -> physical) after a command was counted, by kind.
+_ID_FIELDS = {
+    "allocate": ("ids",),
+    "deallocate": ("ids",),
+    "embed_text": ("embed_slot_ids",),
+    "forward": ("kv_page_ids", "input_embed_slot_ids", "output_embed_slot_ids"),
+    "forward_text": ("kv_page_ids",),
+    "embed_image": ("embed_slot_ids",),
+}
+_NUM_SCALAR_IDS = 2  # sample_top_k's slot, copy_kv_page's two pages, mask_kv_page's page
 
-    __slots__ = ("stream", "request_id", "kind", "item", "arrived_at", "num_tokens", "has_reply", "span")
+
+def request_bytes(kind: str, item: Any) -> int:
+    """Upper bound on the bytes an item adds to its batch: its own size, its framing, and 4 more bytes for
+    each id it names (a uint32 varint of 1 byte may become one of 5 when the id is rewritten)."""
+    if kind == "forward_text":  # the hot path
+        num_ids = _NUM_SCALAR_IDS + len(item.kv_page_ids)
+    else:
+        num_ids = _NUM_SCALAR_IDS + sum(len(getattr(item, name)) for name in _ID_FIELDS.get(kind, ()))
+    return item.ByteSize() + limits.ITEM_BYTES + 4 * num_ids
+
+
+class Command:
+    """One L4M command on its way through the scheduler (the item is the protobuf message), with what it
+    costs a batch: tokens, distribution entries, and request and reply bytes at their worst case."""
+
+    __slots__ = ("stream", "request_id", "kind", "item", "arrived_at", "num_tokens", "num_entries",
+                 "request_bytes", "reply_bytes", "has_reply", "span")
 
     def __init__(self, stream: Stream, request_id: int, kind: str, item: Any, arrived_at: float, num_tokens: int) -> None:
         self.stream = stream
@@ -48,6 +80,11 @@ class Command:
         self.item = item
         self.arrived_at = arrived_at
         self.num_tokens = num_tokens
+        if item is not None and kind in EXECUTOR_KINDS:
+            self.num_entries, self.reply_bytes = limits.reply_cost(kind, item)
+            self.request_bytes = request_bytes(kind, item)
+        else:
+            self.num_entries = self.reply_bytes = self.request_bytes = 0
         self.has_reply = False
         self.span: Any = None
 
@@ -81,23 +118,50 @@ class Stream:
 
 
 class FireTarget(Protocol):
-    """What a batch queue fires into (an executor): the adaptive strategy reads its in-flight count."""
+    """What a batch queue fires into (an executor): the adaptive strategy reads its in-flight count; the
+    queue's bounds come from its GetInfo (`info`, when it has one)."""
 
     num_forward_in_flight: int
+
+
+@dataclass(frozen=True)
+class BatchBounds:
+    """What one batch may hold besides tokens: the smaller of what the executor advertises in GetInfo
+    (0 = not advertised) and the scheduler's own link limits, each less the envelope of the message."""
+
+    max_request_bytes: int = limits.EXECUTOR_MAX_REQUEST_BYTES - limits.MESSAGE_MARGIN_BYTES
+    max_reply_bytes: int = limits.EXECUTOR_MAX_REPLY_BYTES - limits.MESSAGE_MARGIN_BYTES
+    max_distribution_entries: int = limits.EXECUTOR_MAX_DISTRIBUTION_ENTRIES_PER_BATCH
+
+    @classmethod
+    def from_info(cls, info: Any) -> BatchBounds:
+        if info is None:
+            return cls()
+        margin = limits.MESSAGE_MARGIN_BYTES
+        return cls(
+            max_request_bytes=min(info.max_request_bytes or limits.EXECUTOR_MAX_REQUEST_BYTES,
+                                  limits.EXECUTOR_MAX_REQUEST_BYTES) - margin,
+            max_reply_bytes=min(info.max_reply_bytes or limits.EXECUTOR_MAX_REPLY_BYTES,
+                                limits.EXECUTOR_MAX_REPLY_BYTES) - margin,
+            max_distribution_entries=info.max_distribution_entries_per_batch
+            or limits.EXECUTOR_MAX_DISTRIBUTION_ENTRIES_PER_BATCH,
+        )
 
 
 class BatchQueue:
     """Queued items of one kind for one executor, one deque per priority level."""
 
-    __slots__ = ("kind", "target", "levels", "num_items", "is_forward", "max_batch_tokens", "awaited", "hold_until")
+    __slots__ = ("kind", "target", "levels", "num_items", "is_forward", "max_batch_tokens", "bounds", "awaited",
+                 "hold_until")
 
-    def __init__(self, kind: str, target: FireTarget, max_batch_tokens: int) -> None:
+    def __init__(self, kind: str, target: FireTarget, max_batch_tokens: int, bounds: BatchBounds | None = None) -> None:
         self.kind = kind
         self.target = target
         self.levels: tuple[deque[Command], ...] = tuple(deque() for _ in range(NUM_LEVELS))
         self.num_items = 0
         self.is_forward = kind in FORWARD_KINDS
         self.max_batch_tokens = max_batch_tokens if self.is_forward else 1 << 62
+        self.bounds = bounds or BatchBounds.from_info(getattr(target, "info", None))
         # Adaptive regrouping: streams of the batch that just returned which have not sent their next
         # item yet, and until when the next fire may wait for them.
         self.awaited: dict[Stream, None] = {}
@@ -116,15 +180,22 @@ class BatchQueue:
         return min(level[0].arrived_at for level in self.levels if level)
 
     def pop(self, max_items: int) -> list[Command]:
-        """Up to `max_items` items, highest priority first, within `max_batch_tokens` (at least one)."""
+        """Up to `max_items` items, highest priority first, within `max_batch_tokens` and `bounds` (at
+        least one). An item that does not fit ends the batch: it fires first in the next one."""
         taken: list[Command] = []
-        budget = self.max_batch_tokens
+        bounds = self.bounds
+        tokens, entries = self.max_batch_tokens, bounds.max_distribution_entries
+        request, reply = bounds.max_request_bytes, bounds.max_reply_bytes
         for level in self.levels:
             while level and len(taken) < max_items:
                 command = level[0]
-                if taken and command.num_tokens > budget:
+                if taken and (command.num_tokens > tokens or command.num_entries > entries
+                              or command.request_bytes > request or command.reply_bytes > reply):
                     return self._count_out(taken)
-                budget -= command.num_tokens
+                tokens -= command.num_tokens
+                entries -= command.num_entries
+                request -= command.request_bytes
+                reply -= command.reply_bytes
                 taken.append(level.popleft())
         return self._count_out(taken)
 

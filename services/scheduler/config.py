@@ -42,6 +42,10 @@ class SchedulerConfig:
     # batch carrying it, and so every instance in that batch, wait one more decode step for its reply.
     max_continuation_steps: int = MAX_CONTINUATION_STEPS
     max_export_name_bytes: int = 256
+    # Distinct KV pages one user's persistent exports may hold together (they outlive the user's
+    # instances, so nothing else bounds them); past it export_kv_pages traps RESOURCE_EXHAUSTED.
+    # None: half of the smallest connected executor's pages; 0: unlimited.
+    max_export_pages_per_user: int | None = None
     max_export_metadata_bytes: int = 1 << 20
     # Executor reconnect backoff: first delay, doubled per failure up to the max.
     reconnect_initial_s: float = 0.1

@@ -13,6 +13,12 @@ reuses them is sent after it, and the executor runs batches in order. A trapped 
 loses its queued commands (never sent) and everything it held; the executor is told to deallocate
 the ids nobody holds any more.
 
+Blame: two forward items of one instance writing one kv slot are split into ordered batches (one
+stream) or trap that instance (two streams) before sending (`_plan_waves`). A batch the executor
+rejects anyway traps the item it names and is sent again without it (`_on_batch_error`); fire-and-forget
+batches are kept (`Executor.unanswered`) until a later reply shows they ran, so their rejections are
+blamed the same way.
+
 Synchronize resolves when it reaches the head of its stream (all earlier commands are sent) and every
 earlier command of the stream that has a reply was answered; the executor runs in order, so
 fire-and-forget commands sent before those replies are done too.
@@ -29,6 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from l4m import limits as bounds
 from l4m.scheduler import contention
 from l4m.scheduler.batcher import Batcher, BatchQueue, Command, Stream, parse_strategy
 from l4m.scheduler.config import SchedulerConfig
@@ -108,13 +115,19 @@ class Scheduler:
         self._model_without_tokenizer: common_pb2.ModelInfo | None = None  # for GetInfo(omit_tokenizer_json)
         self.watchers: list[Watcher] = []
         self.stats: dict[str, Any] = {"commands": 0, "batches": {}, "items": {}, "max_instances_per_batch": {},
-                                      "multi_instance_batches": {}, "traps": {}, "batch_errors": 0}
+                                      "multi_instance_batches": {}, "traps": {}, "batch_errors": 0,
+                                      "batches_resent": 0}
         self._anonymous_seq = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._step_scheduled = False
         self._timer: asyncio.TimerHandle | None = None
         self._timer_deadline: float | None = None
         self._num_traps = 0
+        # Dispatch order: each batch sent and each local command that changes what pages mean (export,
+        # import, unexport) takes the next number; an instance's entry is its latest. A rejected batch's
+        # items may be sent again only for instances whose latest dispatch is that batch.
+        self._dispatch_seq = 0
+        self._last_dispatch: dict[Instance, int] = {}
 
     # ---- lifecycle ----
 
@@ -287,6 +300,9 @@ class Scheduler:
         try:
             if local is not None:
                 local(self, command)
+                if kind in _SHARING_KINDS:
+                    self._dispatch_seq += 1
+                    self._last_dispatch[instance] = self._dispatch_seq
                 return None
             executor = instance.executor
             if executor is None:
@@ -330,17 +346,75 @@ class Scheduler:
                 command.span.end()
         executor.unsent_kv_pages.clear()
         executor.unsent_embed_slots.clear()
+        waves = self._plan_waves(sent) if queue_is_forward(kind) and len(sent) > 1 else None
         if self._num_traps != traps_before:  # an eviction may have hit an instance already in this batch
             # A translated deallocate already returned its ids to the pool, so it must reach the executor
             # even when its instance trapped later in this batch (or the ids would be handed out again
             # while the executor still holds them).
             kept = [i for i, c in enumerate(sent) if c.stream.instance.is_alive or kind == "deallocate"]
             items, sent = [items[i] for i in kept], [sent[i] for i in kept]
+            waves = [waves[i] for i in kept] if waves is not None else None
         if not sent:
             return
-        self._send_batch(executor, kind, items, sent)
+        if waves is None:
+            self._send_batch(executor, kind, items, sent)
+            return
+        for wave in range(max(waves) + 1):  # in order: a later wave reads what an earlier one wrote
+            chosen = [i for i, w in enumerate(waves) if w == wave]
+            self._send_batch(executor, kind, [items[i] for i in chosen], [sent[i] for i in chosen])
 
-    def _send_batch(self, executor: Executor, kind: str, items: list[Any], commands: list[Command]) -> None:
+    def _plan_waves(self, commands: list[Command]) -> list[int] | None:
+        """Split a forward batch where items of one instance write the same kv page slot, which the
+        executor refuses in one pass. On one stream the commands are ordered, so a later one that writes
+        a slot an earlier one writes goes into a later batch (a wave), sent right after; on two streams
+        nothing orders them, so the instance is trapped here, naming both requests, and the rest of the
+        batch runs. Returns each command's wave, None when all fit in one batch. Items of different
+        instances never collide (they share only frozen, read-only pages); only instances with several
+        items pay for the check."""
+        by_instance: dict[Instance, list[int]] = {}
+        for index, command in enumerate(commands):
+            by_instance.setdefault(command.stream.instance, []).append(index)
+        if len(by_instance) == len(commands):
+            return None
+        page_size = self.limits.kv_page_size  # type: ignore[union-attr]
+        waves = [0] * len(commands)
+        for instance, own in by_instance.items():
+            if len(own) < 2:
+                continue
+            written: dict[int, list[tuple[int, int, int]]] = {}  # physical page -> [(start, end, command index)]
+            stream_wave: dict[Stream, int] = {}
+            for index in own:
+                command = commands[index]
+                ranges = _written_ranges(command, page_size)
+                wave = stream_wave.get(command.stream, 0)
+                for page, start, end in ranges:
+                    for first, last, other in written.get(page, ()):
+                        if not (first < end and start < last):
+                            continue
+                        if commands[other].stream is not command.stream:
+                            self._trap_collision(instance, command, commands[other], page, max(start, first))
+                            break
+                        wave = max(wave, waves[other] + 1)
+                    if not instance.is_alive:
+                        break
+                if not instance.is_alive:
+                    break
+                waves[index] = stream_wave[command.stream] = wave
+                for page, start, end in ranges:
+                    written.setdefault(page, []).append((start, end, index))
+        return waves if any(waves) else None
+
+    def _trap_collision(self, instance: Instance, command: Command, other: Command, page: int, slot: int) -> None:
+        virtual = next((v for v, p in instance.table.kv_pages.items() if p == page), page)
+        self.trap(instance, InvalidCommand(
+            f"writes kv page {virtual} slot {slot}, which request {other.request_id} (stream "
+            f"{other.stream.stream_id}) also writes in the same forward batch (stream {command.stream.stream_id}); "
+            f"order the two with one stream or synchronize"), command.request_id, command.kind)
+
+    def _send_batch(self, executor: Executor, kind: str, items: list[Any], commands: list[Command], *,
+                    is_resend: bool = False) -> None:
+        """Send one batch. `is_resend`: its commands were sent before in a batch the executor rejected for
+        another item, so their replies are already counted on their streams."""
         correlation_id = executor.next_correlation_id()
         request = executor_pb2.ExecuteRequest(correlation_id=correlation_id)
         getattr(request, kind).items.extend(items)
@@ -350,22 +424,40 @@ class Scheduler:
             request.trace_context.traceparent = carrier.get("traceparent", "")
             request.trace_context.tracestate = carrier.get("tracestate", "")
         self._count_batch(kind, commands)
+        self._dispatch_seq += 1
+        seq = self._dispatch_seq
+        for command in commands:
+            self._last_dispatch[command.stream.instance] = seq
         if kind in _REPLIED_KINDS:
             if kind != "forward_text":
                 for command in commands:
                     command.has_reply = True
-            for command in commands:
-                if command.has_reply:
-                    command.stream.num_replies_sent += 1
-            executor.inflight[correlation_id] = InflightBatch(kind, commands, batch_span, self.clock())
+            if not is_resend:
+                for command in commands:
+                    if command.has_reply:
+                        command.stream.num_replies_sent += 1
+            executor.inflight[correlation_id] = InflightBatch(kind, commands, batch_span, self.clock(), seq, items)
             if queue_is_forward(kind):
                 executor.num_forward_in_flight += 1
-        elif batch_span is not None:
-            batch_span.end()
+        else:
+            executor.unanswered[correlation_id] = InflightBatch(kind, list(commands), None, self.clock(), seq, items)
+            if len(executor.unanswered) % _MAX_UNANSWERED == 0:
+                self._send_barrier(executor)
+            if batch_span is not None:
+                batch_span.end()
         if self.tracer.enabled:
             for command in commands:
                 if not command.has_reply and command.span is not None:
                     command.span.end()
+        executor.link.send(request)
+
+    def _send_barrier(self, executor: Executor) -> None:
+        """A ping with a reply, so that the fire-and-forget batches sent before it are known to have run
+        (`Executor.unanswered` stays bounded when no forward pass is sent for a long while)."""
+        correlation_id = executor.next_correlation_id()
+        request = executor_pb2.ExecuteRequest(correlation_id=correlation_id)
+        request.debug_query.queries.append("ping")
+        executor.inflight[correlation_id] = InflightBatch("debug_query", [], None, self.clock())
         executor.link.send(request)
 
     def _count_batch(self, kind: str, commands: list[Command]) -> None:
@@ -528,9 +620,14 @@ class Scheduler:
     # ---- replies ----
 
     def _on_batch_reply(self, executor: Executor, response: executor_pb2.ExecuteResponse) -> None:
-        batch = executor.inflight.pop(response.correlation_id, None)
+        correlation_id = response.correlation_id
+        batch = executor.inflight.pop(correlation_id, None) or executor.unanswered.pop(correlation_id, None)
+        executor.settle_unanswered(correlation_id)
         if batch is None:
-            log.warning("executor %d answered unknown correlation id %d", executor.index, response.correlation_id)
+            log.error("executor %d answered unknown correlation id %d (%s)", executor.index, correlation_id,
+                      response.WhichOneof("result"))
+            if response.WhichOneof("result") == "error":
+                self.stats["batch_errors"] += 1
             return
         now = self.clock()
         self.metrics.observe_batch_reply(batch.kind, now - batch.sent_at)
@@ -559,6 +656,8 @@ class Scheduler:
         elif result == "forward":
             for command in commands:
                 self._reply(command, forward=l4m_pb2.ForwardDone())
+        elif result == "debug_query" and batch.kind == "debug_query":
+            pass  # a barrier (`_send_barrier`): it only settles older fire-and-forget batches
         elif result == "sample_top_k":
             results = response.sample_top_k.items
             if len(results) != len(commands):
@@ -589,21 +688,47 @@ class Scheduler:
             self._resolve_sync(waiters.popleft()[1])
 
     def _on_batch_error(self, executor: Executor, batch: InflightBatch, error: executor_pb2.BatchError) -> None:
-        """The executor rejected a whole batch (it should not: we validate what it checks). The
-        offender is trapped with the executor's reason; the other instances in the batch lost a
-        command that later commands of theirs (already sent) may depend on, so they are trapped too
-        (EXECUTOR_LOST, naming the batch) rather than left with silently inconsistent state."""
+        """The executor rejected a whole batch (it should not: we validate what it checks); a rejected
+        batch changed nothing. The offender named by `item_index` is trapped with the executor's reason
+        and the other items are sent again as a new batch, so bystanders finish normally. Two cases
+        cannot be re-sent, and their instances are trapped EXECUTOR_LOST naming the batch rather than
+        left with silently inconsistent state: an error that names no item, and an instance that already
+        sent (or exported, imported) something after the batch, which may depend on the lost item."""
         self.stats["batch_errors"] += 1
-        commands = batch.commands
-        offender = commands[error.item_index].stream.instance if error.item_index < len(commands) else None
-        if offender is not None:
+        commands, kind = batch.commands, batch.kind
+        reason = f"the executor rejected the {kind} batch: {error.reason}"
+        if not error.has_item_index or error.item_index >= len(commands):
+            self._fail_batch(executor, batch, reason)
+            return
+        culprit = commands[error.item_index]
+        if culprit is not None:
             cause = Unsupported(error.reason) if error.is_unsupported else InvalidCommand(error.reason)
-            self.trap(offender, cause, commands[error.item_index].request_id, batch.kind)
-        self._fail_batch(executor, batch, f"the executor rejected the {batch.kind} batch: {error.reason}")
+            self.trap(culprit.stream.instance, cause, culprit.request_id, kind)
+        for command in commands:
+            if command is None:
+                continue
+            instance = command.stream.instance
+            if instance.is_alive and self._last_dispatch.get(instance) != batch.seq:
+                self.trap(instance, ExecutorLost(f"{reason}; the batch held an item of another instance and "
+                                                 f"this instance had already sent later commands"),
+                          command.request_id, kind)
+        again = [(c, item) for index, (c, item) in enumerate(zip(commands, batch.items, strict=True))
+                 if index != error.item_index and c is not None and c.stream.instance.is_alive]
+        if again and executor.is_connected:
+            self.stats["batches_resent"] += 1
+            self._send_batch(executor, kind, [item for _, item in again], [c for c, _ in again], is_resend=True)
+        if kind == "deallocate":  # the ids are free in the pools already: they must reach the executor
+            ended = [item for index, (c, item) in enumerate(zip(commands, batch.items, strict=True))
+                     if index != error.item_index and (c is None or not c.stream.instance.is_alive)]
+            if ended and executor.is_connected:
+                request = executor_pb2.ExecuteRequest(correlation_id=executor.next_correlation_id())
+                request.deallocate.items.extend(ended)
+                executor.link.send(request)
 
     def _fail_batch(self, executor: Executor, batch: InflightBatch, reason: str) -> None:
         for command in batch.commands:
-            self.trap(command.stream.instance, ExecutorLost(reason), command.request_id, batch.kind)
+            if command is not None:
+                self.trap(command.stream.instance, ExecutorLost(reason), command.request_id, batch.kind)
 
     # ---- scheduler-local commands (run at the head of their stream) ----
 
@@ -617,11 +742,30 @@ class Scheduler:
             raise InvalidCommand(f"name {item.name!r} is already exported")
         physical = translate_ids(instance.table.kv_pages, item.kv_page_ids, "kv page")
         executor: Executor = instance.executor
+        if item.persistent:
+            self._check_export_quota(instance.user, executor, physical)
         executor.resources.kv_pages.retain(physical)  # type: ignore[union-attr]
         executor.resources.kv_pages.freeze(physical)  # type: ignore[union-attr]
         self.exports.add(Export(item.name, executor.index, tuple(physical), item.persistent, bytes(item.metadata),
                                 instance.instance_id, instance.user, item.is_public))
         self._done_local(command)
+
+    def _check_export_quota(self, user: str, executor: Executor, physical: list[int]) -> None:
+        """Persistent exports outlive their instances: a user's hold at most `max_export_pages_per_user`
+        distinct pages together (default half of the smallest executor), so other users can always get
+        pages."""
+        limit = self.config.max_export_pages_per_user
+        if limit is None:
+            limit = min(e.resources.kv_pages.capacity for e in self.executors if e.resources) // 2
+        if not limit:
+            return
+        held = self.exports.num_persistent_pages(user)
+        total = held + self.exports.num_new_persistent_pages(user, executor.index, physical)
+        if total > limit:
+            raise ResourceExhausted(
+                f"a persistent export of {len(physical)} kv pages would bring user {user!r}'s persistent exports to "
+                f"{total} kv pages, more than its quota of {limit} (--max-export-pages-per-user); unexport some first"
+            )
 
     def _find_export(self, instance: Instance, name: str) -> Export:
         """The export `name` as the instance sees it; another user's private export is 'no export'."""
@@ -767,6 +911,7 @@ class Scheduler:
                     self.tracer.end_with_error(command.span, reason)
             self.batcher.drop_stream(stream)
             stream.sync_waiters.clear()
+        self._last_dispatch.pop(instance, None)
         executor: Executor | None = instance.executor
         if executor is None or not executor.is_connected:
             instance.table.clear()
@@ -775,6 +920,8 @@ class Scheduler:
             if queue.num_items:
                 queue.remove_instance(instance)
         executor.instances.discard(instance)
+        if executor.unanswered:
+            executor.forget_instance(instance)
         pages, slots = instance.table.clear()
         num_pages_freed = len(self._release(executor, pages, []))
         num_slots_freed = len(self._release(executor, [], slots))
@@ -846,6 +993,15 @@ class Scheduler:
             max_continuation_steps=min(config.max_continuation_steps, MAX_CONTINUATION_STEPS),
             max_export_name_bytes=config.max_export_name_bytes,
             max_export_metadata_bytes=config.max_export_metadata_bytes,
+            # Per command, the smaller of what every executor allows one batch and the scheduler's default;
+            # the reply must fit an empty batch's reply on every link and the controller's stream.
+            max_distribution_entries_per_command=min(
+                bounds.DEFAULT_MAX_DISTRIBUTION_ENTRIES_PER_COMMAND,
+                *(i.max_distribution_entries_per_batch or bounds.EXECUTOR_MAX_DISTRIBUTION_ENTRIES_PER_BATCH
+                  for i in infos)),
+            max_reply_bytes=min(bounds.MAX_RESPONSE_BYTES, bounds.EXECUTOR_MAX_REPLY_BYTES,
+                                *(i.max_reply_bytes or bounds.EXECUTOR_MAX_REPLY_BYTES for i in infos))
+            - bounds.MESSAGE_MARGIN_BYTES,
         )
 
     def get_info(self, omit_tokenizer_json: bool = False) -> l4m_pb2.GetInfoResponse:
@@ -861,6 +1017,11 @@ class Scheduler:
             num_free_kv_pages=sum(e.resources.kv_pages.num_free for e in self.executors if e.resources),
             num_executors=sum(1 for e in self.executors if e.is_connected),
             max_continuation_steps=limits.max_continuation_steps,
+            max_distribution_entries_per_command=limits.max_distribution_entries_per_command,
+            max_tokens_per_command=limits.max_batch_tokens,
+            max_command_bytes=bounds.MAX_COMMAND_BYTES,
+            max_response_bytes=bounds.MAX_RESPONSE_BYTES,
+            max_mask_runs_per_command=limits.max_mask_runs_per_command,
         )
 
     def stats_snapshot(self) -> dict[str, Any]:
@@ -888,6 +1049,32 @@ class Scheduler:
 
 def queue_is_forward(kind: str) -> bool:
     return kind == "forward_text" or kind == "forward"
+
+
+def _written_ranges(command: Command, page_size: int) -> list[tuple[int, int, int]]:
+    """(physical page, first slot, end slot) of each page a translated forward item writes: its last
+    `num written` token slots (the LENGTH RULE), continuation steps included."""
+    item = command.item
+    if command.kind == "forward_text":
+        num_written = len(item.token_ids) + item.num_continuation_steps
+    else:
+        num_written = len(item.input_embed_slot_ids)
+    pages = item.kv_page_ids
+    total = page_size * (len(pages) - 1) + item.kv_last_page_length
+    first = max(0, total - num_written)
+    ranges = []
+    for index in range(first // page_size, min(len(pages), -(-total // page_size))):
+        start = max(first, index * page_size) - index * page_size
+        end = min(total, (index + 1) * page_size) - index * page_size
+        ranges.append((pages[index], start, end))
+    return ranges
+
+
+# Local commands that change what an instance's pages mean to others: a rejected batch of the instance
+# sent before one of them is not sent again (see `Scheduler._on_batch_error`).
+_SHARING_KINDS = frozenset({"export_kv_pages", "unexport_kv_pages", "import_kv_pages"})
+# Fire-and-forget batches not yet known to have run, per executor, before a barrier ping is sent.
+_MAX_UNANSWERED = 64
 
 
 _LOCAL_HANDLERS: dict[str, Callable[[Scheduler, Command], None]] = {

@@ -33,15 +33,21 @@ class ExecutorLink(Protocol):
 
 
 class InflightBatch:
-    """A sent batch that will be answered: its commands, aligned with its items."""
+    """A sent batch: its commands and their (translated) items, aligned, and its place in the scheduler's
+    dispatch order (`seq`: an instance whose last dispatch is this batch sent nothing after it). In an
+    unanswered fire-and-forget batch, the command of an instance that ended is None (see
+    `Executor.forget_instance`)."""
 
-    __slots__ = ("kind", "commands", "span", "sent_at")
+    __slots__ = ("kind", "commands", "items", "span", "sent_at", "seq")
 
-    def __init__(self, kind: str, commands: list[Command], span: Any, sent_at: float) -> None:
+    def __init__(self, kind: str, commands: list[Command | None], span: Any, sent_at: float, seq: int = 0,
+                 items: list[Any] | None = None) -> None:
         self.kind = kind
         self.commands = commands
+        self.items = items if items is not None else [c.item for c in commands if c is not None]
         self.span = span
         self.sent_at = sent_at
+        self.seq = seq
 
 
 class Executor:
@@ -54,6 +60,9 @@ class Executor:
         self.resources: ExecutorResources | None = None
         self.queues: dict[str, BatchQueue] = {}
         self.inflight: dict[int, InflightBatch] = {}
+        # Fire-and-forget batches (answered only when rejected) not known to have run yet, by correlation
+        # id in send order. The executor answers in send order, so any reply settles every older one.
+        self.unanswered: dict[int, InflightBatch] = {}
         self.num_forward_in_flight = 0
         self.instances: set[Any] = set()
         self._next_correlation_id = 0
@@ -70,8 +79,26 @@ class Executor:
         self._next_correlation_id += 1
         return self._next_correlation_id
 
+    def settle_unanswered(self, correlation_id: int) -> None:
+        """A reply to `correlation_id` came: every fire-and-forget batch sent before it ran."""
+        unanswered = self.unanswered
+        while unanswered and (oldest := next(iter(unanswered))) < correlation_id:
+            del unanswered[oldest]
+
+    def forget_instance(self, instance: Any) -> None:
+        """An instance ended: its unanswered commands no longer need blaming. A deallocate batch stays
+        whole (were it rejected, its other items must still be sent); any other batch of ended instances
+        only is dropped."""
+        for correlation_id, batch in list(self.unanswered.items()):
+            commands = batch.commands
+            for index, command in enumerate(commands):
+                if command is not None and command.stream.instance is instance:
+                    commands[index] = None
+            if batch.kind != "deallocate" and not any(commands):
+                del self.unanswered[correlation_id]
+
     def connect(self, info: executor_pb2.ExecutorServiceGetInfoResponse) -> list[BatchQueue]:
-        """Fresh pools and queues for a (re)connected executor: its cache starts empty."""
+        """Fresh pools and queues for a (re)connected executor: its cache starts empty (the link reset it)."""
         self.info = info
         self.resources = ExecutorResources(info.num_kv_pages, info.num_embed_slots)
         max_batch_tokens = info.max_batch_tokens or (1 << 30)
@@ -83,6 +110,7 @@ class Executor:
         self.resources = None
         self.queues = {}
         self.inflight.clear()
+        self.unanswered.clear()
         self.num_forward_in_flight = 0
         self.instances.clear()
         return queues

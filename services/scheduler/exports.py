@@ -5,6 +5,10 @@ deallocation. Unexport drops only that reference: pages an importer still maps s
 importer lets go. A non-persistent export disappears with its exporter; a persistent one stays until
 someone unexports it (or its executor goes away).
 
+Accounting: the distinct pages of a user's persistent exports are counted per user (a page exported
+under several names counts once), since they outlive every instance of the user; the scheduler caps
+them (`--max-export-pages-per-user`).
+
 Visibility: an export belongs to its exporter's user. Names are one namespace per user, plus one of
 public exports: a user's own export of a name comes first, then the public one; an admin instance
 also reaches any user's. Another user's private export is not found, exactly like a missing one, so
@@ -37,6 +41,8 @@ class ExportTable:
     def __init__(self) -> None:
         self._by_key: dict[tuple[str, str], Export] = {}
         self._public: dict[str, Export] = {}
+        # user -> (executor index, physical page) -> number of the user's persistent exports naming it
+        self._persistent_pages: dict[str, dict[tuple[int, int], int]] = {}
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -57,11 +63,35 @@ class ExportTable:
         self._by_key[(export.owner_user, export.name)] = export
         if export.is_public:
             self._public[export.name] = export
+        if export.is_persistent:
+            counts = self._persistent_pages.setdefault(export.owner_user, {})
+            for page in export.physical_page_ids:
+                key = (export.executor_index, page)
+                counts[key] = counts.get(key, 0) + 1
 
     def remove(self, export: Export) -> Export:
         if export.is_public:
             del self._public[export.name]
-        return self._by_key.pop((export.owner_user, export.name))
+        removed = self._by_key.pop((export.owner_user, export.name))
+        if removed.is_persistent:
+            counts = self._persistent_pages[removed.owner_user]
+            for page in removed.physical_page_ids:
+                key = (removed.executor_index, page)
+                counts[key] -= 1
+                if counts[key] == 0:
+                    del counts[key]
+            if not counts:
+                del self._persistent_pages[removed.owner_user]
+        return removed
+
+    def num_persistent_pages(self, user: str) -> int:
+        """Distinct pages in `user`'s persistent exports."""
+        return len(self._persistent_pages.get(user, ()))
+
+    def num_new_persistent_pages(self, user: str, executor_index: int, physical_page_ids: list[int]) -> int:
+        """How many of these pages a persistent export by `user` would add to its count."""
+        counts = self._persistent_pages.get(user, {})
+        return len({p for p in physical_page_ids if (executor_index, p) not in counts})
 
     def all(self) -> list[Export]:
         return list(self._by_key.values())

@@ -9,23 +9,29 @@ from pathlib import Path
 
 import grpc
 
+from l4m import limits
 from l4m.credentials import bearer_metadata, open_channel
 from l4m.scheduler.executors import OnConnected, OnLost, OnResponse
 from l4m.v1 import executor_pb2, executor_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-_CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 256 << 20),
-    ("grpc.max_receive_message_length", 256 << 20),
-]
+# The executor's limits (l4m.limits, advertised in its GetInfo): the batcher keeps batches and their
+# replies within them.
+_CHANNEL_OPTIONS = limits.grpc_options(limits.EXECUTOR_MAX_REQUEST_BYTES, limits.EXECUTOR_MAX_REPLY_BYTES)
 
 
 class GrpcExecutorLink:
     """One executor address. While connected, batches go out on one `Execute` stream in `send` order.
-    When the stream breaks the link reports the loss, then retries (GetInfo, then a new stream) with
-    exponential backoff until `close`. Every call carries the cluster secret when one is given (an
-    executor started with --cluster-secret-file refuses calls without it); TLS when `tls_ca` is given."""
+    When the stream breaks the link reports the loss, then retries (GetInfo, Reset, then a new stream)
+    with exponential backoff until `close`. Every call carries the cluster secret when one is given (an
+    executor started with --cluster-secret-file refuses calls without it); TLS when `tls_ca` is given.
+
+    Reset on every connect: the core starts each connection with empty tables (`Executor.connect`), while
+    an executor that outlived a broken stream still holds the old allocations. Reset frees them on the
+    executor, after any batch still queued there, so both sides start empty; nothing is assumed about
+    whether the executor restarted. (Reconciling against a state RPC instead would have to keep pages of
+    instances that were already trapped, for nothing: every instance on a lost stream is trapped.)"""
 
     def __init__(self, address: str, *, initial_backoff_s: float = 0.1, max_backoff_s: float = 5.0,
                  rpc_timeout_s: float = 10.0, secret: str = "", tls_ca: Path | None = None) -> None:
@@ -67,6 +73,13 @@ class GrpcExecutorLink:
                         executor_pb2.ExecutorServiceGetInfoRequest(), timeout=self._rpc_timeout_s, wait_for_ready=True,
                         metadata=self._metadata,
                     )
+                    freed = await stub.Reset(
+                        executor_pb2.ExecutorServiceResetRequest(), timeout=self._rpc_timeout_s, metadata=self._metadata,
+                    )
+                    if freed.num_kv_pages_freed or freed.num_embed_slots_freed:
+                        log.warning("executor %s still held %d kv pages and %d embed slots of an earlier connection; "
+                                    "reset freed them", self.address, freed.num_kv_pages_freed,
+                                    freed.num_embed_slots_freed)
                     outbox: asyncio.Queue[executor_pb2.ExecuteRequest | None] = asyncio.Queue()
                     call = stub.Execute(self._requests(outbox), metadata=self._metadata)
                     self._outbox = outbox

@@ -18,14 +18,17 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from l4m import limits
 from l4m.credentials import add_listener, bearer_token, secrets_equal
 from l4m.scheduler.config import SchedulerConfig
 from l4m.scheduler.core import Scheduler
 from l4m.scheduler.errors import (
     AlreadyRegistered,
+    InvalidCommand,
     RegistrationError,
     TooManyInstances,
     TrapError,
@@ -53,7 +56,8 @@ REGISTRATION_STATUS: dict[type[RegistrationError], grpc.StatusCode] = {
     UnknownParent: grpc.StatusCode.NOT_FOUND,
     TooManyInstances: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
-_MESSAGE_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+# Controllers' messages (l4m.limits, advertised in GetInfo): validation bounds each command's reply to fit.
+_MESSAGE_OPTIONS = limits.grpc_options(limits.MAX_RESPONSE_BYTES, limits.MAX_COMMAND_BYTES)
 _END = object()
 
 
@@ -123,8 +127,15 @@ class L4MServicer(l4m_pb2_grpc.L4MServiceServicer):
     async def _read(self, request_iterator: AsyncIterator[l4m_pb2.SessionRequest], instance: object) -> None:
         submit = self.scheduler.submit
         with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
-            async for request in request_iterator:
-                submit(instance, request)  # type: ignore[arg-type]
+            try:
+                async for request in request_iterator:
+                    submit(instance, request)  # type: ignore[arg-type]
+            except DecodeError as error:
+                # Bytes that are not a SessionRequest: a malformed command like any other, so it traps
+                # (INVALID_ARGUMENT with the reason) instead of leaving the session without a reader.
+                self.scheduler.trap(instance, InvalidCommand(  # type: ignore[arg-type]
+                    f"a message on the Session stream does not parse as l4m.v1.SessionRequest ({error})"))
+                return
         # The controller closed its side: what it sent still runs, then the session ends.
         self.scheduler.finish_session(instance)  # type: ignore[arg-type]
 

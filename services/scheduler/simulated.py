@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from l4m import limits
 from l4m.scheduler.executors import OnConnected, OnLost, OnResponse
 from l4m.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 
@@ -35,6 +36,9 @@ class SimulatedExecutorConfig:
     vocab_size: int = 1000
     max_context_tokens: int = 4096
     max_batch_tokens: int = 8192
+    # Advertised in GetInfo; a forward_text or sample_top_k batch asking for more entries is rejected.
+    max_distribution_entries_per_batch: int = limits.EXECUTOR_MAX_DISTRIBUTION_ENTRIES_PER_BATCH
+    max_reply_bytes: int = limits.EXECUTOR_MAX_REPLY_BYTES
     # Base latency of one batch, per kind (seconds); kinds not listed take `default_latency_s`.
     latency_s: dict[str, float] = field(default_factory=dict)
     default_latency_s: float = 0.0
@@ -90,6 +94,8 @@ class SimulatedExecutor:
         return executor_pb2.ExecutorServiceGetInfoResponse(
             model=model, device="simulated", dtype="float32", kv_page_size=c.kv_page_size,
             num_kv_pages=c.num_kv_pages, num_embed_slots=c.num_embed_slots, max_batch_tokens=c.max_batch_tokens,
+            max_request_bytes=limits.EXECUTOR_MAX_REQUEST_BYTES, max_reply_bytes=c.max_reply_bytes,
+            max_distribution_entries_per_batch=c.max_distribution_entries_per_batch,
         )
 
     def latency_s(self, request: executor_pb2.ExecuteRequest) -> float:
@@ -103,17 +109,28 @@ class SimulatedExecutor:
     def execute(self, request: executor_pb2.ExecuteRequest) -> executor_pb2.ExecuteResponse | None:
         """Run one batch; the response, or None for a fire-and-forget batch that succeeded."""
         kind = request.WhichOneof("batch")
+        if kind == "debug_query":  # the scheduler's barrier ping
+            self.num_batches += 1
+            self.batch_sizes.append((kind, len(request.debug_query.queries)))
+            response = executor_pb2.ExecuteResponse(correlation_id=request.correlation_id)
+            response.debug_query.responses.extend("pong" for _ in request.debug_query.queries)
+            return response
         items = getattr(request, kind).items if kind else ()  # type: ignore[arg-type]
         self.num_batches += 1
         self.batch_sizes.append((kind or "", len(items)))
         response = executor_pb2.ExecuteResponse(correlation_id=request.correlation_id)
         try:
+            num_entries = sum(limits.distribution_entries(kind, item) for item in items)  # type: ignore[arg-type]
+            if num_entries > self.config.max_distribution_entries_per_batch:
+                raise BatchRejected(0, f"the batch asks for {num_entries} distribution entries, more than "
+                                       f"{self.config.max_distribution_entries_per_batch}")
             for index, item in enumerate(items):
                 self._check(kind, index, item)  # type: ignore[arg-type]
             return self._apply(kind, items, response)  # type: ignore[arg-type]
         except BatchRejected as rejected:
             self.num_errors += 1
             response.error.item_index = rejected.item_index
+            response.error.has_item_index = True
             response.error.reason = rejected.reason
             return response
 
@@ -261,6 +278,10 @@ class SimulatedExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
 
     async def GetInfo(self, request, context):  # type: ignore[no-untyped-def]
         return SimulatedExecutor(self.config).info()
+
+    async def Reset(self, request, context):  # type: ignore[no-untyped-def]
+        # Each Execute stream has a state of its own, fresh when it opens: nothing outlives a stream.
+        return executor_pb2.ExecutorServiceResetResponse()
 
     async def Execute(self, request_iterator, context):  # type: ignore[no-untyped-def]
         executor = SimulatedExecutor(self.config)

@@ -6,6 +6,11 @@ executor, in send order, and rewrites the controller's virtual ids into physical
 the instance does not own fails there. Both raise a `TrapError` whose reason names field and value.
 
 The LENGTH RULE and MASK RULE are the ones written in `common.proto` (ForwardTextItem).
+
+Work and reply size are bounded per command (`l4m.limits`): distribution entries (outputs x
+distribution_top_k, or a sample_top_k's k), the worst-case bytes of the reply, and the runs of every BRLE
+mask (counted before they are summed, so a mask of millions of runs costs nothing to refuse). Checks run
+cheapest first: lengths before anything that iterates.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from l4m import limits as bounds
 from l4m.scheduler.errors import InvalidCommand, Unsupported
 from l4m.v1 import common_pb2, l4m_pb2
 
@@ -36,6 +42,13 @@ class ModelLimits:
     max_continuation_steps: int = 0
     max_export_name_bytes: int = 256
     max_export_metadata_bytes: int = 1 << 20
+    # Per command: the smaller of the executors' per-batch bound and the scheduler's default.
+    max_distribution_entries_per_command: int = bounds.DEFAULT_MAX_DISTRIBUTION_ENTRIES_PER_COMMAND
+    # Worst-case bytes of one command's reply (`l4m.limits.reply_bytes`): it must fit an empty batch's
+    # reply and the SessionResponse to the controller, each less its envelope.
+    max_reply_bytes: int = bounds.MAX_RESPONSE_BYTES - bounds.MESSAGE_MARGIN_BYTES
+    # BRLE runs in all of one command's masks (each mask is also bounded by its length).
+    max_mask_runs_per_command: int = bounds.DEFAULT_MAX_MASK_RUNS_PER_COMMAND
 
 
 def _fail(reason: str) -> None:
@@ -90,6 +103,8 @@ def _check_context(item: object, num_inputs: int, limits: ModelLimits) -> int:
 def _check_outputs(output_indices: object, num_inputs: int) -> None:
     if not output_indices:
         return
+    if len(output_indices) > num_inputs:  # type: ignore[arg-type]
+        _fail(f"output_indices lists {len(output_indices)} indices for {num_inputs} inputs (at most one each)")  # type: ignore[arg-type]
     if max(output_indices) >= num_inputs:  # type: ignore[call-overload]
         _fail(f"output_indices holds {max(output_indices)}, not below the {num_inputs} inputs")  # type: ignore[call-overload]
     if len(output_indices) > 1 and len(set(output_indices)) != len(output_indices):  # type: ignore[arg-type]
@@ -98,6 +113,10 @@ def _check_outputs(output_indices: object, num_inputs: int) -> None:
 
 def check_brle(field: str, brle: common_pb2.Brle, expected_length: int) -> None:
     runs = brle.run_lengths
+    max_runs = bounds.max_brle_runs(expected_length)
+    if len(runs) > max_runs:
+        _fail(f"{field} has {len(runs)} runs, more than the {max_runs} a mask of {expected_length} values may have "
+              "(2 x values + 1)")
     length = sum(runs)
     if length != expected_length:
         _fail(f"{field} decodes to {length} values, expected {expected_length}")
@@ -141,13 +160,13 @@ def check_forward_text(item: common_pb2.ForwardTextItem, limits: ModelLimits) ->
     _check_tokens("token_ids", item.token_ids, limits.vocab_size)
     _check_positions("position_ids", item.position_ids, limits.max_context_tokens)
     masks = item.attention_masks
-    if masks:
-        if len(masks) != num_tokens:
-            _fail(f"attention_masks has {len(masks)} rows for {num_tokens} tokens (mask rule: none or one per token)")
-        for i, row in enumerate(masks):
-            length = sum(row.run_lengths)
-            if length != num_context + i + 1:
-                _fail(f"attention_masks[{i}] decodes to {length} values, expected {num_context + i + 1} (mask rule)")
+    if masks and len(masks) != num_tokens:
+        _fail(f"attention_masks has {len(masks)} rows for {num_tokens} tokens (mask rule: none or one per token)")
+    if len(item.samplers) > num_tokens:
+        _fail(f"samplers has {len(item.samplers)} entries for {num_tokens} token_ids (at most one output each)")
+    _check_mask_runs(item, limits)
+    for i, row in enumerate(masks):
+        check_brle(f"attention_masks[{i}]", row, num_context + i + 1)  # the mask rule
     _check_outputs(item.output_indices, num_tokens)
     if len(item.samplers) != len(item.output_indices):
         _fail(f"samplers has {len(item.samplers)} entries for {len(item.output_indices)} output_indices")
@@ -155,6 +174,29 @@ def check_forward_text(item: common_pb2.ForwardTextItem, limits: ModelLimits) ->
         _check_sampler(i, sampler, limits.vocab_size)
     if num_steps or item.continuation_stop_token_ids:
         _check_continuation(item, num_tokens, limits)
+    _check_reply("forward_text", item, limits)
+
+
+def _check_mask_runs(item: common_pb2.ForwardTextItem, limits: ModelLimits) -> None:
+    """Counts the runs of every mask (not their values) against the per-command bound."""
+    num_runs = sum(len(row.run_lengths) for row in item.attention_masks) + \
+        sum(len(s.vocabulary_mask.run_lengths) for s in item.samplers)
+    if num_runs > limits.max_mask_runs_per_command:
+        _fail(f"the masks carry {num_runs} BRLE runs in all, more than max_mask_runs_per_command "
+              f"{limits.max_mask_runs_per_command} (GetInfo tells it)")
+
+
+def _check_reply(kind: str, item: object, limits: ModelLimits) -> None:
+    """Bounds what the command's reply may hold, so that it fits any batch and the controller's stream."""
+    num_entries, num_bytes = bounds.reply_cost(kind, item)
+    max_entries = limits.max_distribution_entries_per_command
+    if num_entries > max_entries:
+        what = f"k {num_entries} asks for" if kind == "sample_top_k" else \
+            f"samplers ask for {num_entries} distribution entries (outputs x distribution_top_k),"
+        _fail(f"{what} more than max_distribution_entries_per_command {max_entries} (GetInfo tells it)")
+    if num_bytes > limits.max_reply_bytes:
+        _fail(f"the reply could take {num_bytes} bytes, more than max_reply_bytes {limits.max_reply_bytes} "
+              "(fewer outputs or a smaller distribution_top_k)")
 
 
 def _check_continuation(item: common_pb2.ForwardTextItem, num_tokens: int, limits: ModelLimits) -> None:
@@ -279,6 +321,7 @@ def check_command(kind: str | None, command: object, limits: ModelLimits) -> Non
     elif kind == "sample_top_k":
         if not 0 < command.k <= limits.vocab_size:  # type: ignore[attr-defined]
             _fail(f"k {command.k} is not in [1, vocab_size={limits.vocab_size}]")  # type: ignore[attr-defined]
+        _check_reply(kind, command, limits)
     elif kind == "copy_kv_page":
         _check_copy(command, limits)  # type: ignore[arg-type]
     elif kind == "mask_kv_page":

@@ -39,6 +39,13 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     defaults, limits = SpawnerConfig(state_dir=Path(), socket_dir=Path()), Limits()
     parser = argparse.ArgumentParser(
@@ -100,6 +107,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--max-children-per-tree", type=int, default=defaults.max_children_per_tree)
     add("--max-instances", type=int, default=defaults.max_instances, help="instances alive at once")
+    add(
+        "--max-exited-instances",
+        type=non_negative_int,
+        default=defaults.max_exited_instances,
+        help="exited instances kept for ListInstances/Attach (each its exit and at most 64 KiB of output)",
+    )
+    add(
+        "--max-variable-mib-per-tree",
+        type=non_negative_int,
+        default=defaults.max_variable_bytes_per_tree // MiB,
+        help="a launch tree's shared variables in all (each costs its name, its value and 256 bytes)",
+    )
+    uploads = parser.add_argument_group("program uploads (validated in bounded child processes)")
+    uploads.add_argument("--max-program-mib", type=positive_int, default=defaults.max_program_bytes // MiB,
+                         help="the largest program an upload may carry")
+    uploads.add_argument("--upload-validation-memory-mib", type=positive_int,
+                         default=defaults.upload_validation_memory_bytes // MiB,
+                         help="address-space limit of the child process that compiles an upload")
+    uploads.add_argument("--upload-validation-timeout-s", type=float, default=defaults.upload_validation_timeout_s,
+                         help="wall-time limit of that child process")
+    uploads.add_argument("--max-concurrent-upload-validations", type=positive_int,
+                         default=defaults.max_concurrent_upload_validations,
+                         help="validations running at once; further uploads wait their turn")
     users = parser.add_argument_group("users (every SpawnerService call needs an API key)")
     users.add_argument("--api-keys-file", type=Path, default=None,
                        help="the key store `l4m keys add` writes (re-read when it changes)")
@@ -109,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     users.add_argument("--max-instances-per-user", type=non_negative_int,
                        default=defaults.max_instances_per_user,
                        help="instances one user may have alive at once (a key may set its own)")
+    users.add_argument("--max-memory-mib-per-user", type=non_negative_int,
+                       default=defaults.max_memory_bytes_per_user // MiB,
+                       help="the sum of the memory limits of one user's live instances")
+    users.add_argument("--max-wall-time-s-per-user", type=float, default=defaults.max_wall_time_s_per_user,
+                       help="the sum of the wall time limits of one user's live instances")
     users.add_argument("--max-tokens-per-minute-per-user", type=non_negative_int,
                        default=defaults.max_tokens_per_minute_per_user,
                        help="tokens per minute one user may feed, enforced by the scheduler (0: unlimited)")
@@ -168,6 +203,12 @@ def parse_config(
         default_max_tokens=args.max_tokens,
         max_children_per_tree=args.max_children_per_tree,
         max_instances=args.max_instances,
+        max_exited_instances=args.max_exited_instances,
+        max_variable_bytes_per_tree=args.max_variable_mib_per_tree * MiB,
+        max_program_bytes=args.max_program_mib * MiB,
+        upload_validation_memory_bytes=args.upload_validation_memory_mib * MiB,
+        upload_validation_timeout_s=args.upload_validation_timeout_s,
+        max_concurrent_upload_validations=args.max_concurrent_upload_validations,
         controller_runner=args.controller_runner,
         warm_pool_size=args.warm_pool_size,
         controller_spans_endpoint=spans_endpoint,
@@ -175,6 +216,8 @@ def parse_config(
         api_keys_file=args.api_keys_file,
         insecure_local=args.insecure_local,
         max_instances_per_user=args.max_instances_per_user,
+        max_memory_bytes_per_user=args.max_memory_mib_per_user * MiB,
+        max_wall_time_s_per_user=args.max_wall_time_s_per_user,
         max_tokens_per_minute_per_user=args.max_tokens_per_minute_per_user,
         unattached_grace_s=args.unattached_grace_s,
         cluster_secret_file=args.cluster_secret_file,

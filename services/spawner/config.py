@@ -24,7 +24,12 @@ class SpawnerConfig:
     scheduler_registry_address: str = ""
     scheduler_socket_name: str = "scheduler.sock"
     runtime_socket_name: str = "runtime.sock"
-    max_program_bytes: int = 16 * MiB
+    max_program_bytes: int = 4 * MiB  # per upload; see validate_upload.py for what compiling costs
+    # Uploads are validated in child processes, each under this address-space limit and wall time,
+    # at most this many at once (see validate_upload.py).
+    upload_validation_memory_bytes: int = 1024 * MiB
+    upload_validation_timeout_s: float = 30.0
+    max_concurrent_upload_validations: int = 2
     default_limits: Limits = field(default_factory=Limits)
     max_limits: Limits = field(
         default_factory=lambda: Limits(
@@ -39,7 +44,9 @@ class SpawnerConfig:
     default_max_tokens: int = 0  # per instance; 0 = unlimited
     max_children_per_tree: int = 32
     max_instances: int = 256  # alive at once
-    max_exited_instances: int = 1000  # exited instances kept for ListInstances/Attach, newest first
+    # Exited instances kept for ListInstances/Attach, newest first: each a summary (its exit and at most
+    # supervisor.EXITED_REPLAY_BYTES of output tail, 64 KiB), so at most ~64 MiB for the default 1000.
+    max_exited_instances: int = 1000
     # Controllers run as `python -m <controller_runner> PROGRAM ARGS` (the SDK's runner, which calls
     # the program's `async def main(ctx)`); empty: `python PROGRAM ARGS`, for plain scripts.
     controller_runner: str = "l4m.controller"
@@ -55,6 +62,17 @@ class SpawnerConfig:
     api_keys_file: Path | None = None
     insecure_local: bool = False
     max_instances_per_user: int = 64  # alive at once; a key may set its own
+    # Sums over one user's instances alive (or starting): of their memory limits, and of their wall time
+    # limits. The defaults admit max_instances_per_user (64) launches at the default memory (512 MiB)
+    # and 900 s of wall time each (bench/e2e.py's), and fewer larger ones: 8 at the 4 GiB memory
+    # maximum, 16 at the 3600 s wall time maximum.
+    max_memory_bytes_per_user: int = 64 * 512 * MiB
+    max_wall_time_s_per_user: float = 64 * 900.0
+    # The total of one launch tree's shared variables (each costs its name, value and 256 bytes).
+    max_variable_bytes_per_tree: int = 64 * MiB
+    # Unread messages from users to one instance (each costs its bytes and 64).
+    max_inbox_bytes: int = 1 * MiB
+    max_args_bytes: int = 64 * 1024  # a launch's arguments in all (kept with the instance's summary)
     max_tokens_per_minute_per_user: int = 0  # given to the scheduler; 0 = unlimited; a key may set its own
     # A launch that is not detached and that no client has attached to this long after it started
     # is terminated (its client went away between Launch and Attach).

@@ -6,7 +6,11 @@ belongs to a launch tree (a user's launch and the children it spawns): the tree 
 token budget) before its sandbox starts, and destroyed there when it ends, whatever the reason, so
 the scheduler frees every page it held. Every instance has an owner (`User`, the launching user; a
 child's is its parent's): lookups on a user's behalf see only its own instances and programs (an admin
-all), and a user's instances alive at once are capped (`QuotaExceeded`). An instance that is not
+all), and a user's instances alive at once, the sum of their memory limits and the sum of their wall
+time limits are capped (`QuotaExceeded`). Limits over the spawner's maxima are refused
+(`LimitTooHigh`), never clamped. An exited instance keeps a bounded summary (its exit, counts and the
+tail of its output, see supervisor.py); its tree's variables go when the tree's last instance exits,
+and only the newest `max_exited_instances` exits are kept. An instance that is not
 detached is terminated when its last Attach stream ends or when nobody attaches within
 `unattached_grace_s` of its launch. The core never imports grpc: the scheduler is reached
 through the small `InstanceRegistry` interface.
@@ -37,7 +41,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from l4m.spawner import tracing
-from l4m.spawner.config import SpawnerConfig
+from l4m.spawner.config import MiB, SpawnerConfig
 from l4m.spawner.metrics import SpawnerMetrics
 from l4m.spawner.programs import ProgramInfo, ProgramNotFound, ProgramStore, normalize_tag
 from l4m.spawner.sandbox import (
@@ -49,7 +53,7 @@ from l4m.spawner.sandbox import (
     SandboxError,
     SandboxSpec,
 )
-from l4m.spawner.supervisor import InstanceState, InstanceSupervisor
+from l4m.spawner.supervisor import ITEM_OVERHEAD_BYTES, InstanceState, InstanceSupervisor
 from l4m.spawner.users import ADMIN, ProgramOwners, User
 from l4m.spawner.variables import VariableStore
 
@@ -91,6 +95,19 @@ class TagTaken(InstanceError):
 
 class QuotaExceeded(InstanceError):
     """A user's own quota (not the spawner's capacity) refuses the launch; the message names it."""
+
+
+class LimitTooHigh(InstanceError):
+    """A launch asked for a limit over the spawner's maximum; the message names the field, the value
+    asked for and the maximum."""
+
+
+class ArgsTooLarge(InstanceError):
+    """A launch's arguments are larger than the spawner keeps per instance."""
+
+
+class InboxFull(InstanceError):
+    """Messages to an instance wait unread past its inbox limit."""
 
 
 class SchedulerUnavailable(InstanceError):
@@ -147,6 +164,7 @@ class LaunchTree:
     max_children: int
     variables: VariableStore = field(default_factory=VariableStore)
     num_children: int = 0
+    num_alive: int = 0  # started and not exited; the variables are dropped when it falls to 0
 
 
 @dataclass
@@ -166,6 +184,7 @@ class Instance:
     was_attached: bool = False
     child_ids: list[str] = field(default_factory=list)
     inbox: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
+    inbox_bytes: int = 0  # charged for the messages in `inbox` (each its bytes + ITEM_OVERHEAD_BYTES)
     trap_message: str | None = None  # set when the scheduler reported a trap
     span: Span | None = None  # spawner.instance, ended at the exit
 
@@ -178,14 +197,43 @@ class Instance:
         return self.supervisor.exit_info
 
 
-def clamp_limits(requested: Limits | None, default: Limits, maximum: Limits) -> Limits:
-    """Fields of `requested` that are 0 take the default; every field is capped at the maximum."""
+def check_limits(requested: Limits, maximum: Limits) -> None:
+    """Raises LimitTooHigh naming the first field of `requested` over `maximum` (0 asks for nothing)."""
+    for name in Limits.__dataclass_fields__:
+        value, cap = getattr(requested, name), getattr(maximum, name)
+        if value > cap:
+            value_text, cap_text = _number(value), _number(cap)
+            raise LimitTooHigh(
+                f"the requested limit {name} = {value_text} is over the spawner's maximum of {cap_text}; "
+                f"ask for at most {cap_text} (0 takes the default)"
+            )
+
+
+def _number(value: float) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def resolve_limits(requested: Limits | None, default: Limits, maximum: Limits) -> Limits:
+    """Fields of `requested` that are 0 take the default; a field over the maximum is refused
+    (LimitTooHigh), never clamped."""
     if requested is None:
         return default
-    values = {}
-    for name in Limits.__dataclass_fields__:
-        value = getattr(requested, name) or getattr(default, name)
-        values[name] = min(value, getattr(maximum, name))
+    check_limits(requested, maximum)
+    values = {name: getattr(requested, name) or getattr(default, name) for name in Limits.__dataclass_fields__}
+    return Limits(**values)
+
+
+def child_limits(requested: Limits | None, parent: Limits, maximum: Limits) -> Limits:
+    """A child's limits: 0 fields inherit the parent's, and a child gets at most its parent's (a
+    larger request is capped there, as documented for `ctx.spawn`); a field over the spawner's
+    maximum is refused like a launch's."""
+    if requested is None:
+        return parent
+    check_limits(requested, maximum)
+    values = {
+        name: min(getattr(requested, name) or getattr(parent, name), getattr(parent, name))
+        for name in Limits.__dataclass_fields__
+    }
     return Limits(**values)
 
 
@@ -215,8 +263,7 @@ class InstanceManager:
         self._instances: dict[str, Instance] = {}
         self._by_token: dict[str, Instance] = {}
         self._exited_ids: collections.deque[str] = collections.deque()
-        self._num_starting = 0
-        self._num_starting_by_user: collections.Counter[str] = collections.Counter()
+        self._starting: dict[str, list[Limits]] = collections.defaultdict(list)  # user -> launches under way
         self._grace_tasks: set[asyncio.Task[None]] = set()
 
     # -- launching -------------------------------------------------------------------------------
@@ -242,8 +289,15 @@ class InstanceManager:
         launch that is not `detached` ends when its clients go away (see `attached`)."""
         if parent is not None:
             user = parent.owner
+        num_args_bytes = sum(len(arg.encode()) for arg in args)
+        if num_args_bytes > self.config.max_args_bytes:
+            # Kept with the instance, exited ones too: bounded like the rest of its summary.
+            raise ArgsTooLarge(
+                f"the arguments are {num_args_bytes} bytes; at most {self.config.max_args_bytes} are allowed"
+            )
         program = self.resolve_program(program_ref, user)
-        self._check_capacity(user)
+        resolved = resolve_limits(limits, self.config.default_limits, self.config.max_limits)
+        self._check_capacity(user, resolved)
         instance_id = f"i-{uuid.uuid4().hex[:16]}"
         attributes = {
             "l4m.instance_id": instance_id,
@@ -254,8 +308,7 @@ class InstanceManager:
             attributes["l4m.parent_instance_id"] = parent.instance_id
         started_at = time.monotonic()
         launch_span = tracing.start_launch_span(traceparent, attributes)
-        self._num_starting += 1
-        self._num_starting_by_user[user.name] += 1
+        self._starting[user.name].append(resolved)
         self.metrics.launch_started()
         try:
             with trace.use_span(launch_span, end_on_exit=True):
@@ -263,13 +316,17 @@ class InstanceManager:
                     tree = parent.tree
                 else:
                     cap = self.config.max_children_per_tree
-                    tree = LaunchTree(instance_id, min(max_children, cap) if max_children else cap)
+                    tree = LaunchTree(
+                        instance_id,
+                        min(max_children, cap) if max_children else cap,
+                        VariableStore(self.config.max_variable_bytes_per_tree),
+                    )
                 instance = self._new_instance(
                     instance_id,
                     program.sha256,
                     program.path,
                     args,
-                    clamp_limits(limits, self.config.default_limits, self.config.max_limits),
+                    resolved,
                     max_tokens or self.config.default_max_tokens,
                     tree,
                     tracing.traceparent_for_controller(launch_span, traceparent),
@@ -283,15 +340,15 @@ class InstanceManager:
             self.metrics.launch_failed(type(exc).__name__)
             raise
         finally:
-            self._num_starting -= 1
-            self._num_starting_by_user[user.name] -= 1
-            if not self._num_starting_by_user[user.name]:
-                del self._num_starting_by_user[user.name]
+            self._starting[user.name].remove(resolved)
+            if not self._starting[user.name]:
+                del self._starting[user.name]
         self.metrics.launch_succeeded(time.monotonic() - started_at, instance.supervisor.is_warm)
         if parent is not None:
             parent.child_ids.append(instance_id)
         self._instances[instance_id] = instance
         self._by_token[instance.token] = instance
+        instance.tree.num_alive += 1
         instance.supervisor.add_exit_callback(lambda info: self._on_exit(instance, info))
         if parent is None and not detached:
             self._end_if_never_attached(instance)
@@ -322,17 +379,34 @@ class InstanceManager:
     def programs_of(self, user: User) -> list[ProgramInfo]:
         return [p for p in self.store.list_programs() if self.owners.may_use(p.sha256, user)]
 
-    def _check_capacity(self, user: User) -> None:
-        """The spawner's own capacity, then the user's quota of instances alive at once."""
+    def _check_capacity(self, user: User, limits: Limits) -> None:
+        """The spawner's own capacity, then the user's quotas over its instances alive or starting:
+        their number, the sum of their memory limits and the sum of their wall time limits."""
         alive = [i for i in self._instances.values() if i.state is not InstanceState.EXITED]
-        if self._num_starting + len(alive) >= self.config.max_instances:
+        num_starting = sum(len(launches) for launches in self._starting.values())
+        if num_starting + len(alive) >= self.config.max_instances:
             raise TooManyInstances(f"the spawner already runs {self.config.max_instances} instances")
+        own = [i.supervisor.spec.limits for i in alive if i.owner.name == user.name]
+        own += self._starting.get(user.name, [])
         quota = user.max_instances or self.config.max_instances_per_user
-        num_own = self._num_starting_by_user[user.name] + sum(i.owner.name == user.name for i in alive)
-        if num_own >= quota:
+        if len(own) >= quota:
             raise QuotaExceeded(
-                f"user {user.name!r} already runs {num_own} instances, its quota of instances alive at once "
+                f"user {user.name!r} already runs {len(own)} instances, its quota of instances alive at once "
                 f"(max instances per user: {quota})"
+            )
+        memory = sum(other.memory_bytes for other in own)
+        if memory + limits.memory_bytes > self.config.max_memory_bytes_per_user:
+            raise QuotaExceeded(
+                f"user {user.name!r}'s live instances hold {memory // MiB} MiB of memory limits; "
+                f"{limits.memory_bytes // MiB} MiB more would pass its quota "
+                f"(max memory per user: {self.config.max_memory_bytes_per_user // MiB} MiB)"
+            )
+        wall_time_s = sum(other.wall_time_s for other in own)
+        if wall_time_s + limits.wall_time_s > self.config.max_wall_time_s_per_user:
+            raise QuotaExceeded(
+                f"user {user.name!r}'s live instances hold {wall_time_s:g} s of wall time limits; "
+                f"{limits.wall_time_s:g} s more would pass its quota "
+                f"(max wall time per user: {self.config.max_wall_time_s_per_user:g} s)"
             )
 
     def _new_instance(
@@ -452,6 +526,11 @@ class InstanceManager:
 
     async def _on_exit(self, instance: Instance, info: ExitInfo) -> None:
         self._by_token.pop(instance.token, None)
+        # What nobody can read any more goes now; the summary (exit, tail of output) stays.
+        instance.inbox, instance.inbox_bytes = asyncio.Queue(), 0
+        instance.tree.num_alive -= 1
+        if not instance.tree.num_alive:
+            instance.tree.variables.clear()
         self.metrics.instance_exited(info.reason.value)
         if instance.span is not None:
             tracing.end_instance_span(instance.span, info)
@@ -555,16 +634,30 @@ class InstanceManager:
         await instance.supervisor.terminate(ExitReason.TRAPPED, message)
 
     def send_to_instance(self, instance_id: str, text: str, user: User = ADMIN) -> None:
+        """Queues a user's message; the unread ones (each its bytes + ITEM_OVERHEAD_BYTES) are capped at
+        `max_inbox_bytes` (InboxFull)."""
         instance = self.get(instance_id, user)
         if instance.state is InstanceState.EXITED:
             raise InstanceNotFound(f"instance {instance_id!r} has exited")
+        charge = len(text.encode()) + ITEM_OVERHEAD_BYTES
+        if instance.inbox_bytes + charge > self.config.max_inbox_bytes:
+            raise InboxFull(
+                f"instance {instance_id!r} has {instance.inbox.qsize()} messages unread "
+                f"({instance.inbox_bytes} bytes, each counting {ITEM_OVERHEAD_BYTES} more than its text); "
+                f"its inbox holds at most {self.config.max_inbox_bytes} bytes"
+            )
+        instance.inbox_bytes += charge
         instance.inbox.put_nowait(text)
 
     async def receive_from_user(self, instance: Instance, timeout_s: float | None) -> str | None:
+        inbox = instance.inbox
         try:
-            return await asyncio.wait_for(instance.inbox.get(), timeout_s)
+            text = await asyncio.wait_for(inbox.get(), timeout_s)
         except TimeoutError:
             return None
+        if inbox is instance.inbox:  # not replaced by the exit meanwhile
+            instance.inbox_bytes -= len(text.encode()) + ITEM_OVERHEAD_BYTES
+        return text
 
     async def spawn_child(
         self,
@@ -576,7 +669,8 @@ class InstanceManager:
         max_tokens: int = 0,
     ) -> Instance:
         """A child in the parent's tree, owned by the parent's user and counted against the tree's
-        `max_children`. Unset limits inherit the parent's and none can exceed them; the token budget
+        `max_children`. Unset limits inherit the parent's and none can exceed them (a larger request
+        gets the parent's; one over the spawner's maximum is refused, LimitTooHigh); the token budget
         is the child's request when smaller than the parent's, and the scheduler also charges the
         child's tokens to every ancestor (it is registered with its parent), so a tree never feeds
         more than its root's budget."""
@@ -586,9 +680,8 @@ class InstanceManager:
                 f"the launch tree of {tree.tree_id} may spawn at most {tree.max_children} children "
                 f"and has spawned {tree.num_children}"
             )
+        merged = child_limits(limits, parent.supervisor.spec.limits, self.config.max_limits)
         tree.num_children += 1
-        inherited = parent.supervisor.spec.limits
-        merged = clamp_limits(limits, inherited, inherited) if limits is not None else inherited
         try:
             return await self.launch(
                 program_ref or parent.program_sha256,

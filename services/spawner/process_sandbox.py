@@ -7,10 +7,12 @@ The chain started for one instance, each step exec'ing the next:
     prlimit sets RLIMIT_CPU, NOFILE, NPROC, FSIZE, CORE (and AS where there is no memory cgroup)
     bwrap   as root: new mount/pid/net/ipc/uts/cgroup namespaces; binds only /usr, the Python
             installation, the venv, the SDK, the program and the socket directory, all read-only;
+            mounts no /proc (its mount table would name every bind's host path);
             sets no_new_privs and installs the seccomp filter (seccomp.py: no new namespaces, mount,
             ptrace, bpf, keyctl, perf...), read from a pipe only this chain inherits
-    setpriv drops to uid/gid `uid_base + n` (one per live instance), no groups, no capabilities
-            (bounding set cleared), no_new_privs
+    setpriv drops to a uid/gid of its own (one per live instance, from a range this spawner holds
+            alone on the host: `UidPool`), no groups, no capabilities (bounding set cleared),
+            no_new_privs
     python  `-m l4m.controller PROGRAM ARGS` (the SDK's runner; spec.runner_module), or the program
 
 bwrap runs as root rather than behind setpriv because the Python installation lives under /root
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import math
@@ -59,6 +62,7 @@ import sys
 import tempfile
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -107,6 +111,30 @@ _INSTANCE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _READ_CHUNK_BYTES = 64 * 1024
 _STDERR_TAIL_BYTES = 8 * 1024
 _REQUIRED_TOOLS = ("bwrap", "setpriv", "prlimit", "chrt")
+# Where every spawner on this host claims its range of sandbox uids (see `UidPool`).
+UID_LOCK_DIR = Path("/run/l4m-sandbox-uids")
+UID_CHUNK = 1000  # uids per lock file
+
+
+def _claim_uid_chunks(lock_dir: Path, start: int, count: int) -> list[int] | None:
+    """Locks every chunk of uids [start, start + count); None (holding nothing) when one is taken."""
+    fds: list[int] = []
+    for chunk in range(start // UID_CHUNK, (start + count - 1) // UID_CHUNK + 1):
+        fd = os.open(lock_dir / f"uids-{chunk * UID_CHUNK}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fds.append(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _close_all(fds)
+            return None
+    return fds
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    fds.clear()
 
 
 def _default_sdk_path() -> Path:
@@ -120,8 +148,9 @@ class ProcessSandboxConfig:
     python_prefix: Path = field(default_factory=lambda: Path(sys.prefix))  # venv or installation
     python_base_prefix: Path = field(default_factory=lambda: Path(sys.base_prefix))
     sdk_path: Path = field(default_factory=_default_sdk_path)
-    uid_base: int = 100_000
+    uid_base: int = 100_000  # first uid tried; a range another spawner on this host holds is skipped
     num_uids: int = 10_000
+    uid_lock_dir: Path = UID_LOCK_DIR
     cgroup_root: Path = Path("/sys/fs/cgroup")
     use_cgroups: bool = True
     warm_pool_size: int = 0  # sandboxes kept started ahead of demand; 0: every launch starts cold
@@ -136,10 +165,35 @@ class ProcessSandboxConfig:
 
 
 class UidPool:
-    """Hands out one host uid per live instance."""
+    """Hands out one host uid per live instance, from a range no other pool on this host holds.
 
-    def __init__(self, base: int, count: int) -> None:
-        self._free = list(range(base + count - 1, base - 1, -1))
+    A pool claims its range by holding an `flock` on one file per `UID_CHUNK` uids under `lock_dir`
+    for as long as it lives; the kernel drops the locks when the process dies, so a crashed spawner
+    leaves no claim behind. When any chunk of the range is held, the pool moves up by its own size (in whole chunks)
+    and tries again, so two clusters (or two spawners) on one host never hand out the same uid: a
+    shared uid would let one tenant's sandbox signal another's processes and would share RLIMIT_NPROC."""
+
+    def __init__(self, base: int, count: int, lock_dir: Path = UID_LOCK_DIR, max_moves: int = 200) -> None:
+        lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        lock_dir.chmod(0o700)  # root's only: nobody else may take (or hold) a range
+        step = -(-count // UID_CHUNK) * UID_CHUNK  # whole chunks: a smaller step would stay in a held one
+        for move in range(max_moves + 1):
+            start = base + move * step
+            fds = _claim_uid_chunks(lock_dir, start, count)
+            if fds is not None:
+                break
+        else:
+            raise SandboxError(
+                f"no free range of {count} sandbox uids from {base} on: {max_moves + 1} ranges are held by other "
+                f"spawners on this host (locks in {lock_dir})"
+            )
+        self.first_uid = start
+        if move:
+            log.info("sandbox uids %d..%d are held by another spawner; using %d..%d",
+                     base, base + count - 1, start, start + count - 1)
+        self._fds = fds
+        weakref.finalize(self, _close_all, fds)
+        self._free = list(range(start + count - 1, start - 1, -1))
 
     def acquire(self) -> int:
         if not self._free:
@@ -293,7 +347,6 @@ def _chain(
         "--symlink", "usr/lib", "/lib",
         "--symlink", "usr/lib64", "/lib64",
         "--symlink", "usr/bin", "/bin",
-        "--proc", "/proc",
         "--dev", "/dev",
         "--size", str(limits.tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp",
         "--perms", "0755", "--tmpfs", "/run",
@@ -426,7 +479,7 @@ class ProcessSandbox(Sandbox):
             if self.config.use_cgroups
             else None
         )
-        self._uids = UidPool(self.config.uid_base, self.config.num_uids)
+        self._uids = UidPool(self.config.uid_base, self.config.num_uids, self.config.uid_lock_dir)
         self._pool: WarmPool[WarmSandbox] | None = None
         self._warm_dir: Path | None = None  # the open pool's
         self._temp_warm_dirs: set[Path] = set()  # made by `open`, removed once empty and closed

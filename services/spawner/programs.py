@@ -4,7 +4,8 @@ A program is either Python source (one file) or a zip archive holding `__main__.
 level; both run as `python <file>`. Programs live at `<root>/programs/<sha256 of the bytes>`, so the
 same bytes are stored once and re-uploading them is a no-op. Tags (`name:tag` -> sha256) live in
 `<root>/tags.json`, replaced atomically on every change. Uploads arrive in chunks, are assembled in
-`<root>/uploads/` while being hashed and size-checked, and move into place with one rename.
+`<root>/uploads/` while being hashed and size-checked, and move into place with one rename. The server
+validates an upload in a bounded child process (`validate_upload.py`), never on its event loop.
 
 Program files are written 0644: the sandbox runs them as an unprivileged uid, while the store
 directories stay private to the spawner (the sandbox sees only the one file bound into it).
@@ -21,11 +22,13 @@ import threading
 import time
 import uuid
 import zipfile
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-DEFAULT_MAX_PROGRAM_BYTES = 16 * 1024 * 1024
+# 4 MiB: see validate_upload.py for what compiling costs per MB of source.
+DEFAULT_MAX_PROGRAM_BYTES = 4 * 1024 * 1024
 DEFAULT_TAG = "latest"
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _TAG_RE = re.compile(r"^[a-z0-9][a-z0-9._/-]{0,127}:[A-Za-z0-9._-]{1,128}$")
@@ -88,7 +91,7 @@ def validate_program(data: bytes) -> ProgramKind:
         raise InvalidProgram(f"the program is not UTF-8 Python source nor a zip archive ({exc})") from exc
     try:
         compile(source, "<program>", "exec", dont_inherit=True)
-    except (SyntaxError, ValueError) as exc:
+    except (SyntaxError, ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
         raise InvalidProgram(f"the program is not valid Python: {exc}") from exc
     return ProgramKind.PYTHON_SOURCE
 
@@ -183,27 +186,50 @@ class ProgramStore:
     def finish_upload(
         self, upload: ProgramUpload, expected_sha256: str = "", tags: tuple[str, ...] = ()
     ) -> StoreResult:
-        """Validates the assembled bytes and moves them into place (or drops them if already stored)."""
-        upload.close()
+        """Validates the assembled bytes in this process and stores them: for trusted callers (tests,
+        tools). The server validates untrusted uploads in a bounded child process (`finish_upload_with`)."""
         try:
-            if expected_sha256 and expected_sha256.lower() != upload.sha256:
-                raise DigestMismatch(
-                    f"the upload's sha256 is {upload.sha256}, the client announced {expected_sha256}"
-                )
+            self._check_digest(upload, expected_sha256)
             data = upload.temp_path.read_bytes() if upload.num_bytes else b""
-            kind = validate_program(data)
-            full_tags = tuple(normalize_tag(t) for t in tags)
-            target = self._programs_dir / upload.sha256
-            with self._lock:
-                already_present = target.exists()
-                if not already_present:
-                    os.chmod(upload.temp_path, 0o644)
-                    os.replace(upload.temp_path, target)
-                for tag in full_tags:
-                    self._set_tag_locked(tag, upload.sha256)
-            return StoreResult(self._info(upload.sha256, kind), already_present)
+            return self._commit(upload, validate_program(data), tags)
         finally:
             upload.abort()
+
+    async def finish_upload_with(
+        self,
+        validate: Callable[[Path], Awaitable[ProgramKind]],
+        upload: ProgramUpload,
+        expected_sha256: str = "",
+        tags: tuple[str, ...] = (),
+    ) -> StoreResult:
+        """Like `finish_upload`, with `await validate(path)` (e.g. `UploadValidator.validate`) judging
+        the assembled file instead of an in-process `validate_program`."""
+        try:
+            self._check_digest(upload, expected_sha256)
+            if not upload.num_bytes:
+                raise InvalidProgram("the program is empty")
+            full_tags = tuple(normalize_tag(t) for t in tags)  # a bad tag fails before the validator runs
+            return self._commit(upload, await validate(upload.temp_path), full_tags)
+        finally:
+            upload.abort()
+
+    def _check_digest(self, upload: ProgramUpload, expected_sha256: str) -> None:
+        upload.close()
+        if expected_sha256 and expected_sha256.lower() != upload.sha256:
+            raise DigestMismatch(f"the upload's sha256 is {upload.sha256}, the client announced {expected_sha256}")
+
+    def _commit(self, upload: ProgramUpload, kind: ProgramKind, tags: tuple[str, ...]) -> StoreResult:
+        """Moves the validated upload into place (or drops it if already stored) and sets its tags."""
+        full_tags = tuple(normalize_tag(t) for t in tags)
+        target = self._programs_dir / upload.sha256
+        with self._lock:
+            already_present = target.exists()
+            if not already_present:
+                os.chmod(upload.temp_path, 0o644)
+                os.replace(upload.temp_path, target)
+            for tag in full_tags:
+                self._set_tag_locked(tag, upload.sha256)
+        return StoreResult(self._info(upload.sha256, kind), already_present)
 
     def put(self, data: bytes, tags: tuple[str, ...] = ()) -> StoreResult:
         """Stores `data` in one piece (the same path as a one-chunk upload)."""

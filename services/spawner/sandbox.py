@@ -192,6 +192,14 @@ _PROCESS_MARKERS = (
 )
 
 
+# Signals that end a program from outside: none is raised by a fault of the program's own (those are
+# SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL: crashes). Checked after every limit, so a SIGKILL the
+# spawner, the kernel's cgroup OOM killer or RLIMIT_CPU sent is named after that cause. A program that
+# sends one of these to itself is reported KILLED too: it cannot be told apart, and says nothing false.
+_OUTSIDE_SIGNALS = frozenset({signal_module.SIGKILL, signal_module.SIGTERM, signal_module.SIGINT,
+                              signal_module.SIGHUP, signal_module.SIGQUIT})
+
+
 def derive_exit_info(facts: ExitFacts) -> ExitInfo:
     """Says why a sandbox ended, most specific cause first: a spawner kill, then a limit the kernel
     counted, then the symptoms a limit leaves in stderr (for machines without cgroups), then the
@@ -231,6 +239,14 @@ def derive_exit_info(facts: ExitFacts) -> ExitInfo:
         return _processes_refused(facts, status)
     if code == 0 and sig is None:
         return ExitInfo(ExitReason.EXITED, status, code, sig)
+    if sig in _OUTSIDE_SIGNALS:
+        return ExitInfo(
+            ExitReason.KILLED,
+            f"{status}, sent from outside the spawner (an operator, a supervisor or the host's OOM killer); "
+            "no limit explains it",
+            code,
+            sig,
+        )
     last_line = last_stderr_line(facts.stderr_tail)
     return ExitInfo(ExitReason.CRASHED, f"{status}: {last_line}" if last_line else status, code, sig)
 

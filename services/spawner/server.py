@@ -32,11 +32,14 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from l4m.credentials import add_listener, bearer_token, read_secret_file, tls_files
 from l4m.spawner.config import SpawnerConfig
 from l4m.spawner.instances import (
+    ArgsTooLarge,
+    InboxFull,
     Instance,
     InstanceManager,
     InstanceNotFound,
     InstanceRegistry,
     LaunchFailed,
+    LimitTooHigh,
     NoScheduler,
     QuotaExceeded,
     RegistrationRefused,
@@ -59,7 +62,8 @@ from l4m.spawner.sandbox import ExitInfo, ExitReason, Limits, OutputStream, Sand
 from l4m.spawner.span_forwarder import TOKEN_METADATA_KEY, SpanForwarder
 from l4m.spawner.supervisor import ExitEvent, InstanceState, MessageEvent, OutputEvent
 from l4m.spawner.users import Authenticator, Unauthenticated, User
-from l4m.spawner.variables import VariableError
+from l4m.spawner.validate_upload import UploadValidator, ValidatorLimits
+from l4m.spawner.variables import VariableError, VariableQuotaExceeded
 from l4m.v1 import spawner_pb2, spawner_pb2_grpc
 
 _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
@@ -68,7 +72,11 @@ _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (InvalidProgram, grpc.StatusCode.INVALID_ARGUMENT),
     (InvalidTag, grpc.StatusCode.INVALID_ARGUMENT),
     (DigestMismatch, grpc.StatusCode.INVALID_ARGUMENT),
+    (VariableQuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (VariableError, grpc.StatusCode.INVALID_ARGUMENT),
+    (LimitTooHigh, grpc.StatusCode.INVALID_ARGUMENT),
+    (ArgsTooLarge, grpc.StatusCode.INVALID_ARGUMENT),
+    (InboxFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ProgramTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (TooManyInstances, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (TooManyChildren, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -79,6 +87,7 @@ _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (RegistrationRefused, grpc.StatusCode.FAILED_PRECONDITION),
     (LaunchFailed, grpc.StatusCode.UNAVAILABLE),
 )
+MAX_CONCURRENT_UPLOADS = 16
 _EXIT_REASON_TO_PB = {reason: getattr(spawner_pb2, f"EXIT_REASON_{reason.name}", 0) for reason in ExitReason}
 _STATE_TO_PB = {state: getattr(spawner_pb2, f"INSTANCE_STATE_{state.name}") for state in InstanceState}
 
@@ -98,7 +107,7 @@ async def _errors_to_status(context: grpc.aio.ServicerContext) -> AsyncIterator[
 
 
 def limits_from_pb(limits: spawner_pb2.Limits) -> Limits:
-    """0 fields stay 0 (= "the default"); `clamp_limits` fills and caps them."""
+    """0 fields stay 0 (= "the default"); `resolve_limits` fills them and refuses any over the maximum."""
     return Limits(
         wall_time_s=limits.wall_time_ms / 1000,
         cpu_time_s=limits.cpu_time_ms / 1000,
@@ -164,16 +173,21 @@ def _traceparent(context: grpc.aio.ServicerContext) -> str:
 class SpawnerServicer(spawner_pb2_grpc.SpawnerServiceServicer):
     """Every call is a user's: `_user` authenticates its API key first (UNAUTHENTICATED otherwise)."""
 
-    def __init__(self, manager: InstanceManager, authenticator: Authenticator) -> None:
+    def __init__(
+        self, manager: InstanceManager, authenticator: Authenticator, validator: UploadValidator
+    ) -> None:
         self.manager = manager
         self.store: ProgramStore = manager.store
         self.authenticator = authenticator
+        self.validator = validator
+        # Uploads receiving at once: each holds up to one message (a chunk) in memory; more wait.
+        self._upload_slots = asyncio.Semaphore(MAX_CONCURRENT_UPLOADS)
 
     def _user(self, context: grpc.aio.ServicerContext) -> User:
         return self.authenticator.authenticate(bearer_token(context.invocation_metadata()))
 
     async def UploadProgram(self, request_iterator, context):  # noqa: N802 - gRPC method names
-        async with _errors_to_status(context):
+        async with _errors_to_status(context), self._upload_slots:
             user = self._user(context)
             upload = self.store.begin_upload()
             header = spawner_pb2.ProgramHeader()
@@ -192,7 +206,8 @@ class SpawnerServicer(spawner_pb2_grpc.SpawnerServiceServicer):
             except BaseException:
                 upload.abort()
                 raise
-            result = self.store.finish_upload(upload, header.sha256, tags)
+            # Validated in a bounded child process: this call waits, every other call is served.
+            result = await self.store.finish_upload_with(self.validator.validate, upload, header.sha256, tags)
             self.manager.record_upload(result.program.sha256, user)
             return spawner_pb2.UploadProgramResponse(
                 sha256=result.program.sha256,
@@ -339,7 +354,7 @@ def make_sandbox(config: SpawnerConfig) -> Sandbox:
     if config.sandbox_kind == "process":
         from l4m.spawner.process_sandbox import SDK_WARM_MODULES, ProcessSandbox, ProcessSandboxConfig
 
-        # Warm sandboxes start under the spawner's maximum limits (each launch is clamped to them) and
+        # Warm sandboxes start under the spawner's maximum limits (a launch over them is refused) and
         # the /tmp size every launch gets; the runner is imported first.
         tmp_bytes = min(config.default_limits.tmp_bytes, config.max_limits.tmp_bytes)
         runner = (config.controller_runner,) if config.controller_runner else ()
@@ -438,7 +453,15 @@ async def create_server(
     manager = InstanceManager(config, store, sandbox, registry, metrics)
 
     public = grpc.aio.server()
-    spawner_pb2_grpc.add_SpawnerServiceServicer_to_server(SpawnerServicer(manager, authenticator), public)
+    validator = UploadValidator(
+        ValidatorLimits(
+            config.upload_validation_memory_bytes,
+            config.upload_validation_timeout_s,
+            config.max_concurrent_upload_validations,
+        )
+    )
+    servicer = SpawnerServicer(manager, authenticator, validator)
+    spawner_pb2_grpc.add_SpawnerServiceServicer_to_server(servicer, public)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, public)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name

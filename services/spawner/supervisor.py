@@ -5,6 +5,11 @@ The supervisor owns the limits the spawner itself enforces: wall time (a timer),
 time where the backend can measure it (polled). It splits output into lines, replays what was
 already said to late subscribers, reports one ExitInfo to every subscriber and exit callback, and
 always waits for the handle, which releases what the sandbox held (cgroups, uid, container).
+
+Every output line and every message costs its bytes plus `ITEM_OVERHEAD_BYTES`, both against the
+output limit and in the replay buffer, so empty lines or messages are not free: the replay buffer holds
+at most `max_replay_bytes` of that charge while the instance runs (1 MiB: at most ~16,000 empty items)
+and `EXITED_REPLAY_BYTES` once it has exited (the tail of what it said, then its exit).
 """
 
 from __future__ import annotations
@@ -29,6 +34,12 @@ from l4m.spawner.sandbox import (
 
 DEFAULT_MAX_LINE_BYTES = 64 * 1024
 DEFAULT_MAX_REPLAY_BYTES = 1024 * 1024
+# What one output line or message costs beyond its payload: the event object, its bytes/str header and
+# its slot in the replay deque take ~100 bytes (measured with tracemalloc); 64 is charged, so that the
+# replay buffer's real size stays within ~2.5x its charge even when it holds nothing but empty items.
+ITEM_OVERHEAD_BYTES = 64
+# An exited instance keeps this much of its replay (the tail, by the same charge) for late attaches.
+EXITED_REPLAY_BYTES = 64 * 1024
 
 
 class InstanceState(StrEnum):
@@ -37,7 +48,7 @@ class InstanceState(StrEnum):
     EXITED = "exited"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class OutputEvent:
     """A line of output (with its newline), or a fragment of one longer than the line limit."""
 
@@ -45,7 +56,7 @@ class OutputEvent:
     data: bytes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MessageEvent:
     """A message the controller sent to its user through the runtime (not through its output)."""
 
@@ -114,6 +125,7 @@ class InstanceSupervisor:
         self._subscribers: set[asyncio.Queue[InstanceEvent]] = set()
         self._exit_callbacks: list[ExitCallback] = []
         self._handle: SandboxHandle | None = None
+        self._is_warm = False
         self._run_task: asyncio.Task[ExitInfo] | None = None
         self.state = InstanceState.STARTING
         self.exit_info: ExitInfo | None = None
@@ -128,7 +140,7 @@ class InstanceSupervisor:
     @property
     def is_warm(self) -> bool:
         """Whether the sandbox came from a warm pool (False until started)."""
-        return self._handle is not None and self._handle.is_warm
+        return self._is_warm
 
     def add_exit_callback(self, callback: ExitCallback) -> None:
         """`callback(exit_info)` runs once when the instance has exited and been cleaned up."""
@@ -138,6 +150,7 @@ class InstanceSupervisor:
         """Launches the sandbox; raises SandboxError if it cannot start."""
         self.started_at_monotonic_s = time.monotonic()
         self._handle = await self._sandbox.start(self.spec)
+        self._is_warm = self._handle.is_warm
         self.state = InstanceState.RUNNING
         self._run_task = asyncio.create_task(self._run(self._handle), name=f"instance-{self.instance_id}")
 
@@ -176,20 +189,20 @@ class InstanceSupervisor:
             self._subscribers.discard(queue)
 
     async def publish_message(self, text: str) -> bool:
-        """Forwards a controller's message to subscribers; counts against the output limit.
+        """Forwards a controller's message to subscribers; its bytes plus `ITEM_OVERHEAD_BYTES` count
+        against the output limit.
 
         Returns False (and kills the instance) when the message would go past the limit."""
         if self.state is not InstanceState.RUNNING or self._handle is None:
             return False
         size = len(text.encode())
         max_output_bytes = self.spec.limits.max_output_bytes
-        if self.num_output_bytes + size > max_output_bytes:
-            self.num_output_bytes += size
-            await self._handle.kill(
-                ExitReason.OUTPUT_LIMIT, f"wrote more than its output limit of {max_output_bytes} bytes"
-            )
+        charge = size + ITEM_OVERHEAD_BYTES
+        if self.num_output_bytes + charge > max_output_bytes:
+            self.num_output_bytes += charge
+            await self._handle.kill(ExitReason.OUTPUT_LIMIT, _over_limit_message(max_output_bytes))
             return False
-        self.num_output_bytes += size
+        self.num_output_bytes += charge
         if self._count_output_bytes is not None:
             self._count_output_bytes(size)
         self._publish(MessageEvent(text))
@@ -220,6 +233,7 @@ class InstanceSupervisor:
         self.state = InstanceState.EXITED
         self.exit_info = info
         self._publish(ExitEvent(info))
+        self._keep_exited_summary()
         for callback in self._exit_callbacks:
             result = callback(info)
             if inspect.isawaitable(result):
@@ -232,20 +246,19 @@ class InstanceSupervisor:
             if self.first_output_at_monotonic_s is None:
                 self.first_output_at_monotonic_s = time.monotonic()
             room = max_output_bytes - self.num_output_bytes
-            self.num_output_bytes += len(chunk.data)
+            charge = output_charge(chunk.data)
+            self.num_output_bytes += charge
+            data = chunk.data if charge <= room else affordable_prefix(chunk.data, room)
             if self._count_output_bytes is not None:
-                self._count_output_bytes(min(len(chunk.data), max(room, 0)))
-            if len(chunk.data) > room and not is_over_limit:
+                self._count_output_bytes(len(data))
+            if charge > room and not is_over_limit:
                 # The first byte past the limit kills, also when the output before it ended exactly
                 # at the limit (room == 0 here).
                 is_over_limit = True
-                await handle.kill(
-                    ExitReason.OUTPUT_LIMIT,
-                    f"wrote more than its output limit of {max_output_bytes} bytes",
-                )
-            if room <= 0:
+                await handle.kill(ExitReason.OUTPUT_LIMIT, _over_limit_message(max_output_bytes))
+            if not data:
                 continue  # drain what was in flight after the kill
-            for event in self._splitter.feed(OutputChunk(chunk.stream, chunk.data[:room])):
+            for event in self._splitter.feed(OutputChunk(chunk.stream, data)):
                 self._publish(event)
 
     async def _kill_after_wall_time(self, handle: SandboxHandle, wall_time_s: float) -> None:
@@ -265,18 +278,55 @@ class InstanceSupervisor:
                 )
                 return
 
+    def _keep_exited_summary(self) -> None:
+        """An exited instance keeps only the tail of its replay (`EXITED_REPLAY_BYTES`) and its exit,
+        and lets go of its sandbox handle: a summary, not its whole history."""
+        self._trim_history(EXITED_REPLAY_BYTES)
+        self._handle = None
+
+    def _trim_history(self, max_bytes: int) -> None:
+        while self._history_bytes > max_bytes and not isinstance(self._history[0], ExitEvent):
+            self._history_bytes -= _event_bytes(self._history.popleft())
+
     def _publish(self, event: InstanceEvent) -> None:
         self._history.append(event)
         self._history_bytes += _event_bytes(event)
-        while self._history_bytes > self._max_replay_bytes and not isinstance(self._history[0], ExitEvent):
-            self._history_bytes -= _event_bytes(self._history.popleft())
+        self._trim_history(self._max_replay_bytes)
         for queue in self._subscribers:
             queue.put_nowait(event)
 
 
+def output_charge(data: bytes) -> int:
+    """What output counts against the output limit: its bytes plus ITEM_OVERHEAD_BYTES per line."""
+    return len(data) + ITEM_OVERHEAD_BYTES * data.count(b"\n")
+
+
+def affordable_prefix(data: bytes, room: int) -> bytes:
+    """The longest prefix of `data` whose `output_charge` fits in `room` (a partial last line costs
+    its bytes only: it has no newline yet)."""
+    start = spent = 0
+    while start < len(data):
+        newline = data.find(b"\n", start)
+        if newline < 0:
+            break
+        line_charge = newline + 1 - start + ITEM_OVERHEAD_BYTES
+        if spent + line_charge > room:
+            return data[: start + max(0, min(room - spent, newline - start))]
+        spent += line_charge
+        start = newline + 1
+    return data[: start + max(0, min(room - spent, len(data) - start))]
+
+
+def _over_limit_message(max_output_bytes: int) -> str:
+    return (
+        f"wrote more than its output limit of {max_output_bytes} bytes "
+        f"(each line and message counts {ITEM_OVERHEAD_BYTES} bytes more than its text)"
+    )
+
+
 def _event_bytes(event: InstanceEvent) -> int:
     if isinstance(event, OutputEvent):
-        return len(event.data)
+        return len(event.data) + ITEM_OVERHEAD_BYTES
     if isinstance(event, MessageEvent):
-        return len(event.text)
+        return len(event.text.encode()) + ITEM_OVERHEAD_BYTES
     return 0

@@ -13,17 +13,26 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 MAX_VARIABLE_NAME_BYTES = 256
 MAX_VARIABLE_BYTES = 1 << 20
+DEFAULT_MAX_TOTAL_BYTES = 64 << 20
+# What one stored variable costs beyond its name and value, against the tree's total: about what its
+# dict entry, objects and headers take (measured ~200 bytes, see the unit test), so that empty values
+# under long names cannot fill the spawner's memory for free.
+VARIABLE_OVERHEAD_BYTES = 256
 
 
 class VariableError(ValueError):
     """A variable request that cannot be honoured (bad name, value too large)."""
 
 
-@dataclass(frozen=True)
+class VariableQuotaExceeded(VariableError):
+    """A write would take the launch tree's variables past their total."""
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     """A variable as it is at one version."""
 
@@ -41,19 +50,31 @@ class CasResult:
 _MISSING = Snapshot(exists=False, value=b"", version=0)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Variable:
     snapshot: Snapshot = _MISSING
-    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    # Created by the first watcher only: an unwatched variable carries no Condition (~1 KiB).
+    changed: asyncio.Condition | None = None
+    num_watchers: int = 0
+
+
+def variable_cost(name: str, value: bytes) -> int:
+    """What a stored variable counts against its tree's total."""
+    return len(name.encode()) + len(value) + VARIABLE_OVERHEAD_BYTES
 
 
 class VariableStore:
-    """The variables of one launch tree. All methods run on the spawner's event loop."""
+    """The variables of one launch tree. All methods run on the spawner's event loop.
 
-    def __init__(self, max_total_bytes: int = 64 << 20) -> None:
+    Invariant: `total_bytes` is the sum of `variable_cost` over the variables that exist, and never
+    exceeds `max_total_bytes`; a name held only by watchers costs nothing and is dropped with its last
+    watcher."""
+
+    def __init__(self, max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES) -> None:
         self._vars: dict[str, _Variable] = {}
         self._max_total_bytes = max_total_bytes
-        self._total_bytes = 0
+        self.total_bytes = 0
+        self.num_variables = 0  # that exist (not names held only by watchers)
 
     def get(self, name: str) -> Snapshot:
         _check_name(name)
@@ -74,35 +95,53 @@ class VariableStore:
 
     async def watch(self, name: str) -> AsyncIterator[Snapshot]:
         """The current snapshot, then one per write, forever (the caller cancels)."""
-        var = self._variable(name)
-        seen = -1
-        while True:
-            async with var.changed:
-                await var.changed.wait_for(lambda seen=seen: var.snapshot.version != seen)
-                snap = var.snapshot
-            seen = snap.version
-            yield snap
-
-    def _variable(self, name: str) -> _Variable:
         _check_name(name)
-        return self._vars.setdefault(name, _Variable())
+        var = self._vars.setdefault(name, _Variable())
+        if var.changed is None:
+            var.changed = asyncio.Condition()
+        var.num_watchers += 1
+        changed, seen = var.changed, -1
+        try:
+            while True:
+                async with changed:
+                    await changed.wait_for(lambda seen=seen: var.snapshot.version != seen)
+                    snap = var.snapshot
+                seen = snap.version
+                yield snap
+        finally:
+            var.num_watchers -= 1
+            if not var.num_watchers and not var.snapshot.exists and self._vars.get(name) is var:
+                del self._vars[name]
+
+    def clear(self) -> None:
+        """Drops every variable (the tree has ended: nobody can read them any more)."""
+        self._vars.clear()
+        self.total_bytes = self.num_variables = 0
 
     async def _write(self, name: str, value: bytes) -> Snapshot:
+        _check_name(name)
         if len(value) > MAX_VARIABLE_BYTES:
             raise VariableError(
                 f"variable {name!r}: value of {len(value)} bytes exceeds {MAX_VARIABLE_BYTES}"
             )
-        var = self._variable(name)
-        growth = len(value) - len(var.snapshot.value)
-        if self._total_bytes + growth > self._max_total_bytes:
-            raise VariableError(
-                f"variable {name!r}: the launch tree's variables would exceed {self._max_total_bytes} bytes"
+        old = self._vars.get(name)
+        old_cost = variable_cost(name, old.snapshot.value) if old is not None and old.snapshot.exists else 0
+        growth = variable_cost(name, value) - old_cost
+        if self.total_bytes + growth > self._max_total_bytes:
+            raise VariableQuotaExceeded(
+                f"variable {name!r}: the launch tree's variables would exceed {self._max_total_bytes} bytes "
+                f"(each costs its name, its value and {VARIABLE_OVERHEAD_BYTES} bytes; "
+                f"{self.num_variables} variables hold {self.total_bytes} now)"
             )
+        var = old if old is not None else self._vars.setdefault(name, _Variable())
+        if not var.snapshot.exists:
+            self.num_variables += 1
         # No await between the read of the version and the write: the event loop makes this atomic.
         var.snapshot = Snapshot(exists=True, value=value, version=var.snapshot.version + 1)
-        self._total_bytes += growth
-        async with var.changed:
-            var.changed.notify_all()
+        self.total_bytes += growth
+        if var.changed is not None:
+            async with var.changed:
+                var.changed.notify_all()
         return var.snapshot
 
 

@@ -117,7 +117,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "follows it later); otherwise Ctrl-C or a lost connection ends the instance")
     parser.add_argument("--max-tokens", nargs="?", action=_AmbiguousMaxTokens, help=argparse.SUPPRESS)
     limits = parser.add_argument_group("limits of this launch (left out: the spawner's default; above the "
-                                       "spawner's maximum: its maximum)")
+                                       "spawner's maximum: refused)")
     for flag in LIMIT_FLAGS:
         limits.add_argument(f"--{flag.name}", dest=flag.field, type=_positive(flag.kind), metavar=flag.metavar,
                             help=flag.help)

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hashlib
 import os
 import signal
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -35,6 +37,7 @@ from l4m.credentials import CredentialError, open_channel, write_secret_file
 from l4m.keys import ADMIN_KEY_FILE_NAME, KEYS_FILE_NAME, KeyStoreError, ensure_admin_key
 
 STOP_GRACE_S = 10.0
+LOCK_FILE_NAME = "cluster.lock"  # in the state directory: see `lock_state_dir`
 LOG_TAIL_LINES = 40
 # The health channel is refused until the service binds (minutes, while a model loads); gRPC's default
 # reconnect backoff would by then wait up to tens of seconds before trying again.
@@ -209,6 +212,41 @@ def prepare_state_dir(config: ClusterConfig) -> str:
     return ensure_admin_key(config.state_dir)
 
 
+def lock_state_dir(config: ClusterConfig) -> int:
+    """Claims the state directory for one cluster: an `flock` on `<state>/cluster.lock`, held by the
+    supervisor and inherited by every service it starts, so the claim lasts while any of them lives
+    (services outlive a killed supervisor: they run in sessions of their own) and ends with the last.
+    Returns the lock's descriptor; a second cluster on the same directory is refused, not allowed to
+    take over its sockets."""
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    path = config.state_dir / LOCK_FILE_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ClusterError(
+            f"the state directory {config.state_dir} is in use by another l4m cluster (its processes hold "
+            f"{path}: `fuser -v {path}` names them); stop it, or give this one another --state-dir"
+        ) from None
+    return fd
+
+
+def remove_stale_sockets(config: ClusterConfig) -> list[Path]:
+    """Removes the socket files a cluster that ended without cleaning up (a crash, a kill) left behind.
+    Call it only while holding the state directory's lock: no live service of this directory owns one."""
+    removed = []
+    for directory in (config.socket_dir, config.internal_socket_dir):
+        if not directory.is_dir():
+            continue
+        for path in directory.iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISSOCK(path.lstat().st_mode):
+                    path.unlink()
+                    removed.append(path)
+    return removed
+
+
 class Cluster:
     """Starts, watches and stops the services of `service_specs(config)`."""
 
@@ -217,12 +255,20 @@ class Cluster:
         self._say = say
         self._services: list[RunningService] = []
         self._pumps: list[asyncio.Task[None]] = []
+        self._lock_fd: int | None = None
 
     async def start(self) -> None:
-        """Start every service in order and wait for each to be healthy; on any failure stop all and raise."""
+        """Claim the state directory, then start every service in order and wait for each to be healthy;
+        on any failure stop all and raise."""
+        self._lock_fd = lock_state_dir(self.config)
         try:
+            stale = remove_stale_sockets(self.config)
+            if stale:
+                self._say(f"removed {len(stale)} socket file(s) an earlier run left: "
+                          + ", ".join(str(p) for p in stale))
             prepare_state_dir(self.config)
         except (CredentialError, KeyStoreError) as error:  # e.g. a secret file others may read
+            self._unlock()
             raise ClusterError(str(error)) from error
         try:
             for spec in service_specs(self.config):
@@ -284,6 +330,14 @@ class Cluster:
             pump.cancel()
         await asyncio.gather(*self._pumps, return_exceptions=True)
         self._pumps.clear()
+        if self._lock_fd is not None and all(s.process.returncode is not None for s in self._services):
+            remove_stale_sockets(self.config)  # a service killed after the grace period leaves its own
+            self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def describe_exit(self, service: RunningService) -> str:
         tail = "\n".join(f"  | {line}" for line in service.log_tail[-LOG_TAIL_LINES:])
@@ -301,6 +355,7 @@ class Cluster:
             stderr=asyncio.subprocess.STDOUT,
             env=env,
             start_new_session=True,  # Ctrl-C reaches the supervisor only; it stops children in order
+            pass_fds=() if self._lock_fd is None else (self._lock_fd,),  # the state directory's claim
         )
         service = RunningService(spec, process, log_path)
         self._services.append(service)

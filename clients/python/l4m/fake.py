@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from l4m import brle
+from l4m import brle, limits
 from l4m.v1 import common_pb2, l4m_pb2
 
 SMOLLM_CHAT_TEMPLATE = (
@@ -172,6 +172,10 @@ class FakeL4M:
             max_kv_pages_per_instance=self.max_kv_pages_per_instance, max_embed_slots_per_instance=0,
             num_free_kv_pages=len(self._free_physical), num_executors=1,
             max_continuation_steps=self.max_continuation_steps,
+            max_distribution_entries_per_command=limits.DEFAULT_MAX_DISTRIBUTION_ENTRIES_PER_COMMAND,
+            max_command_bytes=limits.MAX_COMMAND_BYTES,
+            max_response_bytes=limits.MAX_RESPONSE_BYTES,
+            max_mask_runs_per_command=limits.DEFAULT_MAX_MASK_RUNS_PER_COMMAND,
         )
 
     @property

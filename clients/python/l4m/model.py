@@ -46,6 +46,10 @@ class Model:
         self.max_context_tokens = info.model.max_context_tokens
         self.stop_token_ids = tuple(info.model.stop_token_ids)
         self.max_continuation_steps = info.max_continuation_steps  # 0: the scheduler runs no continuation
+        # Per command: outputs x distribution_top_k (or a sample_top_k's k), and tokens fed (0: not told).
+        self.max_distribution_entries_per_command = info.max_distribution_entries_per_command
+        self.max_tokens_per_command = info.max_tokens_per_command
+        self.max_mask_runs_per_command = info.max_mask_runs_per_command
         self.kv_pages = IdPool(info.max_kv_pages_per_instance or 1 << 20)
         self.streams = IdPool(MAX_STREAMS)
         # Pages other holders may read outside this instance's refcounts (exported or imported): read-only.

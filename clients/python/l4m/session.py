@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from l4m import limits
 from l4m.errors import SessionClosed, Trapped
 from l4m.v1 import l4m_pb2, l4m_pb2_grpc
 
@@ -109,7 +110,9 @@ class Session:
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
     ) -> Session:
         """Open a channel to the scheduler at `address` (e.g. `unix:///run/l4m/scheduler.sock`)."""
-        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        # The scheduler's limits (l4m.limits): it accepts commands of MAX_COMMAND_BYTES and answers each
+        # within MAX_RESPONSE_BYTES.
+        options = limits.grpc_options(limits.MAX_COMMAND_BYTES, limits.MAX_RESPONSE_BYTES)
         channel = grpc.aio.insecure_channel(grpc_target(address), options=options)
 
         def blocking_get_info(request: l4m_pb2.GetInfoRequest, timeout: float, metadata: Any) -> Any:

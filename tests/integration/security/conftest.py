@@ -1,9 +1,12 @@
-"""The attack suite's tools: a raw SpawnerService client that presents a given API key (or none), and
-the two users' keys, made once with `l4m keys add` on the session's shared `l4m up`."""
+"""The attack suite's tools: a raw SpawnerService client that presents a given API key (or none), the
+two users' keys, made once with `l4m keys add` on the session's shared `l4m up`, and the baseline every
+test of this directory is compared with at its end (`test_zz_unharmed.py`): taken before the first one."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -14,10 +17,13 @@ import pytest
 
 from l4m.credentials import bearer_metadata
 from l4m.v1 import spawner_pb2, spawner_pb2_grpc
-from tests.integration.conftest import UpCluster
+from tests.integration.conftest import L4M_CLI, REPO, UpCluster, service_env
 
 CONTROLLERS = Path(__file__).parent / "controllers"
 ATTACKER = CONTROLLERS / "attacker.py"
+TEXT_COMPLETION = REPO / "examples" / "controllers" / "text_completion.py"
+GREEDY_ARGS = ("--no-stream", "--max-tokens", "12", "Name a colour.")
+CLI_TIMEOUT_S = 300
 
 
 @dataclass
@@ -122,3 +128,44 @@ def users(l4m_up: UpCluster) -> Iterator[Users]:
     yield users
     for spawner in (users.admin, users.alice, users.bob, users.anonymous):
         spawner.close()
+
+
+def greedy_completion(l4m_up: UpCluster) -> list[int]:
+    """The tokens of a normal controller's greedy completion, run as the admin through `l4m run`."""
+    argv = [str(L4M_CLI), "run", "--spawner", l4m_up.spawner_address, "--api-key-file", str(l4m_up.admin_key_path),
+            str(TEXT_COMPLETION), "--", *GREEDY_ARGS]
+    proc = subprocess.run(argv, cwd=REPO, env=service_env(), capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.splitlines()[-1])["token_ids"]
+
+
+def pages_used(l4m_up: UpCluster) -> dict[str, float]:
+    """KV pages and embedding slots held, as the scheduler counts them and as the executor does."""
+    scheduler, executor = l4m_up.metrics("scheduler"), l4m_up.metrics("executor")
+    return {
+        "scheduler_kv_pages": scheduler.value("l4m_scheduler_kv_pages_used"),
+        "executor_kv_pages": executor.value("l4m_executor_kv_pages_used"),
+        "scheduler_embed_slots": scheduler.value("l4m_scheduler_embed_slots_used"),
+        "executor_embed_slots": executor.value("l4m_executor_embed_slots_used"),
+    }
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """A clean cluster, before the first attack: the greedy tokens, and what was held then (the session's
+    cluster is shared with earlier test modules, whose persistent exports may hold some pages)."""
+
+    tokens: list[int]
+    held: dict[str, float]
+
+
+@pytest.fixture(scope="session")
+def baseline(l4m_up: UpCluster) -> Baseline:
+    return Baseline(greedy_completion(l4m_up), pages_used(l4m_up))
+
+
+@pytest.fixture(autouse=True)
+def _baseline_before_the_first_attack(request: pytest.FixtureRequest) -> None:
+    """Every test here runs after the baseline was taken, whichever of them runs first (or alone)."""
+    if "l4m_up" in request.fixturenames or "users" in request.fixturenames:
+        request.getfixturevalue("baseline")

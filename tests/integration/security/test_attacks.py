@@ -4,7 +4,8 @@ contained with a clear gRPC status or trap reason, and only the offender may be 
 the same greedy completion comes back token for token and every KV page is back in the pool.
 
 Users: the admin (the key `l4m up` wrote), alice and bob (`l4m keys add`), and a caller with no key.
-The tests run in file order: the first records the baseline completion, the last compares with it.
+The baseline (the greedy completion, the pages held) is taken before the first test of this directory;
+`test_zz_unharmed.py` compares with it after the last.
 """
 
 from __future__ import annotations
@@ -19,23 +20,7 @@ import pytest
 from l4m.credentials import bearer_metadata
 from l4m.v1 import registry_pb2, registry_pb2_grpc, spawner_pb2
 from tests.integration.conftest import L4M_CLI, REPO, UpCluster, service_env
-from tests.integration.security.conftest import ATTACKER, Users, wait_until
-
-TEXT_COMPLETION = REPO / "examples" / "controllers" / "text_completion.py"
-GREEDY_ARGS = ("--no-stream", "--max-tokens", "12", "Name a colour.")
-# What a clean cluster looks like, taken before the first attack: the greedy tokens, and the pages held
-# then (the session's cluster is shared with earlier test modules, whose persistent exports may hold some).
-_baseline: dict[str, object] = {}
-
-
-def _completion_tokens(l4m_run) -> list[int]:  # type: ignore[no-untyped-def]
-    result = l4m_run(TEXT_COMPLETION, *GREEDY_ARGS)
-    assert result.returncode == 0, result.describe()
-    return result.summary()["token_ids"]
-
-
-def _pages_used(l4m_up: UpCluster) -> float:
-    return l4m_up.metrics("scheduler").value("l4m_scheduler_kv_pages_used")
+from tests.integration.security.conftest import ATTACKER, Baseline, Users, pages_used, wait_until
 
 
 def _trapped(ended, kind: str, *words: str) -> None:  # type: ignore[no-untyped-def]
@@ -44,12 +29,6 @@ def _trapped(ended, kind: str, *words: str) -> None:  # type: ignore[no-untyped-
     assert any(f"({kind})" in line for line in ended.logs), ended.describe()
     for word in words:
         assert word in ended.exit.message, ended.describe()
-
-
-def test_00_baseline_completion(l4m_up: UpCluster, l4m_run) -> None:  # type: ignore[no-untyped-def]
-    _baseline["pages"] = _pages_used(l4m_up)
-    _baseline["tokens"] = _completion_tokens(l4m_run)
-    assert _baseline["tokens"]
 
 
 # (a) a sandbox calls the registry on its L4M socket; the registry socket is not there to find
@@ -169,17 +148,17 @@ def test_h_unshare_and_mount_fail_in_the_sandbox(l4m_run) -> None:  # type: igno
 
 
 # (i) Ctrl-C on `l4m run` frees the instance's pages within a second
-def test_i_ctrl_c_frees_the_pages(l4m_up: UpCluster) -> None:
+def test_i_ctrl_c_frees_the_pages(l4m_up: UpCluster, baseline: Baseline) -> None:
     argv = [str(L4M_CLI), "run", "--spawner", l4m_up.spawner_address, "--api-key-file", str(l4m_up.admin_key_path),
             str(ATTACKER), "--", "wait"]
     proc = subprocess.Popen(argv, cwd=REPO, env=service_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready", proc.stderr
-        pages_held = _baseline["pages"]
-        assert _pages_used(l4m_up) > pages_held
+        pages_held = baseline.held["scheduler_kv_pages"]
+        assert pages_used(l4m_up)["scheduler_kv_pages"] > pages_held
         proc.send_signal(signal.SIGINT)
-        elapsed = wait_until(lambda: _pages_used(l4m_up) == pages_held, timeout_s=10)
+        elapsed = wait_until(lambda: pages_used(l4m_up)["scheduler_kv_pages"] == pages_held, timeout_s=10)
         # The spawner ends it at once (a second is the promise); the slack is for scrapes on a loaded CI box.
         assert elapsed < 3.0, f"the pages were freed {elapsed:.2f} s after Ctrl-C"
         proc.wait(30)
@@ -187,8 +166,3 @@ def test_i_ctrl_c_frees_the_pages(l4m_up: UpCluster) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def test_z_the_cluster_is_unharmed(l4m_up: UpCluster, l4m_run) -> None:  # type: ignore[no-untyped-def]
-    assert _completion_tokens(l4m_run) == _baseline["tokens"]
-    wait_until(lambda: _pages_used(l4m_up) == _baseline["pages"], timeout_s=10)

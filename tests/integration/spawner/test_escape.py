@@ -380,10 +380,14 @@ report("ptrace-child", libc.syscall(NR["ptrace"], PTRACE_ATTACH, child, None, No
 report("ptrace-parent", libc.syscall(NR["ptrace"], PTRACE_ATTACH, os.getppid(), None, None))
 os.kill(child, signal.SIGKILL)
 os.waitpid(child, 0)
-status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
-print("NoNewPrivs", status["NoNewPrivs"].strip())
-print("Seccomp", status["Seccomp"].strip())
-print("CapEff", status["CapEff"].strip())
+# Asked of the kernel, not read from /proc/self/status: the process backend mounts no /proc.
+PR_GET_SECCOMP, PR_GET_NO_NEW_PRIVS = 21, 39
+print("NoNewPrivs", libc.prctl(PR_GET_NO_NEW_PRIVS, 0, 0, 0, 0))
+print("Seccomp", libc.prctl(PR_GET_SECCOMP, 0, 0, 0, 0))
+header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+data = (ctypes.c_uint32 * 6)()  # two (effective, permitted, inheritable) words
+assert libc.capget(header, data) == 0, ctypes.get_errno()
+print("CapEff", f"{(data[3] << 32) | data[0]:016x}")
 print("done", flush=True)
 """
 # Every probe a controller may not have on either backend.
@@ -525,3 +529,31 @@ except OSError as e:
     assert "CONNECTED" not in run.stdout and "SECRET" not in run.stdout, run.stdout
     assert run.stdout.count("REFUSED") == len(targets) + 1, run.stdout
     assert run.is_warm == serves_warm(sandbox)
+
+
+MOUNT_PROBE = """
+import os, sys
+for path in ("/proc/self/mountinfo", "/proc/mounts", "/proc/1/mountinfo", "/proc/self/environ", "/proc/kallsyms"):
+    try:
+        print("READ", path, open(path).read())
+    except OSError as e:
+        print("REFUSED", path, type(e).__name__)
+print("PROC", sorted(os.listdir("/proc")) if os.path.exists("/proc") else "absent")
+"""
+
+
+@pytest.mark.parametrize("backend", ["process_sandbox", "warm_process_sandbox"])
+def test_the_process_sandbox_shows_no_mount_table_and_so_no_host_paths(
+    request: pytest.FixtureRequest, backend: str, store: ProgramStore, tmp_path: Path
+) -> None:
+    """Issue #17: /proc/self/mountinfo named each bind's host path (the state directory, the program
+    store, the repository). The process backend mounts no /proc at all, so neither the mount table nor
+    the kernel's other /proc files (kallsyms, the bwrap init's environ) are there to read."""
+    sandbox: Sandbox = request.getfixturevalue(backend)
+    run = run_with(sandbox, run_next_to_bystanders(sandbox, store, MOUNT_PROBE,
+                                                   socket_dir=default_socket_dir(sandbox)))
+    assert run.exit.reason is ExitReason.EXITED, f"{run.exit}\n{run.stderr}"
+    assert "READ" not in run.stdout and run.stdout.count("REFUSED") == 5, run.stdout
+    assert "PROC absent" in run.stdout, run.stdout
+    for host_path in (str(store.root), str(tmp_path)):
+        assert host_path not in run.stdout + run.stderr

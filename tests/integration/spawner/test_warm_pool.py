@@ -112,7 +112,16 @@ print("programs", sorted(os.listdir("/opt/l4m/program")))
 source = open(sys.argv[0]).read()
 print("own-source", "SECOND-MARKER" in source, "FIRST-" + "SECRET" in source)
 print("tmp", sorted(os.listdir("/tmp")))
-print("processes", sorted(p for p in os.listdir("/proc") if p.isdigit()))
+# No /proc in the sandbox: find the processes it can see by signalling each pid (0: no signal sent).
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # there, but not ours
+    return True
+print("processes", [str(pid) for pid in range(1, 4096) if alive(pid)])
 """
 
 

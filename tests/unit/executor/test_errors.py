@@ -143,7 +143,7 @@ BAD_BATCHES = [
         InvalidCommand,
         "allows no token",
     ),
-    ("write collision", [good_item(), good_item()], InvalidCommand, "same kv page slot"),
+    ("write collision", [good_item(), good_item()], InvalidCommand, "item 1: writes kv page 0 slot 2, the same kv page slot as item 0"),
     ("bad second item", [good_item(), good_item(kv_page_ids=(0, 7))], UnknownResource, "item 1: kv page 7"),
     ("sample_top_k k 0", [SampleTopK(0, 0)], InvalidCommand, "k must be in 1..49152"),
     ("sample_top_k slot", [SampleTopK(2, 3)], UnknownResource, "embed slot 2 is not allocated"),
@@ -219,3 +219,64 @@ def test_bad_batch_is_rejected_without_state_change(engine, case, batch, error, 
 def test_empty_batch_is_rejected(engine) -> None:
     with pytest.raises(InvalidCommand, match="empty batch"):
         engine.execute([])
+
+
+def _second_item(sampler: SamplerSpec = GREEDY) -> ForwardText:
+    """One token into slot 1 of page 1: writes nothing `good_item` writes."""
+    return ForwardText((1,), 2, (10,), (5,), (), (0,), (sampler,))
+
+
+# The item the error blames (None: the batch as a whole), so the scheduler can trap that item's instance
+# alone and send the others again.
+BLAMED_ITEMS = [
+    ("write collision", [good_item(), _second_item(), good_item()], 2),
+    ("continuation collision",
+     [_second_item(), dataclasses.replace(good_item(), kv_page_ids=(0, 1), kv_last_page_length=2,
+                                          num_continuation_steps=1)], 1),
+    ("bad second item", [good_item(), good_item(kv_page_ids=(0, 7))], 1),
+    ("vocab mask of item 1", [good_item(), _second_item(SamplerSpec(vocab_mask=(0, 49152)))], 1),
+    ("allocate duplicate across items", [Allocate(SLOT, (3,)), Allocate(SLOT, (3,))], 1),
+    ("deallocate unknown in item 1", [Deallocate(PAGE, (0,)), Deallocate(PAGE, (5,))], 1),
+    ("copy unknown page in item 1", [CopyKvPage(0, 1, 0, 0, 1), CopyKvPage(0, 9, 0, 0, 1)], 1),
+    ("mask of item 1", [MaskKvPage(0, (4,)), MaskKvPage(1, (2, 1))], 1),
+    ("mixed kinds", [SampleTopK(0, 1), MaskKvPage(0, (4,))], None),
+    ("empty", [], None),
+]
+
+
+@pytest.mark.parametrize(("case", "batch", "item_index"), BLAMED_ITEMS, ids=[c[0] for c in BLAMED_ITEMS])
+def test_a_rejected_batch_names_the_offending_item(engine, case, batch, item_index) -> None:
+    from l4m.executor.convert import error_to_pb
+
+    before = snapshot(engine)
+    with pytest.raises(InvalidCommand) as info:
+        engine.execute(batch)
+    assert info.value.item_index == item_index, info.value.reason
+    assert_same(before, snapshot(engine))
+    error = error_to_pb(7, info.value, is_unsupported=False).error
+    assert error.has_item_index == (item_index is not None) and error.item_index == (item_index or 0)
+
+
+def test_without_the_blamed_item_the_collision_batch_runs(engine) -> None:
+    batch = [good_item(), _second_item(), good_item()]
+    with pytest.raises(InvalidCommand) as info:
+        engine.execute(batch)
+    rest = [item for n, item in enumerate(batch) if n != info.value.item_index]
+    assert len(engine.execute(rest)) == 2
+
+
+def test_reset_frees_every_page_and_slot_and_zeroes_them(loaded) -> None:
+    from l4m.executor.engine import Engine, EngineConfig
+
+    engine = Engine(loaded, EngineConfig(device=TEST_DEVICE, page_size=4, num_pages=8, num_embed_slots=4))
+    engine.allocate([Allocate(PAGE, (0, 1, 5)), Allocate(SLOT, (2,))])
+    engine.forward_text([ForwardText((0, 1), 2, (1, 2, 3, 4, 5, 6), tuple(range(6)))])
+    engine.embed_text([EmbedText((2,), (5,), (0,))])
+    engine.mask_kv_page([MaskKvPage(0, (1, 3))])
+    assert engine.reset() == (3, 1)
+    cache = engine.cache
+    assert not cache.is_page_allocated.any() and not cache.is_slot_allocated.any()
+    assert all(not layer.any() for layer in cache.layers) and cache.page_visible.all()
+    assert not cache.embeds.any() and not cache.embed_positions.any()
+    assert engine.reset() == (0, 0)
+    engine.allocate([Allocate(PAGE, (0, 1))])  # the ids the scheduler hands out again are free here

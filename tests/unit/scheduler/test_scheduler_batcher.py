@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from l4m import limits
+from l4m.scheduler import requests as rq
 from l4m.scheduler.batcher import (
     Adaptive,
+    BatchBounds,
     Batcher,
     BatchQueue,
     Command,
@@ -16,6 +19,7 @@ from l4m.scheduler.batcher import (
     TOnly,
     parse_strategy,
 )
+from l4m.v1 import common_pb2, executor_pb2
 
 
 class FakeExecutor:
@@ -29,11 +33,12 @@ class FakeInstance:
 class Rig:
     """One executor's queues, streams of fake instances, and a log of fired batches."""
 
-    def __init__(self, strategy: object, max_batch_tokens: int = 1000) -> None:
+    def __init__(self, strategy: object, max_batch_tokens: int = 1000, bounds: BatchBounds | None = None) -> None:
         self.now = 0.0
         self.executor = FakeExecutor()
         self.batcher = Batcher(strategy)  # type: ignore[arg-type]
-        self.queues = {k: BatchQueue(k, self.executor, max_batch_tokens) for k in ("forward_text", "allocate")}
+        self.queues = {k: BatchQueue(k, self.executor, max_batch_tokens, bounds)
+                       for k in ("forward_text", "allocate", "sample_top_k")}
         self.batcher.add_queues(list(self.queues.values()))
         self.fired: list[tuple[str, list[tuple[int, int]]]] = []
         self.locals: list[int] = []
@@ -41,8 +46,8 @@ class Rig:
     def stream(self) -> Stream:
         return Stream(FakeInstance(), 0)
 
-    def submit(self, stream: Stream, kind: str, request_id: int, num_tokens: int = 1) -> None:
-        self.batcher.submit(Command(stream, request_id, kind, None, self.now, num_tokens))
+    def submit(self, stream: Stream, kind: str, request_id: int, num_tokens: int = 1, item: object = None) -> None:
+        self.batcher.submit(Command(stream, request_id, kind, item, self.now, num_tokens))
 
     def route(self, command: Command) -> BatchQueue | None:
         if command.kind == "synchronize":
@@ -397,3 +402,84 @@ def test_priorities_still_order_a_regrouped_batch() -> None:
     rig.submit(high, "forward_text", 3)
     rig.step()
     assert rig.fired_ids() == [[1, 0], [3, 2]]
+
+
+# ---- the executor's bounds on a batch (BatchBounds, from its GetInfo) ----
+
+
+def distribution_item(num_outputs: int, top_k: int) -> common_pb2.ForwardTextItem:
+    return rq.forward_text([0], 16, [1] * num_outputs, outputs=list(range(num_outputs)),
+                           samplers=[common_pb2.SamplerSpec(kind=1, distribution_top_k=top_k)] * num_outputs).forward_text
+
+
+def submit_items(rig: Rig, kind: str, items: list[object]) -> None:
+    for i, item in enumerate(items):
+        rig.submit(rig.stream(), kind, i, item=item)
+    rig.step()
+
+
+def test_forward_text_batches_respect_the_distribution_entries_bound() -> None:
+    rig = Rig(Eager(), bounds=BatchBounds(max_distribution_entries=2500))
+    submit_items(rig, "forward_text", [distribution_item(2, 500) for _ in range(5)])
+    assert rig.fired_ids() == [[0, 1], [2, 3], [4]]
+
+
+def test_sample_top_k_batches_respect_the_distribution_entries_bound() -> None:
+    rig = Rig(Eager(), bounds=BatchBounds(max_distribution_entries=1000))
+    submit_items(rig, "sample_top_k", [common_pb2.SampleTopKItem(embed_slot_id=0, k=400) for _ in range(5)])
+    assert rig.fired_ids() == [[0, 1], [2, 3], [4]]
+
+
+def test_forward_text_batches_respect_the_reply_bytes_bound() -> None:
+    """Greedy outputs carry no entries; their bytes count: 100 outputs are 16 + 100 x 32 bytes at worst."""
+    item = rq.forward_text([0], 16, [1] * 100, outputs=list(range(100))).forward_text
+    assert limits.reply_bytes("forward_text", item) == 3216
+    rig = Rig(Eager(), bounds=BatchBounds(max_reply_bytes=3 * 3216))
+    submit_items(rig, "forward_text", [item] * 4)
+    assert rig.fired_ids() == [[0, 1, 2], [3]]
+
+
+def test_batches_respect_the_request_bytes_bound() -> None:
+    """Items with an attention mask are large; a batch holds what the executor's receive limit allows."""
+    item = rq.forward_text([0, 1], 16, [1] * 16, masks=[[17 + i] for i in range(16)]).forward_text
+    cost = Command(Stream(FakeInstance(), 0), 0, "forward_text", item, 0.0, 16).request_bytes
+    assert cost >= item.ByteSize() + 4 * len(item.kv_page_ids)
+    rig = Rig(Eager(), bounds=BatchBounds(max_request_bytes=2 * cost + cost // 2))
+    submit_items(rig, "forward_text", [item] * 5)
+    assert rig.fired_ids() == [[0, 1], [2, 3], [4]]
+
+
+def test_an_item_over_a_bound_alone_still_fires_alone() -> None:
+    """A batch always takes its first item (validation keeps every command within the bounds)."""
+    rig = Rig(Eager(), bounds=BatchBounds(max_distribution_entries=10, max_reply_bytes=10, max_request_bytes=10))
+    submit_items(rig, "forward_text", [distribution_item(1, 100) for _ in range(3)])
+    assert rig.fired_ids() == [[0], [1], [2]]
+
+
+def test_bounds_are_the_smaller_of_the_executors_and_the_links() -> None:
+    margin = limits.MESSAGE_MARGIN_BYTES
+    assert BatchBounds.from_info(executor_pb2.ExecutorServiceGetInfoResponse()) == BatchBounds()
+    small = executor_pb2.ExecutorServiceGetInfoResponse(max_request_bytes=4 * margin, max_reply_bytes=3 * margin,
+                                                        max_distribution_entries_per_batch=7)
+    assert BatchBounds.from_info(small) == BatchBounds(3 * margin, 2 * margin, 7)
+    big = executor_pb2.ExecutorServiceGetInfoResponse(max_request_bytes=1 << 40, max_reply_bytes=1 << 40)
+    assert BatchBounds.from_info(big) == BatchBounds(limits.EXECUTOR_MAX_REQUEST_BYTES - margin,
+                                                     limits.EXECUTOR_MAX_REPLY_BYTES - margin)
+
+
+async def test_the_scheduler_never_sends_a_batch_over_the_executors_entries_bound(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    """Six instances each ask for 1,000 entries at once; the executor allows 2,500 per batch (and rejects
+    more): every command is served, in batches of two at most, and the executor rejects nothing."""
+    h = harness_factory("eager", max_distribution_entries_per_batch=2500)
+    opened = [h.open() for _ in range(6)]
+    for instance, _ in opened:
+        h.send(instance, rq.allocate([0]))
+    for instance, _ in opened:
+        h.send(instance, rq.request(forward_text=distribution_item(2, 500)))
+    await h.settle()
+    for instance, sink in opened:
+        (reply,) = sink.of("forward_text")
+        assert [len(o.distribution.token_ids) for o in reply.forward_text.outputs] == [500, 500]
+        assert instance.is_alive
+    sizes = [size for kind, size in h.sim().batch_sizes if kind == "forward_text"]
+    assert sum(sizes) == 6 and max(sizes) <= 2 and h.sim().num_errors == 0

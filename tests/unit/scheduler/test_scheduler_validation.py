@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from l4m import limits
 from l4m.scheduler import requests as rq
 from l4m.v1 import common_pb2, l4m_pb2
 
@@ -72,6 +73,15 @@ BAD = [
      "vocabulary_mask decodes to 5 values, expected 1000"),
     ("ft vocab mask none", ft(outputs=[1], samplers=[S(kind=2, vocabulary_mask=common_pb2.Brle(run_lengths=[0, 1000]))]),
      "allows no token"),
+    ("ft output count", ft(outputs=[0, 1, 0], samplers=[S(kind=2)]), "output_indices lists 3 indices for 2 inputs"),
+    ("ft vocab mask runs", ft(outputs=[1], samplers=[S(kind=2, vocabulary_mask=common_pb2.Brle(
+        run_lengths=[1000] + [0] * 2001))]), "vocabulary_mask has 2002 runs, more than the 2001 a mask of 1000 values"),
+    ("ft mask runs", ft(masks=[[17] + [0] * 40, [18]]), "attention_masks[0] has 41 runs, more than the 35"),
+    ("ft samplers over tokens", ft(outputs=[1], samplers=[S(kind=2)] * 3), "samplers has 3 entries for 2 token_ids"),
+    ("ft mask runs in all", ft(tokens=[1] * 600, positions=list(range(600)), pages=list(range(38)), last_page_length=8,
+                               outputs=list(range(600)), samplers=[S(kind=2, vocabulary_mask=common_pb2.Brle(
+                                   run_lengths=[0] + [1, 0] * 1000))] * 600),
+     "the masks carry 1200600 BRLE runs in all, more than max_mask_runs_per_command 1048576"),
     ("ft unowned page", ft(pages=[0, 7]), "kv page 7 is not allocated"),
     ("ft batch tokens", ft(tokens=[1] * 8193, positions=[1] * 8193), "8193 token_ids exceed the executor's max_batch_tokens"),
     ("ft too many pages", ft(pages=list(range(65))), "65 pages, more than max_kv_pages_per_instance 64"),
@@ -107,6 +117,8 @@ BAD = [
      "kv page 5 is not allocated"),
     ("mask length", item("mask_kv_page", kv_page_id=0, visibility=common_pb2.Brle(run_lengths=[15])),
      "visibility decodes to 15 values, expected 16"),
+    ("mask runs", item("mask_kv_page", kv_page_id=0, visibility=common_pb2.Brle(run_lengths=[16] + [0] * 40)),
+     "visibility has 41 runs, more than the 33"),
     ("mask unowned", item("mask_kv_page", kv_page_id=3, visibility=common_pb2.Brle(run_lengths=[16])),
      "kv page 3 is not allocated"),
     ("export name", rq.export("", [0]), "name '' is 0 bytes"),
@@ -154,3 +166,88 @@ async def test_commands_after_a_trap_are_ignored(harness_factory) -> None:  # ty
     h.send(inst, rq.deallocate([1]), rq.allocate([1]))
     await h.settle()
     assert len(sink.events) == 1 and h.free_pages() == 64
+
+
+# ---- bounded work per command (l4m.limits): distribution entries, reply bytes, mask runs ----
+
+
+def distributions(num_outputs: int, top_k: int, num_tokens: int = 2):  # type: ignore[no-untyped-def]
+    """A forward_text on pages [0, 1] asking for `num_outputs` DISTRIBUTION outputs of `top_k` entries."""
+    tokens = [1] * num_tokens
+    return ft(tokens=tokens, positions=list(range(16, 16 + num_tokens)), last_page_length=num_tokens,
+              outputs=list(range(num_outputs)), samplers=[S(kind=1, distribution_top_k=top_k)] * num_outputs)
+
+
+async def test_distribution_entries_are_bounded_per_command_by_the_executor_and_the_scheduler(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    """The executor allows 2,000 entries per batch, less than the scheduler's default: 2 x 1,000 pass, 3 x 1,000
+    trap naming the field, the value and the limit; GetInfo tells the bound; the bystander is served."""
+    h = harness_factory(max_distribution_entries_per_batch=2000)
+    assert h.scheduler.get_info().max_distribution_entries_per_command == 2000
+    good, good_sink = h.open("good")
+    offender, sink = h.open("offender")
+    h.send(good, rq.allocate([0, 1]), distributions(2, 1000, num_tokens=2))
+    h.send(offender, rq.allocate([0, 1]), distributions(3, 1000, num_tokens=3))
+    await h.settle()
+    assert sink.trap is not None and sink.trap.kind == INVALID
+    assert ("samplers ask for 3000 distribution entries (outputs x distribution_top_k), more than "
+            "max_distribution_entries_per_command 2000") in sink.trap.reason
+    (reply,) = good_sink.of("forward_text")
+    assert [len(o.distribution.token_ids) for o in reply.forward_text.outputs] == [1000, 1000]
+    assert good.is_alive and h.free_pages() == 62 and h.sim().num_errors == 0
+
+
+async def test_the_per_command_bound_is_the_schedulers_default_when_the_executor_allows_more(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory(max_distribution_entries_per_batch=1 << 30)
+    info = h.scheduler.get_info()
+    assert info.max_distribution_entries_per_command == limits.DEFAULT_MAX_DISTRIBUTION_ENTRIES_PER_COMMAND
+    assert info.max_tokens_per_command == 8192
+    assert info.max_mask_runs_per_command == limits.DEFAULT_MAX_MASK_RUNS_PER_COMMAND
+    assert (info.max_command_bytes, info.max_response_bytes) == (limits.MAX_COMMAND_BYTES, limits.MAX_RESPONSE_BYTES)
+
+
+async def test_sample_top_k_k_is_bounded_by_the_per_command_entries(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory(max_distribution_entries_per_batch=500)
+    inst, sink = h.open()
+    h.send(inst, rq.allocate([0], kind=rq.EMBED_SLOT), item("sample_top_k", embed_slot_id=0, k=600))
+    await h.settle()
+    assert sink.trap is not None and sink.trap.kind == INVALID
+    assert "k 600 asks for more than max_distribution_entries_per_command 500" in sink.trap.reason
+    assert h.free_slots() == 64
+
+
+async def test_a_reply_that_could_pass_the_reply_bytes_bound_traps(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    """400 greedy outputs could take 16 + 400 x 32 bytes; with 10,000 bytes allowed per reply the command traps
+    before it reaches a batch, naming the bytes and the limit."""
+    h = harness_factory(max_reply_bytes=limits.MESSAGE_MARGIN_BYTES + 10_000)
+    inst, sink = h.open()
+    pages = list(range(25))
+    h.send(inst, rq.allocate(pages),
+           rq.forward_text(pages, 16, [1] * 400, outputs=list(range(400))))
+    await h.settle()
+    assert sink.trap is not None and sink.trap.kind == INVALID
+    assert f"the reply could take {limits.reply_bytes('forward_text', _greedy_item(400))} bytes, more than " \
+           "max_reply_bytes 10000" in sink.trap.reason
+    assert h.free_pages() == 64 and h.sim().num_errors == 0
+
+
+def _greedy_item(num_outputs: int) -> common_pb2.ForwardTextItem:
+    return common_pb2.ForwardTextItem(samplers=[S(kind=2)] * num_outputs)
+
+
+async def test_millions_of_zero_length_mask_runs_are_refused_before_they_are_read(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    """The attack of issue 17: a vocabulary mask of 3 x 10^6 zero-length runs (legal runs, a legal length)
+    traps at validation, on the count of its runs alone (they are never summed); the bystander's step in the
+    same scheduler is served, and the executor never sees the mask."""
+    h = harness_factory()
+    good, good_sink = h.open("good")
+    offender, sink = h.open("offender")
+    h.send(good, rq.allocate([0, 1]))
+    mask = common_pb2.Brle(run_lengths=[1000] + [0] * 3_000_000)
+    h.send(offender, rq.allocate([0, 1]), ft(outputs=[1], samplers=[S(kind=2, vocabulary_mask=mask)], request_id=9))
+    h.send(good, ft(outputs=[1], request_id=5))
+    await h.settle()
+    assert sink.trap is not None and sink.trap.kind == INVALID and sink.trap.offending_request_id == 9
+    assert ("the masks carry 3000001 BRLE runs in all, more than max_mask_runs_per_command "
+            f"{limits.DEFAULT_MAX_MASK_RUNS_PER_COMMAND}") in sink.trap.reason
+    assert [e.request_id for e in good_sink.of("forward_text")] == [5] and good.is_alive
+    assert h.free_pages() == 62 and h.sim().num_errors == 0

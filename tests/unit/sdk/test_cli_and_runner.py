@@ -115,6 +115,7 @@ def test_local_variables_compare_and_set_append_watch(run) -> None:
     ("EXIT_REASON_TRAPPED", 3, 3),
     ("EXIT_REASON_MEMORY_LIMIT", 0, 1),
     ("EXIT_REASON_TERMINATED", 0, 1),
+    ("EXIT_REASON_KILLED", 0, 1),  # a kill -9 from outside the spawner
 ])
 def test_l4m_run_exits_with_the_controllers_own_status(reason: str, exit_code: int, status: int) -> None:
     assert exit_status(spawner_pb2.InstanceExit(reason=spawner_pb2.ExitReason.Value(reason), exit_code=exit_code)) == status

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from l4m.spawner.cli import parse_config
+from l4m.spawner.config import MiB
 
 
 def test_the_warm_pool_is_on_by_default_and_can_be_turned_off(tmp_path: Path) -> None:
@@ -41,3 +42,26 @@ def test_user_plane_and_control_plane_flags_reach_the_config(tmp_path: Path) -> 
     default, _ = parse_config(["--state-dir", str(tmp_path)], environ={})
     assert (default.api_keys_file, default.insecure_local, default.max_instances_per_user) == (None, False, 64)
     assert default.unattached_grace_s == 30.0
+
+
+def test_upload_and_per_user_sum_flags_reach_the_config(tmp_path: Path) -> None:
+    config, _ = parse_config(
+        ["--state-dir", str(tmp_path), "--max-program-mib", "2", "--upload-validation-memory-mib", "512",
+         "--upload-validation-timeout-s", "5", "--max-concurrent-upload-validations", "1",
+         "--max-memory-mib-per-user", "2048", "--max-wall-time-s-per-user", "900", "--max-exited-instances", "10",
+         "--max-variable-mib-per-tree", "8"],
+        environ={},
+    )  # fmt: skip
+    assert (config.max_program_bytes, config.upload_validation_memory_bytes) == (2 * MiB, 512 * MiB)
+    assert (config.upload_validation_timeout_s, config.max_concurrent_upload_validations) == (5.0, 1)
+    assert (config.max_memory_bytes_per_user, config.max_wall_time_s_per_user) == (2048 * MiB, 900.0)
+    assert (config.max_exited_instances, config.max_variable_bytes_per_tree) == (10, 8 * MiB)
+    default, _ = parse_config(["--state-dir", str(tmp_path)], environ={})
+    assert (default.max_program_bytes, default.upload_validation_memory_bytes) == (4 * MiB, 1024 * MiB)
+    assert default.max_memory_bytes_per_user == 64 * 512 * MiB
+
+
+def test_a_zero_upload_limit_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_config(["--state-dir", str(tmp_path), "--max-program-mib", "0"], environ={})
+    assert "--max-program-mib" in capsys.readouterr().err

@@ -66,7 +66,19 @@ def test_sigxcpu_is_the_cpu_limit() -> None:
 
 def test_sigkill_after_the_cpu_limit_is_the_cpu_limit() -> None:
     assert derive_exit_info(facts(signal=9, cpu_time_s=3.0)).reason is ExitReason.CPU_TIME_LIMIT
-    assert derive_exit_info(facts(signal=9, cpu_time_s=0.5)).reason is ExitReason.CRASHED
+    assert derive_exit_info(facts(signal=9, cpu_time_s=0.5)).reason is ExitReason.KILLED
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT])
+def test_a_signal_from_outside_that_no_limit_explains_is_killed_not_crashed(sig: int) -> None:
+    info = derive_exit_info(facts(signal=sig, cpu_time_s=0.1))
+    assert (info.reason, info.signal) == (ExitReason.KILLED, sig)
+    assert signal.Signals(sig).name in info.message and "outside the spawner" in info.message
+
+
+@pytest.mark.parametrize("sig", [signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL])
+def test_a_fault_signal_stays_a_crash(sig: int) -> None:
+    assert derive_exit_info(facts(signal=sig)).reason is ExitReason.CRASHED
 
 
 def test_a_refused_fork_that_ends_the_program_is_the_process_limit() -> None:
@@ -90,3 +102,10 @@ def test_without_counters_stderr_symptoms_name_the_limit() -> None:
 
 def test_symptoms_in_stderr_of_a_clean_exit_are_ignored() -> None:
     assert derive_exit_info(facts(exit_code=0, stderr_tail=b"MemoryError\n")).reason is ExitReason.EXITED
+
+
+def test_every_exit_reason_has_its_own_value_on_the_wire() -> None:
+    from l4m.spawner.server import _EXIT_REASON_TO_PB
+
+    values = [_EXIT_REASON_TO_PB[reason] for reason in ExitReason]
+    assert 0 not in values and len(set(values)) == len(values), _EXIT_REASON_TO_PB

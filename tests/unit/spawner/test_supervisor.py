@@ -18,7 +18,17 @@ from l4m.spawner.sandbox import (
     SandboxSpec,
     derive_exit_info,
 )
-from l4m.spawner.supervisor import ExitEvent, InstanceState, InstanceSupervisor, OutputEvent
+from l4m.spawner.supervisor import (
+    EXITED_REPLAY_BYTES,
+    ITEM_OVERHEAD_BYTES,
+    ExitEvent,
+    InstanceState,
+    InstanceSupervisor,
+    MessageEvent,
+    OutputEvent,
+    affordable_prefix,
+    output_charge,
+)
 
 
 class FakeHandle(SandboxHandle):
@@ -137,8 +147,12 @@ def test_output_past_the_limit_kills_with_output_limit() -> None:
         supervisor = InstanceSupervisor(FakeSandbox(chunks, exit_code=None), spec(max_output_bytes=250))
         await supervisor.start()
         events = await collect(supervisor)
-        assert sum(len(e.data) for e in events[:-1]) == 250
+        # The first line costs 100 + ITEM_OVERHEAD_BYTES; what is left of the 250 is cut from the second.
+        assert sum(len(e.data) for e in events[:-1]) == 250 - ITEM_OVERHEAD_BYTES
         assert events[-1].info.reason is ExitReason.OUTPUT_LIMIT
+        assert f"output limit of 250 bytes (each line and message counts {ITEM_OVERHEAD_BYTES}" in (
+            events[-1].info.message
+        )
 
     asyncio.run(go())
 
@@ -185,7 +199,7 @@ def test_output_ending_exactly_at_the_limit_then_more_still_kills() -> None:
     # Chunks that fill the limit exactly, then one more byte: the next chunk finds no room at all.
     async def go() -> None:
         sandbox = FakeSandbox([out(b"x" * 5 + b"\n"), out(b"y" * 6), out(b"z"), out(b"more")], exit_code=None)
-        supervisor = InstanceSupervisor(sandbox, spec(max_output_bytes=12))
+        supervisor = InstanceSupervisor(sandbox, spec(max_output_bytes=12 + ITEM_OVERHEAD_BYTES))
         await supervisor.start()
         events = await collect(supervisor)
         assert events[-1].info.reason is ExitReason.OUTPUT_LIMIT
@@ -207,5 +221,70 @@ def test_refine_exit_and_output_counter_hooks() -> None:
         events = await collect(supervisor)
         assert events[-1].info == ExitInfo(ExitReason.TRAPPED, "refined", 3)
         assert sum(counted) == 6
+
+    asyncio.run(go())
+
+
+def test_affordable_prefix_fits_the_charge() -> None:
+    data = b"ab\n\ncdef\n"
+    for room in range(output_charge(data) + 1):
+        prefix = affordable_prefix(data, room)
+        assert output_charge(prefix) <= room
+        assert data.startswith(prefix)
+        longer = data[: len(prefix) + 1]
+        assert len(prefix) == len(data) or output_charge(longer) > room
+    assert affordable_prefix(data, output_charge(data)) == data
+
+
+def test_a_million_empty_lines_hit_the_output_limit_and_the_replay_stays_bounded() -> None:
+    """Issue #17: 8x10^6 empty lines kept 100-320 MB. Each line now costs ITEM_OVERHEAD_BYTES + 1, against
+    the 16 MiB default output limit and in the 1 MiB replay buffer (64 KiB once exited)."""
+
+    async def go() -> None:
+        chunks = [out(b"\n" * 65536)] * 16  # 1,048,576 empty lines
+        supervisor = InstanceSupervisor(FakeSandbox(chunks, exit_code=None), spec())
+        await supervisor.start()
+        info = await supervisor.wait()
+        assert info.reason is ExitReason.OUTPUT_LIMIT
+        num_kept = len(supervisor._history) - 1
+        assert num_kept <= EXITED_REPLAY_BYTES // (ITEM_OVERHEAD_BYTES + 1)
+        events = await collect(supervisor)
+        assert len(events) == num_kept + 1 and isinstance(events[-1], ExitEvent)
+        print(f"1,048,576 empty lines: {supervisor.num_output_bytes} bytes charged, {num_kept} lines kept")
+
+    asyncio.run(go())
+
+
+def test_empty_messages_cost_the_overhead_and_are_refused_past_the_limit() -> None:
+    async def go() -> None:
+        limit = 1 << 20
+        supervisor = InstanceSupervisor(FakeSandbox([], exit_code=None), spec(max_output_bytes=limit))
+        await supervisor.start()
+        num_sent = 0
+        for _ in range(100_000):
+            if not await supervisor.publish_message(""):
+                break
+            num_sent += 1
+            # While running, the replay holds at most DEFAULT_MAX_REPLAY_BYTES of charge.
+            assert len(supervisor._history) <= (1 << 20) // ITEM_OVERHEAD_BYTES
+        assert num_sent == limit // ITEM_OVERHEAD_BYTES
+        info = await supervisor.wait()
+        assert info.reason is ExitReason.OUTPUT_LIMIT
+        messages = [e for e in await collect(supervisor) if isinstance(e, MessageEvent)]
+        assert len(messages) == EXITED_REPLAY_BYTES // ITEM_OVERHEAD_BYTES
+
+    asyncio.run(go())
+
+
+def test_an_exited_instance_keeps_only_the_tail_of_its_output() -> None:
+    async def go() -> None:
+        lines = [out(b"%07d\n" % i) for i in range(20_000)]  # 72 bytes charged each, 1.4 MB in all
+        supervisor = InstanceSupervisor(FakeSandbox(lines), spec())
+        await supervisor.start()
+        await supervisor.wait()
+        events = await collect(supervisor)
+        kept = [e.data for e in events[:-1]]
+        assert kept[-1] == b"0019999\n" and len(kept) == EXITED_REPLAY_BYTES // (8 + ITEM_OVERHEAD_BYTES)
+        assert supervisor._handle is None
 
     asyncio.run(go())

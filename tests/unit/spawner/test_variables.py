@@ -1,12 +1,19 @@
-"""Shared variables: versions, compare-and-set without lost updates, append, watch, limits."""
+"""Shared variables: versions, compare-and-set without lost updates, append, watch, limits, cost."""
 
 from __future__ import annotations
 
 import asyncio
+import tracemalloc
 
 import pytest
 
-from l4m.spawner.variables import VariableError, VariableStore
+from l4m.spawner.variables import (
+    DEFAULT_MAX_TOTAL_BYTES,
+    VARIABLE_OVERHEAD_BYTES,
+    VariableError,
+    VariableQuotaExceeded,
+    VariableStore,
+)
 
 
 def run(coro):
@@ -91,5 +98,67 @@ def test_bad_names_and_sizes_are_refused() -> None:
         with pytest.raises(VariableError, match="would exceed 10 bytes"):
             await store.set("x", b"x" * 11)
         assert store.get("x").exists is False
+
+    run(go())
+
+
+def test_every_variable_costs_its_name_and_a_fixed_overhead() -> None:
+    async def go() -> None:
+        store = VariableStore(max_total_bytes=1000)
+        await store.set("ab", b"")
+        assert store.total_bytes == 2 + VARIABLE_OVERHEAD_BYTES
+        await store.set("ab", b"xyz")
+        assert store.total_bytes == 5 + VARIABLE_OVERHEAD_BYTES
+        await store.append("ab", b"!")
+        assert (store.total_bytes, store.num_variables) == (6 + VARIABLE_OVERHEAD_BYTES, 1)
+
+    run(go())
+
+
+def test_empty_variables_under_long_names_hit_the_quota_and_stay_bounded() -> None:
+    """The attack of issue #17: 145,600 empty variables with 250-byte names cost 253 MB. Now each costs
+    its name plus VARIABLE_OVERHEAD_BYTES, so the default 64 MiB total admits about 132,000."""
+
+    async def go() -> tuple[int, int]:
+        store = VariableStore()
+        tracemalloc.start()
+        try:
+            for i in range(200_000):
+                await store.set(f"{i:0250d}", b"")
+        except VariableQuotaExceeded as error:
+            assert "would exceed 67108864 bytes" in str(error)
+        else:
+            raise AssertionError("200,000 empty variables fit the quota")
+        held, _ = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        return store.num_variables, held
+
+    num_variables, held = run(go())
+    assert num_variables == DEFAULT_MAX_TOTAL_BYTES // (250 + VARIABLE_OVERHEAD_BYTES)
+    per_variable = held / num_variables
+    print(f"{num_variables} variables hold {held / 2**20:.1f} MiB: {per_variable:.0f} bytes each")
+    # What they really take stays near what they are charged (name + overhead).
+    assert per_variable <= 1.5 * (250 + VARIABLE_OVERHEAD_BYTES)
+
+
+def test_watching_a_missing_name_stores_nothing_after_the_watch() -> None:
+    async def go() -> None:
+        store = VariableStore()
+        watches = [store.watch(f"v{i}") for i in range(100)]
+        for watch in watches:
+            assert not (await anext(watch)).exists
+        for watch in watches:
+            await watch.aclose()
+        assert (store._vars, store.total_bytes) == ({}, 0)
+
+    run(go())
+
+
+def test_clear_drops_everything() -> None:
+    async def go() -> None:
+        store = VariableStore()
+        await store.set("x", b"1")
+        store.clear()
+        assert (store.get("x").exists, store.total_bytes, store.num_variables) == (False, 0, 0)
 
     run(go())

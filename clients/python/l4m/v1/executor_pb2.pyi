@@ -7,12 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ExecutorServiceResetRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ExecutorServiceResetResponse(_message.Message):
+    __slots__ = ("num_kv_pages_freed", "num_embed_slots_freed")
+    NUM_KV_PAGES_FREED_FIELD_NUMBER: _ClassVar[int]
+    NUM_EMBED_SLOTS_FREED_FIELD_NUMBER: _ClassVar[int]
+    num_kv_pages_freed: int
+    num_embed_slots_freed: int
+    def __init__(self, num_kv_pages_freed: _Optional[int] = ..., num_embed_slots_freed: _Optional[int] = ...) -> None: ...
+
 class ExecutorServiceGetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ExecutorServiceGetInfoResponse(_message.Message):
-    __slots__ = ("model", "device", "dtype", "kv_page_size", "num_kv_pages", "num_embed_slots", "max_batch_tokens")
+    __slots__ = ("model", "device", "dtype", "kv_page_size", "num_kv_pages", "num_embed_slots", "max_batch_tokens", "max_request_bytes", "max_reply_bytes", "max_distribution_entries_per_batch")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +32,9 @@ class ExecutorServiceGetInfoResponse(_message.Message):
     NUM_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_EMBED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_DISTRIBUTION_ENTRIES_PER_BATCH_FIELD_NUMBER: _ClassVar[int]
     model: _common_pb2.ModelInfo
     device: str
     dtype: str
@@ -27,7 +42,10 @@ class ExecutorServiceGetInfoResponse(_message.Message):
     num_kv_pages: int
     num_embed_slots: int
     max_batch_tokens: int
-    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_page_size: _Optional[int] = ..., num_kv_pages: _Optional[int] = ..., num_embed_slots: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ...) -> None: ...
+    max_request_bytes: int
+    max_reply_bytes: int
+    max_distribution_entries_per_batch: int
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_page_size: _Optional[int] = ..., num_kv_pages: _Optional[int] = ..., num_embed_slots: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_reply_bytes: _Optional[int] = ..., max_distribution_entries_per_batch: _Optional[int] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
     __slots__ = ("correlation_id", "trace_context", "allocate", "deallocate", "embed_text", "forward", "forward_text", "sample_top_k", "copy_kv_page", "mask_kv_page", "embed_image", "debug_query")
@@ -134,14 +152,16 @@ class ExecuteResponse(_message.Message):
     def __init__(self, correlation_id: _Optional[int] = ..., error: _Optional[_Union[BatchError, _Mapping]] = ..., forward_text: _Optional[_Union[BatchForwardTextResult, _Mapping]] = ..., forward: _Optional[_Union[BatchForwardResult, _Mapping]] = ..., sample_top_k: _Optional[_Union[BatchSampleTopKResult, _Mapping]] = ..., debug_query: _Optional[_Union[BatchDebugQueryResult, _Mapping]] = ...) -> None: ...
 
 class BatchError(_message.Message):
-    __slots__ = ("item_index", "reason", "is_unsupported")
+    __slots__ = ("item_index", "reason", "is_unsupported", "has_item_index")
     ITEM_INDEX_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     IS_UNSUPPORTED_FIELD_NUMBER: _ClassVar[int]
+    HAS_ITEM_INDEX_FIELD_NUMBER: _ClassVar[int]
     item_index: int
     reason: str
     is_unsupported: bool
-    def __init__(self, item_index: _Optional[int] = ..., reason: _Optional[str] = ..., is_unsupported: _Optional[bool] = ...) -> None: ...
+    has_item_index: bool
+    def __init__(self, item_index: _Optional[int] = ..., reason: _Optional[str] = ..., is_unsupported: _Optional[bool] = ..., has_item_index: _Optional[bool] = ...) -> None: ...
 
 class BatchForwardTextResult(_message.Message):
     __slots__ = ("items",)

@@ -45,6 +45,11 @@ class ExecutorServiceStub:
                 request_serializer=l4m_dot_v1_dot_executor__pb2.ExecuteRequest.SerializeToString,
                 response_deserializer=l4m_dot_v1_dot_executor__pb2.ExecuteResponse.FromString,
                 _registered_method=True)
+        self.Reset = channel.unary_unary(
+                '/l4m.v1.ExecutorService/Reset',
+                request_serializer=l4m_dot_v1_dot_executor__pb2.ExecutorServiceResetRequest.SerializeToString,
+                response_deserializer=l4m_dot_v1_dot_executor__pb2.ExecutorServiceResetResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServiceServicer:
@@ -65,6 +70,17 @@ class ExecutorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reset(self, request, context):
+        """Frees every KV page and embedding slot (zeroed, as allocation zeroes them) and reports how many were
+        held. It runs on the executor's device thread after every batch already queued, so after it the
+        executor holds nothing. The scheduler calls it on every (re)connect, after GetInfo and before it opens
+        a new Execute stream: its tables start empty, and so does the executor's cache. Needs the cluster
+        secret like Execute.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +93,11 @@ def add_ExecutorServiceServicer_to_server(servicer, server):
                     servicer.Execute,
                     request_deserializer=l4m_dot_v1_dot_executor__pb2.ExecuteRequest.FromString,
                     response_serializer=l4m_dot_v1_dot_executor__pb2.ExecuteResponse.SerializeToString,
+            ),
+            'Reset': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reset,
+                    request_deserializer=l4m_dot_v1_dot_executor__pb2.ExecutorServiceResetRequest.FromString,
+                    response_serializer=l4m_dot_v1_dot_executor__pb2.ExecutorServiceResetResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +155,33 @@ class ExecutorService:
             '/l4m.v1.ExecutorService/Execute',
             l4m_dot_v1_dot_executor__pb2.ExecuteRequest.SerializeToString,
             l4m_dot_v1_dot_executor__pb2.ExecuteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/l4m.v1.ExecutorService/Reset',
+            l4m_dot_v1_dot_executor__pb2.ExecutorServiceResetRequest.SerializeToString,
+            l4m_dot_v1_dot_executor__pb2.ExecutorServiceResetResponse.FromString,
             options,
             channel_credentials,
             insecure,

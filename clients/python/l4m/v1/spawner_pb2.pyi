@@ -27,6 +27,7 @@ class ExitReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EXIT_REASON_TRAPPED: _ClassVar[ExitReason]
     EXIT_REASON_LAUNCH_FAILED: _ClassVar[ExitReason]
     EXIT_REASON_PARENT_EXITED: _ClassVar[ExitReason]
+    EXIT_REASON_KILLED: _ClassVar[ExitReason]
 
 class InstanceState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -49,6 +50,7 @@ EXIT_REASON_OUTPUT_LIMIT: ExitReason
 EXIT_REASON_TRAPPED: ExitReason
 EXIT_REASON_LAUNCH_FAILED: ExitReason
 EXIT_REASON_PARENT_EXITED: ExitReason
+EXIT_REASON_KILLED: ExitReason
 INSTANCE_STATE_UNSPECIFIED: InstanceState
 INSTANCE_STATE_STARTING: InstanceState
 INSTANCE_STATE_RUNNING: InstanceState

@@ -219,6 +219,31 @@ export interface GetInfoResponse {
   numExecutors: number;
   /** Most `ForwardTextItem.num_continuation_steps` one item may ask for (0: continuation is off here). */
   maxContinuationSteps: number;
+  /**
+   * Most distribution entries one command may ask for: outputs x `distribution_top_k` summed over a
+   * forward_text's DISTRIBUTION samplers, or a sample_top_k's `k`. More traps INVALID_COMMAND.
+   */
+  maxDistributionEntriesPerCommand: number;
+  /**
+   * Most tokens one command may feed: a forward_text's `token_ids` (its output indices and samplers are
+   * at most as many), or a forward's inputs (the executors' largest batch).
+   */
+  maxTokensPerCommand: number;
+  /**
+   * Largest SessionRequest the scheduler accepts, in bytes (its gRPC receive limit); a larger one ends
+   * the session with RESOURCE_EXHAUSTED.
+   */
+  maxCommandBytes: number;
+  /**
+   * Largest SessionResponse the scheduler sends, in bytes (its gRPC send limit). A command whose reply
+   * could be larger at its worst case traps INVALID_COMMAND when it arrives; no valid command's reply is.
+   */
+  maxResponseBytes: number;
+  /**
+   * Most BRLE runs one command's masks may carry in all (a forward_text's attention rows and vocabulary
+   * masks). Each mask also has at most 2 x its values + 1 runs. More traps INVALID_COMMAND.
+   */
+  maxMaskRunsPerCommand: number;
 }
 
 /**
@@ -468,6 +493,11 @@ function createBaseGetInfoResponse(): GetInfoResponse {
     numFreeKvPages: 0,
     numExecutors: 0,
     maxContinuationSteps: 0,
+    maxDistributionEntriesPerCommand: 0,
+    maxTokensPerCommand: 0,
+    maxCommandBytes: 0,
+    maxResponseBytes: 0,
+    maxMaskRunsPerCommand: 0,
   };
 }
 
@@ -496,6 +526,21 @@ export const GetInfoResponse: MessageFns<GetInfoResponse> = {
     }
     if (message.maxContinuationSteps !== 0) {
       writer.uint32(64).uint32(message.maxContinuationSteps);
+    }
+    if (message.maxDistributionEntriesPerCommand !== 0) {
+      writer.uint32(72).uint32(message.maxDistributionEntriesPerCommand);
+    }
+    if (message.maxTokensPerCommand !== 0) {
+      writer.uint32(80).uint32(message.maxTokensPerCommand);
+    }
+    if (message.maxCommandBytes !== 0) {
+      writer.uint32(88).uint64(message.maxCommandBytes);
+    }
+    if (message.maxResponseBytes !== 0) {
+      writer.uint32(96).uint64(message.maxResponseBytes);
+    }
+    if (message.maxMaskRunsPerCommand !== 0) {
+      writer.uint32(104).uint32(message.maxMaskRunsPerCommand);
     }
     return writer;
   },
@@ -577,6 +622,46 @@ export const GetInfoResponse: MessageFns<GetInfoResponse> = {
             message.maxContinuationSteps = reader.uint32();
             continue;
           }
+          case 9: {
+            if (tag !== 72) {
+              break;
+            }
+
+            message.maxDistributionEntriesPerCommand = reader.uint32();
+            continue;
+          }
+          case 10: {
+            if (tag !== 80) {
+              break;
+            }
+
+            message.maxTokensPerCommand = reader.uint32();
+            continue;
+          }
+          case 11: {
+            if (tag !== 88) {
+              break;
+            }
+
+            message.maxCommandBytes = longToNumber(reader.uint64());
+            continue;
+          }
+          case 12: {
+            if (tag !== 96) {
+              break;
+            }
+
+            message.maxResponseBytes = longToNumber(reader.uint64());
+            continue;
+          }
+          case 13: {
+            if (tag !== 104) {
+              break;
+            }
+
+            message.maxMaskRunsPerCommand = reader.uint32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -627,6 +712,31 @@ export const GetInfoResponse: MessageFns<GetInfoResponse> = {
         : isSet(object.max_continuation_steps)
         ? globalThis.Number(object.max_continuation_steps)
         : 0,
+      maxDistributionEntriesPerCommand: isSet(object.maxDistributionEntriesPerCommand)
+        ? globalThis.Number(object.maxDistributionEntriesPerCommand)
+        : isSet(object.max_distribution_entries_per_command)
+        ? globalThis.Number(object.max_distribution_entries_per_command)
+        : 0,
+      maxTokensPerCommand: isSet(object.maxTokensPerCommand)
+        ? globalThis.Number(object.maxTokensPerCommand)
+        : isSet(object.max_tokens_per_command)
+        ? globalThis.Number(object.max_tokens_per_command)
+        : 0,
+      maxCommandBytes: isSet(object.maxCommandBytes)
+        ? globalThis.Number(object.maxCommandBytes)
+        : isSet(object.max_command_bytes)
+        ? globalThis.Number(object.max_command_bytes)
+        : 0,
+      maxResponseBytes: isSet(object.maxResponseBytes)
+        ? globalThis.Number(object.maxResponseBytes)
+        : isSet(object.max_response_bytes)
+        ? globalThis.Number(object.max_response_bytes)
+        : 0,
+      maxMaskRunsPerCommand: isSet(object.maxMaskRunsPerCommand)
+        ? globalThis.Number(object.maxMaskRunsPerCommand)
+        : isSet(object.max_mask_runs_per_command)
+        ? globalThis.Number(object.max_mask_runs_per_command)
+        : 0,
     };
   },
 
@@ -656,6 +766,21 @@ export const GetInfoResponse: MessageFns<GetInfoResponse> = {
     if (message.maxContinuationSteps !== 0) {
       obj.maxContinuationSteps = Math.round(message.maxContinuationSteps);
     }
+    if (message.maxDistributionEntriesPerCommand !== 0) {
+      obj.maxDistributionEntriesPerCommand = Math.round(message.maxDistributionEntriesPerCommand);
+    }
+    if (message.maxTokensPerCommand !== 0) {
+      obj.maxTokensPerCommand = Math.round(message.maxTokensPerCommand);
+    }
+    if (message.maxCommandBytes !== 0) {
+      obj.maxCommandBytes = Math.round(message.maxCommandBytes);
+    }
+    if (message.maxResponseBytes !== 0) {
+      obj.maxResponseBytes = Math.round(message.maxResponseBytes);
+    }
+    if (message.maxMaskRunsPerCommand !== 0) {
+      obj.maxMaskRunsPerCommand = Math.round(message.maxMaskRunsPerCommand);
+    }
     return obj;
   },
 
@@ -674,6 +799,11 @@ export const GetInfoResponse: MessageFns<GetInfoResponse> = {
     message.numFreeKvPages = object.numFreeKvPages ?? 0;
     message.numExecutors = object.numExecutors ?? 0;
     message.maxContinuationSteps = object.maxContinuationSteps ?? 0;
+    message.maxDistributionEntriesPerCommand = object.maxDistributionEntriesPerCommand ?? 0;
+    message.maxTokensPerCommand = object.maxTokensPerCommand ?? 0;
+    message.maxCommandBytes = object.maxCommandBytes ?? 0;
+    message.maxResponseBytes = object.maxResponseBytes ?? 0;
+    message.maxMaskRunsPerCommand = object.maxMaskRunsPerCommand ?? 0;
     return message;
   },
 };

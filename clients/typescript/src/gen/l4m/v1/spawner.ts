@@ -97,6 +97,12 @@ export enum ExitReason {
   EXIT_REASON_LAUNCH_FAILED = 10,
   /** EXIT_REASON_PARENT_EXITED - The parent of a child controller ended first. */
   EXIT_REASON_PARENT_EXITED = 11,
+  /**
+   * EXIT_REASON_KILLED - Killed from outside for a reason neither the program nor a limit explains: a signal such as
+   * SIGKILL or SIGTERM sent by an operator or the host (its OOM killer), the spawner shutting down,
+   * or the spawner losing the sandbox's output.
+   */
+  EXIT_REASON_KILLED = 12,
   UNRECOGNIZED = -1,
 }
 
@@ -138,6 +144,9 @@ export function exitReasonFromJSON(object: any): ExitReason {
     case 11:
     case "EXIT_REASON_PARENT_EXITED":
       return ExitReason.EXIT_REASON_PARENT_EXITED;
+    case 12:
+    case "EXIT_REASON_KILLED":
+      return ExitReason.EXIT_REASON_KILLED;
     case -1:
     case "UNRECOGNIZED":
     default:
@@ -171,6 +180,8 @@ export function exitReasonToJSON(object: ExitReason): string {
       return "EXIT_REASON_LAUNCH_FAILED";
     case ExitReason.EXIT_REASON_PARENT_EXITED:
       return "EXIT_REASON_PARENT_EXITED";
+    case ExitReason.EXIT_REASON_KILLED:
+      return "EXIT_REASON_KILLED";
     case ExitReason.UNRECOGNIZED:
     default:
       return "UNRECOGNIZED";
@@ -263,7 +274,11 @@ export interface ProgramInfo {
   tags: string[];
 }
 
-/** Limits of one instance. 0 means "the spawner's default"; the spawner also caps every value. */
+/**
+ * Limits of one instance. 0 means "the spawner's default"; a value above the spawner's maximum is
+ * refused (INVALID_ARGUMENT naming the field), never lowered. A child's limits are also capped at its
+ * parent's.
+ */
 export interface Limits {
   /** Wall-clock time from launch to forced exit, milliseconds. */
   wallTimeMs: number;

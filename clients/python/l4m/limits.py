@@ -1,0 +1,103 @@
+"""Bounds on what one command and one batch may ask for, and the gRPC message limits that follow from them.
+
+One home for both, so that they cannot drift apart: every service sets its gRPC send and receive limits
+from the constants here, and validation (the scheduler's `check_command`, the executor's `batch_from_pb`)
+bounds commands and batches so that a valid one can never produce a message those limits refuse.
+
+The hops and their limits (each side of a hop uses the same number):
+
+    controller --SessionRequest--> scheduler           MAX_COMMAND_BYTES
+    scheduler --SessionResponse--> controller          MAX_RESPONSE_BYTES
+    scheduler --ExecuteRequest--> executor             EXECUTOR_MAX_REQUEST_BYTES
+    executor --ExecuteResponse--> scheduler            EXECUTOR_MAX_REPLY_BYTES
+
+A reply's size is bounded by what the command asked for, not by data: `reply_bytes` counts the worst-case
+protobuf bytes of a command's answer (every varint at its longest), so a sum of them over a batch, plus
+`MESSAGE_MARGIN_BYTES` for the envelope, is an upper bound on the batch's reply.
+"""
+
+from __future__ import annotations
+
+from l4m.v1 import common_pb2
+
+MIB = 1 << 20
+# Room for what a message carries besides its items: the envelope (correlation id, trace context, oneof
+# tags), each item's framing in its repeated field, and ids the scheduler rewrites after it counted an
+# item (a virtual id of 1 byte may become a physical id of up to 5).
+MESSAGE_MARGIN_BYTES = 1 * MIB
+
+# Largest SessionRequest the scheduler accepts from a controller (its receive limit, the SDK's send limit).
+MAX_COMMAND_BYTES = 64 * MIB
+# Largest SessionResponse the scheduler sends a controller (its send limit, the SDK's receive limit).
+MAX_RESPONSE_BYTES = 64 * MIB
+# Largest batch the executor accepts (its receive limit, the scheduler's send limit on the executor
+# link): one command of MAX_COMMAND_BYTES always fits, with its rewritten ids.
+EXECUTOR_MAX_REQUEST_BYTES = MAX_COMMAND_BYTES + MESSAGE_MARGIN_BYTES
+# Largest batch reply the executor sends (its send limit, the scheduler's receive limit on the link).
+EXECUTOR_MAX_REPLY_BYTES = 64 * MIB
+
+# Distribution entries (the `distribution_top_k` of every DISTRIBUTION output, the `k` of every
+# sample_top_k item) one batch may ask for: 4 Mi entries are at most 36 MiB of reply.
+EXECUTOR_MAX_DISTRIBUTION_ENTRIES_PER_BATCH = 4 * MIB
+# The scheduler's own bound on one command (GetInfo advertises the smaller of it and the executors'
+# per-batch bound): 1 Mi entries are 21 full distributions over a 49,152-token vocabulary, 9 MiB of reply.
+DEFAULT_MAX_DISTRIBUTION_ENTRIES_PER_COMMAND = 1 * MIB
+
+_DISTRIBUTION = common_pb2.SAMPLER_KIND_DISTRIBUTION
+
+# BRLE runs one command's masks may carry in all (attention rows and vocabulary masks), the scheduler's
+# default: validation reads every run on its event loop (about 30 ms per Mi runs measured on a 2-core
+# machine), and the executor decodes them.
+DEFAULT_MAX_MASK_RUNS_PER_COMMAND = 1 * MIB
+
+# Worst-case protobuf bytes of the pieces of a reply (tests/unit/executor/test_bounds.py builds them with
+# every varint at its longest and checks these against ByteSize()).
+# One distribution entry: a token id (uint32 varint, <= 5 bytes) and a probability (float, 4), packed.
+DISTRIBUTION_ENTRY_BYTES = 9
+# One output in its repeated field: a sampled token with its logprob, or a distribution's framing.
+OUTPUT_BYTES = 32
+# One item's result in its repeated field (ForwardTextResult, or a sample_top_k Distribution), or the
+# SessionResponse around one command's reply.
+ITEM_BYTES = 16
+
+
+def max_brle_runs(num_values: int) -> int:
+    """Most runs a BRLE that decodes to `num_values` values may carry: one per value, a zero-length run
+    beside each (zero-length runs are legal, see `l4m.v1.Brle`), and the leading zero-length run. More
+    runs only cost decoding work: a mask of millions of zero-length runs is refused, not decoded."""
+    return 2 * num_values + 1
+
+
+def reply_cost(kind: str, item: object) -> tuple[int, int]:
+    """What one command (or batch item) asks its reply to hold: (distribution entries, bytes at most).
+
+    Entries: outputs x distribution_top_k summed over a forward_text's DISTRIBUTION samplers, or a
+    sample_top_k's `k`; 0 for any other kind. Bytes: the item in a batch reply, or the reply in its
+    SessionResponse, with every output at its longest and a token output per continuation step."""
+    if kind == "forward_text":
+        samplers = item.samplers  # type: ignore[attr-defined]
+        num_entries = 0
+        for sampler in samplers:
+            if sampler.kind == _DISTRIBUTION:
+                num_entries += sampler.distribution_top_k
+        num_outputs = len(samplers) + item.num_continuation_steps  # type: ignore[attr-defined]
+        return num_entries, ITEM_BYTES + OUTPUT_BYTES * num_outputs + DISTRIBUTION_ENTRY_BYTES * num_entries
+    if kind == "sample_top_k":
+        k = item.k  # type: ignore[attr-defined]
+        return k, ITEM_BYTES + OUTPUT_BYTES + DISTRIBUTION_ENTRY_BYTES * k
+    return 0, ITEM_BYTES
+
+
+def distribution_entries(kind: str, item: object) -> int:
+    """The entries of `reply_cost`."""
+    return reply_cost(kind, item)[0]
+
+
+def reply_bytes(kind: str, item: object) -> int:
+    """The bytes of `reply_cost`."""
+    return reply_cost(kind, item)[1]
+
+
+def grpc_options(max_send_bytes: int, max_receive_bytes: int) -> list[tuple[str, int]]:
+    """gRPC channel or server options for these message limits."""
+    return [("grpc.max_send_message_length", max_send_bytes), ("grpc.max_receive_message_length", max_receive_bytes)]
