@@ -7,18 +7,19 @@ import asyncio
 import contextlib
 import gc
 import logging
-import signal
 import time
 from pathlib import Path
 
 import torch
 
+from l4m.common.metrics import start_metrics_server
+from l4m.common.serving import bound_address, serve_until_signal
 from l4m.credentials import CredentialError, read_secret_file, tls_files
 from l4m.executor.engine import EngineConfig
 from l4m.executor.metrics import executor_registry
 from l4m.executor.server import ExecutorConfig, create_server
 from l4m.executor.weights import default_model_path
-from l4m.telemetry import configure_tracing, shutdown_tracing, start_metrics_server
+from l4m.telemetry import configure_tracing, shutdown_tracing
 
 
 def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, int]:
@@ -84,25 +85,22 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, int]:
 async def serve(config: ExecutorConfig, metrics_port: int = 0) -> None:
     print(f"l4m executor: loading {config.model_path} on {config.engine.device} ({config.engine.dtype}) ...", flush=True)
     started = time.monotonic()
-    server, port = await create_server(config)
-    print(f"l4m executor: model ready in {time.monotonic() - started:.1f} s ({server.engine.weights} weights, "
-          f"decode kernel {'on' if server.engine.model.has_decode_kernel and config.engine.decode_kernel else 'off'})",
+    server = await create_server(config)
+    engine = server.engine
+    print(f"l4m executor: model ready in {time.monotonic() - started:.1f} s ({engine.weights} weights, "
+          f"decode kernel {'on' if engine.model.has_decode_kernel and config.engine.decode_kernel else 'off'})",
           flush=True)
     # The model's Python objects live as long as the process: keep the cyclic GC from rescanning them on
     # every full collection (a batch allocates many short-lived objects, which trigger collections).
     gc.collect()
     gc.freeze()
-    start_metrics_server(metrics_port, executor_registry(server.engine))
-    address = (
-        config.listen if config.listen.startswith("unix:") else f"{config.listen.rsplit(':', 1)[0]}:{port}"
-    )
-    print(f"l4m executor listening on {address}", flush=True)
+    start_metrics_server(metrics_port, executor_registry(engine))
+
+    async def announce() -> None:
+        print(f"l4m executor listening on {bound_address(config.listen, server.port)}", flush=True)
+
     # SIGTERM (how `l4m up` stops it) ends the process through `main`'s finally, flushing its spans.
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop(grace=1.0)
+    await serve_until_signal(announce, lambda: server.stop(1.0))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,9 +3,10 @@
 Decode on a CPU is bound by the bytes of weights read per step: SmolLM2's linear layers and head are
 ~533 MB as float32 but ~90 MB as the GGUF blocks they ship in (Q4_1: 32 weights = fp16 d, fp16 m,
 16 bytes of nibbles, w = d * q + m; Q8_0: 32 weights = fp16 d, 32 int8, w = d * q). The kernel
-(`cpu_kernels.py`, `torch.ops.l4m_cpu.linear`) dequantizes one block at a time into AVX2 registers or
-a small buffer, to the float32 values that the dense path holds (up to one rounding), and accumulates
-in float32, so results agree with the dense float32 path to rounding (~1e-6).
+(`torch.ops.l4m_cpu.linear`, in `cpu_kernels.cpp`, built by `cpu_kernels.py`) dequantizes one block at
+a time into AVX2 registers or a small buffer, to the float32 values that the dense path holds (up to
+one rounding), and accumulates in float32, so results agree with the dense float32 path to rounding
+(~1e-6).
 PyTorch's own `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm` are 4-8x SLOWER than a dense
 float32 matmul on AVX2-only CPUs (no AVX-512 kernels), hence this kernel.
 """

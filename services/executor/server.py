@@ -21,12 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from l4m import limits
-from l4m.credentials import TlsFiles, add_listener, bearer_token, secrets_equal
+from l4m.common.serving import GrpcServer, build_server
+from l4m.credentials import TlsFiles, bearer_token, secrets_equal
 from l4m.executor.convert import batch_from_pb, error_to_pb, info_to_pb, reply_to_pb
 from l4m.executor.engine import Engine, EngineConfig
 from l4m.executor.errors import CapabilityError, ExecutorError
@@ -144,28 +144,40 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
         self._worker.shutdown(wait=True, cancel_futures=True)
 
 
-async def create_server(config: ExecutorConfig, engine: Engine | None = None) -> tuple[grpc.aio.Server, int]:
-    """Build and start the server; returns it and the bound TCP port (0 for unix sockets)."""
+@dataclass
+class ExecutorServer:
+    """The executor's gRPC server and the engine behind it (its metrics read the engine)."""
+
+    grpc_server: GrpcServer
+    engine: Engine
+
+    @property
+    def port(self) -> int:
+        """The bound TCP port; 0 for a Unix socket."""
+        return self.grpc_server.port
+
+    async def stop(self, grace_s: float | None) -> None:
+        await self.grpc_server.stop(grace_s)
+
+
+async def create_server(config: ExecutorConfig, engine: Engine | None = None) -> ExecutorServer:
+    """Load the model (unless `engine` is given), then build and start the server, SERVING."""
     worker = device_thread()
     if engine is None:
         engine = await asyncio.get_running_loop().run_in_executor(
             worker, lambda: Engine(load_model(config.model_path), config.engine)
         )
-    # The limits GetInfo advertises (l4m.limits): batches are bounded so that their replies fit.
-    server = grpc.aio.server(
-        options=limits.grpc_options(limits.EXECUTOR_MAX_REPLY_BYTES, limits.EXECUTOR_MAX_REQUEST_BYTES)
-    )
-    executor_pb2_grpc.add_ExecutorServiceServicer_to_server(ExecutorServicer(engine, worker, config.cluster_secret),
-                                                            server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    servicer = ExecutorServicer(engine, worker, config.cluster_secret)
     try:
-        port = add_listener(server, config.listen, config.tls)
+        server = build_server(
+            [(executor_pb2_grpc.add_ExecutorServiceServicer_to_server, servicer)],
+            [(config.listen, config.tls)],
+            # The limits GetInfo advertises (l4m.limits): batches are bounded so that their replies fit.
+            options=limits.grpc_options(limits.EXECUTOR_MAX_REPLY_BYTES, limits.EXECUTOR_MAX_REQUEST_BYTES),
+            health_names=(SERVICE_NAME,),
+        )
     except OSError as error:
         raise RuntimeError(f"could not bind {config.listen}") from error
     await server.start()
-    server.engine = engine  # type: ignore[attr-defined]
-    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    return server, port
+    await server.set_health(health_pb2.HealthCheckResponse.SERVING)
+    return ExecutorServer(server, engine)

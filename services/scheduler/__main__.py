@@ -6,16 +6,17 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 from collections.abc import Sequence
 from pathlib import Path
 
+from l4m.common.metrics import start_metrics_server
+from l4m.common.serving import bound_address, serve_until_signal
 from l4m.credentials import CredentialError, read_secret_file, tls_files
 from l4m.scheduler.batcher import parse_strategy
 from l4m.scheduler.config import SchedulerConfig
 from l4m.scheduler.server import create_registry_server, create_server
 from l4m.scheduler.validation import MAX_CONTINUATION_STEPS
-from l4m.telemetry import configure_tracing, shutdown_tracing, start_metrics_server
+from l4m.telemetry import configure_tracing, shutdown_tracing
 
 
 def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, int]:
@@ -81,32 +82,28 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, in
 
 
 async def serve(config: SchedulerConfig, metrics_port: int = 0) -> None:
-    server, port = await create_server(config)
-    registry = await create_registry_server(config, server.scheduler) if config.registry_listen else None  # type: ignore[attr-defined]
+    server = await create_server(config)
+    registry = await create_registry_server(config, server.scheduler) if config.registry_listen else None
     if config.listen_unix:
         # Controllers connect from sandboxes as their own unprivileged uids; the instance token, not the
         # file mode, is what authenticates them.
         os.chmod(config.listen_unix, 0o666)
-    start_metrics_server(metrics_port, server.scheduler.metrics.registry)  # type: ignore[attr-defined]
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    print(f"l4m scheduler listening on {_bound(config.listen, port)}"
-          + (f" and unix:{config.listen_unix}" if config.listen_unix else ""), flush=True)
-    if registry is not None:
-        print(f"l4m scheduler registry listening on {_bound(config.registry_listen, registry[1])}", flush=True)  # type: ignore[arg-type]
-    try:
-        await stop.wait()
-    finally:
+    start_metrics_server(metrics_port, server.scheduler.metrics.registry)
+
+    async def announce() -> None:
+        print(f"l4m scheduler listening on {bound_address(config.listen, server.port)}"
+              + (f" and unix:{config.listen_unix}" if config.listen_unix else ""), flush=True)
         if registry is not None:
-            await registry[0].stop(grace=1.0)
-        await server.stop(grace=2.0)
-        await server.scheduler.close()  # type: ignore[attr-defined]
+            print(f"l4m scheduler registry listening on {bound_address(config.registry_listen, registry.port)}",  # type: ignore[arg-type]
+                  flush=True)
 
+    async def stop() -> None:
+        if registry is not None:
+            await registry.stop(1.0)
+        await server.stop(2.0)
+        await server.scheduler.close()
 
-def _bound(address: str, port: int) -> str:
-    """`address` with the port actually bound (port 0 picks one); a Unix address as given."""
-    return address if address.startswith("unix:") else f"{address.rsplit(':', 1)[0]}:{port}"
+    await serve_until_signal(announce, stop)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -8,8 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from l4m.common.metrics import DurationsByKind
 from l4m.scheduler.batcher import EXECUTOR_KINDS
-from l4m.telemetry import DurationsByKind
 
 _BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 

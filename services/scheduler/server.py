@@ -16,14 +16,16 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from l4m import limits
-from l4m.credentials import add_listener, bearer_token, secrets_equal
+from l4m.common.serving import GrpcServer, build_server
+from l4m.credentials import bearer_token, secrets_equal
 from l4m.scheduler.config import SchedulerConfig
 from l4m.scheduler.core import Scheduler
 from l4m.scheduler.errors import (
@@ -204,51 +206,70 @@ def build_scheduler(config: SchedulerConfig) -> Scheduler:
     return Scheduler(config, links)  # type: ignore[arg-type]
 
 
-async def create_server(config: SchedulerConfig, scheduler: Scheduler | None = None) -> tuple[grpc.aio.Server, int]:
+@dataclass
+class SchedulerServer:
+    """The data-plane gRPC server, the core behind it (its metrics, its close) and the task that
+    reports the core's readiness as health."""
+
+    grpc_server: GrpcServer
+    scheduler: Scheduler
+    health_task: asyncio.Task[None]
+
+    @property
+    def port(self) -> int:
+        """The bound port of `config.listen` (0 for a Unix socket)."""
+        return self.grpc_server.port
+
+    async def stop(self, grace_s: float | None) -> None:
+        """Stops serving and reporting health; the core stays open (`scheduler.close()`)."""
+        await self.grpc_server.stop(grace_s)
+        self.health_task.cancel()
+
+
+async def create_server(config: SchedulerConfig, scheduler: Scheduler | None = None) -> SchedulerServer:
     """Start the scheduler core and the data-plane gRPC server on `config.listen` (and
-    `config.listen_unix`); returns (server, TCP port). No InstanceRegistryService here (see
-    `create_registry_server`). The core is reachable as `server.scheduler` for tests and metrics."""
+    `config.listen_unix`). No InstanceRegistryService here (see `create_registry_server`)."""
     scheduler = scheduler or build_scheduler(config)
     scheduler.start()
-    server = grpc.aio.server(options=_MESSAGE_OPTIONS)
-    l4m_pb2_grpc.add_L4MServiceServicer_to_server(L4MServicer(scheduler), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    service_names = (
-        l4m_pb2.DESCRIPTOR.services_by_name["L4MService"].full_name,
-        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-        reflection.SERVICE_NAME,
-    )
-    reflection.enable_server_reflection(service_names, server)
-    port = add_listener(server, config.listen, config.tls)
+    listeners = [(config.listen, config.tls)]
     if config.listen_unix:
-        add_listener(server, f"unix:{config.listen_unix}", None)
+        listeners.append((f"unix:{config.listen_unix}", None))
+    server = build_server(
+        [(l4m_pb2_grpc.add_L4MServiceServicer_to_server, L4MServicer(scheduler))],
+        listeners,
+        options=_MESSAGE_OPTIONS,
+        # Health reports on reflection and on itself too, as it always has.
+        health_names=(
+            l4m_pb2.DESCRIPTOR.services_by_name["L4MService"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+    )
     await server.start()
-    server.scheduler = scheduler  # type: ignore[attr-defined]
-    server.health_task = asyncio.create_task(_report_health(scheduler, health_servicer, service_names))  # type: ignore[attr-defined]
-    return server, port
+    return SchedulerServer(server, scheduler, asyncio.create_task(_report_health(scheduler, server)))
 
 
-async def create_registry_server(config: SchedulerConfig, scheduler: Scheduler) -> tuple[grpc.aio.Server, int]:
-    """Start the control-plane server (InstanceRegistryService only) on `config.registry_listen`;
-    returns (server, TCP port, 0 for a Unix socket). Needs `config.cluster_secret`."""
+async def create_registry_server(config: SchedulerConfig, scheduler: Scheduler) -> GrpcServer:
+    """Start the control-plane server (InstanceRegistryService only) on `config.registry_listen`; its
+    `port` is 0 for a Unix socket. Needs `config.cluster_secret`."""
     if not config.registry_listen:
         raise ValueError("config.registry_listen is not set")
-    server = grpc.aio.server()
-    registry_pb2_grpc.add_InstanceRegistryServiceServicer_to_server(RegistryServicer(scheduler, config.cluster_secret),
-                                                                    server)
-    port = add_listener(server, config.registry_listen, config.tls)
+    server = build_server(
+        [(registry_pb2_grpc.add_InstanceRegistryServiceServicer_to_server,
+          RegistryServicer(scheduler, config.cluster_secret))],
+        [(config.registry_listen, config.tls)],
+        reflection=False,
+    )
     await server.start()
-    return server, port
+    return server
 
 
-async def _report_health(scheduler: Scheduler, servicer: health.aio.HealthServicer, names: tuple[str, ...]) -> None:
+async def _report_health(scheduler: Scheduler, server: GrpcServer) -> None:
     """NOT_SERVING until an executor is connected, SERVING while one is."""
     last = None
     while True:
         status = health_pb2.HealthCheckResponse.SERVING if scheduler.is_ready else health_pb2.HealthCheckResponse.NOT_SERVING
         if status != last:
-            for name in ("", *names):
-                await servicer.set(name, status)
+            await server.set_health(status)
             last = status
         await asyncio.sleep(0.05 if status != health_pb2.HealthCheckResponse.SERVING else 1.0)

@@ -12,13 +12,14 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from opentelemetry.util.re import parse_env_headers
 
 from l4m import telemetry
+from l4m.common.metrics import start_metrics_server
+from l4m.common.serving import bound_address, serve_until_signal
 from l4m.spawner.config import MiB, SpawnerConfig
 from l4m.spawner.sandbox import Limits
 
@@ -236,27 +237,26 @@ async def serve(config: SpawnerConfig, metrics_port: int = 0, metrics_host: str 
         server = await create_server(config)
     except (ConfigError, CredentialError) as error:
         raise SystemExit(f"l4m spawner: {error}") from None
-    telemetry.start_metrics_server(metrics_port, server.manager.metrics.registry, host=metrics_host)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    await server.start()
-    host = config.listen_address.rsplit(":", 1)[0]
-    print(
-        f"l4m spawner listening on {host}:{server.port} (runtime unix:{server.runtime_socket}, "
-        f"sandbox {config.sandbox_kind}, scheduler {config.scheduler_registry_address or 'none'})",
-        flush=True,
-    )
-    try:
-        await stop.wait()
-    finally:
+    start_metrics_server(metrics_port, server.manager.metrics.registry, host=metrics_host)
+
+    async def start() -> None:
+        await server.start()
+        print(
+            f"l4m spawner listening on {bound_address(config.listen_address, server.port)} (runtime "
+            f"unix:{server.runtime_socket}, sandbox {config.sandbox_kind}, "
+            f"scheduler {config.scheduler_registry_address or 'none'})",
+            flush=True,
+        )
+
+    async def stop() -> None:
         logging.getLogger(__name__).info("stopping: ending every instance")
         await server.stop(STOP_GRACE_S)
         # This process is done with its spawner id: its (now empty) cgroup parents go too.
         remove_cgroup_parents = getattr(server.manager.sandbox, "remove_cgroup_parents", None)
         if remove_cgroup_parents is not None:
             remove_cgroup_parents()
+
+    await serve_until_signal(start, stop)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

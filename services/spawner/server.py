@@ -25,11 +25,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
-from l4m.credentials import add_listener, bearer_token, read_secret_file, tls_files
+from l4m.common.serving import GrpcServer, Service, build_server
+from l4m.credentials import bearer_token, read_secret_file, tls_files
 from l4m.spawner.config import SpawnerConfig
 from l4m.spawner.instances import (
     ArgsTooLarge,
@@ -383,14 +383,17 @@ class SpawnerServer:
     """The user-facing server, the runtime server on the Unix socket, and the core behind both."""
 
     config: SpawnerConfig
-    public: grpc.aio.Server
-    runtime: grpc.aio.Server
-    port: int  # the bound TCP port of `public`
+    public: GrpcServer  # SpawnerService, health and reflection on `config.listen_address`
+    runtime: GrpcServer  # RuntimeService (and the span forwarder) on the runtime socket
     manager: InstanceManager
-    health: health.aio.HealthServicer
     registry: InstanceRegistry
     span_forwarder: SpanForwarder | None = None
     _trap_watch: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def port(self) -> int:
+        """The bound TCP port of `public`."""
+        return self.public.port
 
     @property
     def runtime_socket(self) -> str:
@@ -406,12 +409,12 @@ class SpawnerServer:
             self._trap_watch = asyncio.create_task(self.registry.forward_traps(self.manager))
         # After cleanup_orphans (create_server), which would count warm sandboxes as orphans.
         await self.manager.sandbox.open()
-        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        await self.health.set(_SPAWNER_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        await self.public.set_health(health_pb2.HealthCheckResponse.SERVING)
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stops taking launches, ends every instance (destroying it in the scheduler), closes all."""
-        await self.health.enter_graceful_shutdown()
+        if self.public.health is not None:
+            await self.public.health.enter_graceful_shutdown()
         await self.public.stop(grace_s)
         await self.manager.shutdown()
         await self.manager.sandbox.close()
@@ -427,7 +430,7 @@ class SpawnerServer:
             await close()
 
     async def wait_for_termination(self) -> None:
-        await self.public.wait_for_termination()
+        await self.public.server.wait_for_termination()
 
 
 _SPAWNER_SERVICE = spawner_pb2.DESCRIPTOR.services_by_name["SpawnerService"].full_name
@@ -452,7 +455,6 @@ async def create_server(
     metrics.bind_warm_pool(warm_pool_stats if warm_pool_stats is not None else lambda: None)
     manager = InstanceManager(config, store, sandbox, registry, metrics)
 
-    public = grpc.aio.server()
     validator = UploadValidator(
         ValidatorLimits(
             config.upload_validation_memory_bytes,
@@ -461,15 +463,13 @@ async def create_server(
         )
     )
     servicer = SpawnerServicer(manager, authenticator, validator)
-    spawner_pb2_grpc.add_SpawnerServiceServicer_to_server(servicer, public)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, public)
-    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-    reflection.enable_server_reflection((_SPAWNER_SERVICE, health_name, reflection.SERVICE_NAME), public)
-    port = add_listener(public, config.listen_address, tls)
+    public = build_server(
+        [(spawner_pb2_grpc.add_SpawnerServiceServicer_to_server, servicer)],
+        [(config.listen_address, tls)],
+        health_names=(_SPAWNER_SERVICE,),
+    )
 
-    runtime = grpc.aio.server()
-    spawner_pb2_grpc.add_RuntimeServiceServicer_to_server(RuntimeServicer(manager), runtime)
+    runtime_services: list[Service] = [(spawner_pb2_grpc.add_RuntimeServiceServicer_to_server, RuntimeServicer(manager))]
     forwarder = None
     if config.controller_spans_endpoint:
         forwarder = SpanForwarder(
@@ -477,13 +477,13 @@ async def create_server(
             lambda token: _instance_id_of_token(manager, token),
             config.controller_spans_headers,
         )
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(forwarder, runtime)
+        runtime_services.append((trace_service_pb2_grpc.add_TraceServiceServicer_to_server, forwarder))
     config.socket_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(config.socket_dir, 0o755)
     runtime_socket = config.socket_dir / config.runtime_socket_name
     runtime_socket.unlink(missing_ok=True)
-    runtime.add_insecure_port(f"unix://{runtime_socket}")
-    return SpawnerServer(config, public, runtime, port, manager, health_servicer, registry, forwarder)
+    runtime = build_server(runtime_services, [(f"unix://{runtime_socket}", None)], reflection=False)
+    return SpawnerServer(config, public, runtime, manager, registry, forwarder)
 
 
 class ConfigError(ValueError):

@@ -16,18 +16,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-L4M = Path(sys.executable).parent / "l4m"
+from tests.integration.harness import L4M_CLI, REPO, UpCluster, up_cluster
+
 TS_DIR = REPO / "clients" / "typescript"
 GO_DIR = REPO / "clients" / "go"
 GO_PATH = f"{GO_DIR}:/usr/share/gocode"  # GOPATH roots: ours (clients/go/src/l4m) and Debian's Go packages
@@ -35,7 +31,6 @@ PROGRAM = REPO / "examples" / "controllers" / "text_completion.py"
 # Long enough to cross KV page boundaries (pages of 16) and to end on a stop token or the length.
 PROMPTS = [("What is 2+2?", 8), ("Name three colors.", 40), ("Write one sentence about the sea.", 40)]
 RUN_TIMEOUT_S = 120
-UP_TIMEOUT_S = 240
 
 pytestmark = pytest.mark.slow
 
@@ -59,72 +54,25 @@ def _summary(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class UpProcess:
-    """`l4m up --allow-anonymous` (greedy_session opens a session with no instance token), its output in a file.
-    Every client presents the admin key `l4m up` wrote (`env` has it as L4M_API_KEY)."""
-
-    def __init__(self, tmp_path: Path) -> None:
-        self.state_dir = tmp_path / "state"
-        self.log_path = tmp_path / "l4m-up.log"
-        spawner_port, scheduler_port = _free_port(), _free_port()
-        self.spawner_address, self.scheduler_address = f"127.0.0.1:{spawner_port}", f"127.0.0.1:{scheduler_port}"
-        argv = [str(L4M), "up", "--state-dir", str(self.state_dir), "--spawner-port", str(spawner_port),
-                "--scheduler-port", str(scheduler_port), "--metrics-port-base", "0", "--allow-anonymous", "--quiet"]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "L4M_"))}
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    @property
-    def env(self) -> dict[str, str]:
-        """The environment the clients run in: this cluster's admin key in L4M_API_KEY."""
-        return {**os.environ, "L4M_API_KEY": (self.state_dir / "admin.key").read_text().strip()}
-
-    def wait_up(self) -> None:
-        deadline = time.monotonic() + UP_TIMEOUT_S
-        while "l4m is up" not in self.output():
-            assert self.process.poll() is None, f"l4m up exited with {self.process.returncode}:\n{self.output()}"
-            assert time.monotonic() < deadline, f"l4m up did not come up in {UP_TIMEOUT_S} s:\n{self.output()}"
-            time.sleep(0.2)
-
-    def service_logs(self) -> str:
-        logs = sorted((self.state_dir / "logs").glob("*.log"))
-        return "\n".join(f"----- {p.name} -----\n{p.read_text(errors='replace')[-4000:]}" for p in logs)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)  # Ctrl-C: l4m up stops every service it started
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+def _client_env(cluster: UpCluster) -> dict[str, str]:
+    """The environment the clients run in: this cluster's admin key in L4M_API_KEY."""
+    return {**os.environ, "L4M_API_KEY": cluster.admin_key}
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
-    up = UpProcess(tmp_path_factory.mktemp("clients"))
-    try:
-        up.wait_up()
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpCluster]:
+    """`l4m up --allow-anonymous` (greedy_session opens a session with no instance token), metrics off.
+    Every client presents the admin key `l4m up` wrote (`_client_env`)."""
+    with up_cluster(tmp_path_factory.mktemp("clients"), ["--allow-anonymous"], metrics=False) as up:
         yield up
-    finally:
-        up.stop()
 
 
 @pytest.fixture(autouse=True)
-def show_logs_on_failure(cluster: UpProcess, request: pytest.FixtureRequest) -> Iterator[None]:
+def show_logs_on_failure(cluster: UpCluster, request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     report = getattr(request.node, "rep_call", None)
     if report is not None and report.failed:
-        print(f"----- l4m up -----\n{cluster.output()[-4000:]}\n{cluster.service_logs()}")
+        print(cluster.logs())
 
 
 @pytest.fixture(scope="module")
@@ -149,18 +97,18 @@ def go_run_controller(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def python_summaries(cluster: UpProcess) -> dict[str, dict]:
+def python_summaries(cluster: UpCluster) -> dict[str, dict]:
     """The Python SDK's greedy completion of each prompt, through `l4m run` (the reference)."""
     summaries = {}
     for prompt, max_tokens in PROMPTS:
-        proc = _run([str(L4M), "run", "--spawner", cluster.spawner_address, str(PROGRAM), "--",
-                     "--no-stream", "--max-tokens", str(max_tokens), prompt], env=cluster.env)
+        proc = _run([str(L4M_CLI), "run", "--spawner", cluster.spawner_address, str(PROGRAM), "--",
+                     "--no-stream", "--max-tokens", str(max_tokens), prompt], env=_client_env(cluster))
         summaries[prompt] = _summary(proc.stdout)
     return summaries
 
 
 @pytest.fixture(params=["typescript", "go"])
-def run_controller(request: pytest.FixtureRequest, cluster: UpProcess) -> list[str]:
+def run_controller(request: pytest.FixtureRequest, cluster: UpCluster) -> list[str]:
     """The command line of one language's run_controller example, up to the program's path."""
     if request.param == "typescript":
         dist = request.getfixturevalue("typescript_dist")
@@ -168,10 +116,10 @@ def run_controller(request: pytest.FixtureRequest, cluster: UpProcess) -> list[s
     return [str(request.getfixturevalue("go_run_controller")), "-spawner", cluster.spawner_address]
 
 
-def test_run_controller_streams_what_l4m_run_prints(run_controller: list[str], cluster: UpProcess,
+def test_run_controller_streams_what_l4m_run_prints(run_controller: list[str], cluster: UpCluster,
                                                     python_summaries: dict[str, dict]) -> None:
     prompt, max_tokens = PROMPTS[0]
-    proc = _run([*run_controller, str(PROGRAM), "--", "--max-tokens", str(max_tokens), prompt], env=cluster.env)
+    proc = _run([*run_controller, str(PROGRAM), "--", "--max-tokens", str(max_tokens), prompt], env=_client_env(cluster))
     lines = proc.stdout.strip().splitlines()
     summary = _summary(proc.stdout)
     assert summary == python_summaries[prompt]
@@ -179,11 +127,11 @@ def test_run_controller_streams_what_l4m_run_prints(run_controller: list[str], c
     assert len(lines) > 2 and "".join(lines[:-1]) == summary["text"]
 
 
-def test_run_controller_reports_a_crash(run_controller: list[str], cluster: UpProcess, tmp_path: Path) -> None:
+def test_run_controller_reports_a_crash(run_controller: list[str], cluster: UpCluster, tmp_path: Path) -> None:
     crashing = tmp_path / "crashes.py"
     crashing.write_text("async def main(ctx):\n    await ctx.send('before')\n    raise RuntimeError('on purpose')\n")
     proc = subprocess.run([*run_controller, str(crashing)], cwd=REPO, capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S, env=cluster.env)
+                          timeout=RUN_TIMEOUT_S, env=_client_env(cluster))
     assert (proc.returncode, proc.stdout) == (1, "before\n"), proc.stderr
     assert "RuntimeError: on purpose" in proc.stderr  # the controller's log lines
     assert "the controller ended: EXIT_REASON_CRASHED" in proc.stderr
@@ -191,7 +139,7 @@ def test_run_controller_reports_a_crash(run_controller: list[str], cluster: UpPr
 
 @pytest.mark.parametrize(("prompt", "max_tokens"), PROMPTS)
 def test_typescript_greedy_session_equals_the_python_sdk(
-        cluster: UpProcess, typescript_dist: Path, python_summaries: dict[str, dict], prompt: str,
+        cluster: UpCluster, typescript_dist: Path, python_summaries: dict[str, dict], prompt: str,
         max_tokens: int) -> None:
     proc = _run(["node", str(typescript_dist / "greedy_session.js"), "--scheduler", cluster.scheduler_address,
                  "--max-tokens", str(max_tokens), prompt])
@@ -230,16 +178,16 @@ client.close();
 """
 
 
-def test_run_controller_without_a_key_is_refused(run_controller: list[str], cluster: UpProcess) -> None:
-    env = {k: v for k, v in cluster.env.items() if k != "L4M_API_KEY"}
+def test_run_controller_without_a_key_is_refused(run_controller: list[str], cluster: UpCluster) -> None:
+    env = {k: v for k, v in _client_env(cluster).items() if k != "L4M_API_KEY"}
     proc = subprocess.run([*run_controller, str(PROGRAM)], cwd=REPO, capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S, env=env)
     assert proc.returncode != 0 and "UNAUTHENTICATED" in proc.stderr.upper().replace(" ", "_"), proc.stderr
 
 
-def test_typescript_client_sends_and_terminates(cluster: UpProcess, typescript_dist: Path, tmp_path: Path) -> None:
+def test_typescript_client_sends_and_terminates(cluster: UpCluster, typescript_dist: Path, tmp_path: Path) -> None:
     program = tmp_path / "echo.py"
     program.write_text(ECHO_CONTROLLER)
     script = SEND_AND_TERMINATE % {"index": (typescript_dist.parent / "src" / "index.js").as_uri()}
-    proc = _run(["node", "--input-type=module", "-e", script, cluster.spawner_address, str(program)], env=cluster.env)
+    proc = _run(["node", "--input-type=module", "-e", script, cluster.spawner_address, str(program)], env=_client_env(cluster))
     assert proc.stdout.splitlines() == ["ready", "echo: hello", "INSTANCE_STATE_RUNNING", "EXIT_REASON_TERMINATED"]

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -25,40 +23,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.integration.harness import L4M_CLI, REPO, UpCluster, up_cluster
 from tests.integration.otlp_receiver import OtlpReceiver, ReceivedSpan
 
-REPO = Path(__file__).resolve().parents[2]
-L4M = Path(sys.executable).parent / "l4m"
-UP_TIMEOUT_S = 240.0
 TRACED_SERVICES = {"l4m.cli", "l4m.spawner", "l4m.controller", "l4m.scheduler", "l4m.executor"}
 # Commands of text_completion.py that reach an executor (get_info and synchronize are answered locally).
 EXECUTOR_COMMANDS = {"l4m.allocate", "l4m.forward_text", "l4m.deallocate"}
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _free_metrics_base() -> int:
-    """A base port with base+0 (spawner), +1 (scheduler) and +10 (executor 0) free."""
-    for _ in range(50):
-        base = _free_port()
-        if base + 10 < 65536 and all(_is_free(base + offset) for offset in (1, 10)):
-            return base
-    raise RuntimeError("no free metrics port range")
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def _descendants(pid: int) -> dict[int, str]:
@@ -92,64 +64,6 @@ def _still_running(processes: dict[int, str]) -> dict[int, str]:
     return {pid: cmd for pid, cmd in processes.items() if cmd and _cmdline(pid) == cmd}
 
 
-@dataclass
-class UpProcess:
-    """`l4m up` running in a subprocess, its output in `log_path`."""
-
-    process: subprocess.Popen[bytes]
-    log_path: Path
-    state_dir: Path
-    spawner_address: str
-    scheduler_address: str
-    metrics_base: int
-
-    @property
-    def executor_socket(self) -> Path:
-        return self.state_dir / "internal" / "executor-0.sock"
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_up(self) -> None:
-        deadline = time.monotonic() + UP_TIMEOUT_S
-        while "l4m is up" not in self.output():
-            assert self.process.poll() is None, f"l4m up exited with {self.process.returncode}:\n{self.output()}"
-            assert time.monotonic() < deadline, f"l4m up did not come up in {UP_TIMEOUT_S:.0f} s:\n{self.output()}"
-            time.sleep(0.2)
-
-    def service_logs(self) -> str:
-        logs = sorted((self.state_dir / "logs").glob("*.log"))
-        return "\n".join(f"----- {p.name} -----\n{p.read_text(errors='replace')[-4000:]}" for p in logs)
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
-def start_up(tmp_path: Path, env: dict[str, str], metrics: bool = True) -> UpProcess:
-    state_dir = tmp_path / "state"
-    spawner_port, scheduler_port = _free_port(), _free_port()
-    metrics_base = _free_metrics_base() if metrics else 0
-    log_path = tmp_path / "l4m-up.log"
-    argv = [str(L4M), "up", "--state-dir", str(state_dir), "--spawner-port", str(spawner_port),
-            "--scheduler-port", str(scheduler_port), "--metrics-port-base", str(metrics_base)]
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-    up = UpProcess(process, log_path, state_dir, f"127.0.0.1:{spawner_port}", f"127.0.0.1:{scheduler_port}",
-                   metrics_base)
-    try:
-        up.wait_up()
-    except BaseException:
-        up.kill()
-        raise
-    return up
-
-
 def _clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TRACEPARENT", "L4M_"))}
     return {**env, "PYTHONUNBUFFERED": "1", **extra}
@@ -157,7 +71,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 @dataclass
 class TracedCluster:
-    up: UpProcess
+    up: UpCluster
     receiver: OtlpReceiver
     env: dict[str, str]
 
@@ -167,9 +81,8 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TracedCluster]:
     with OtlpReceiver() as receiver:
         # A short export delay so the services' batches arrive while the test waits, not at shutdown.
         env = _clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint, OTEL_BSP_SCHEDULE_DELAY="200")
-        up = start_up(tmp_path_factory.mktemp("traced"), env)
-        yield TracedCluster(up, receiver, env)
-        up.kill()
+        with up_cluster(tmp_path_factory.mktemp("traced"), env=env, echo_logs=True) as up:
+            yield TracedCluster(up, receiver, env)
 
 
 @pytest.fixture
@@ -177,7 +90,7 @@ def show_logs_on_failure(traced: TracedCluster, request: pytest.FixtureRequest) 
     yield
     report = getattr(request.node, "rep_call", None)
     if report is not None and report.failed:
-        print(f"----- l4m up -----\n{traced.up.output()[-8000:]}\n{traced.up.service_logs()}")
+        print(traced.up.logs(num_output_chars=8000))
 
 
 @dataclass
@@ -191,7 +104,7 @@ class LaunchRun:
 def launch(traced: TracedCluster) -> LaunchRun:
     program = REPO / "examples" / "controllers" / "text_completion.py"
     done = subprocess.run(
-        [str(L4M), "run", "--spawner", traced.up.spawner_address, "--api-key-file",
+        [str(L4M_CLI), "run", "--spawner", traced.up.spawner_address, "--api-key-file",
          str(traced.up.state_dir / "admin.key"), str(program), "--", "--max-tokens", "4", "Hi"],
         cwd=REPO, env=traced.env, capture_output=True, text=True, timeout=120,
     )
@@ -292,7 +205,7 @@ def test_every_service_serves_the_metrics_of_the_run(
     traced: TracedCluster, launch: LaunchRun, show_logs_on_failure: None
 ) -> None:
     assert launch.returncode == 0, launch.stderr
-    base = traced.up.metrics_base
+    base = traced.up.metrics_port_base
     spawner, scheduler, executor = _scrape(base), _scrape(base + 1), _scrape(base + 10)
 
     assert spawner['l4m_spawner_instances{state="running"}'] == 0, spawner
@@ -351,22 +264,20 @@ def test_ctrl_c_stops_every_service(traced: TracedCluster, show_logs_on_failure:
 
 
 def test_a_dead_service_stops_the_cluster(tmp_path: Path) -> None:
-    up = start_up(tmp_path, _clean_env(), metrics=False)
-    try:
-        children = _descendants(up.process.pid)
-        executor = [pid for pid, cmd in children.items()
-                    if "l4m.executor" in cmd and str(up.executor_socket) in cmd]
-        assert len(executor) == 1, children
-        os.kill(executor[0], signal.SIGKILL)
-        code = up.process.wait(30)
-        output = up.output()
-        assert code != 0, output
-        assert "executor-0 exited with code -9" in output, output
-        assert "model ready" in output.split("executor-0 exited", 1)[1], output  # its log tail
-        time.sleep(0.5)
-        assert not _still_running(children), _still_running(children)
-    except BaseException:
-        print(f"----- l4m up -----\n{up.output()[-8000:]}\n{up.service_logs()}")
-        raise
-    finally:
-        up.kill()
+    with up_cluster(tmp_path, env=_clean_env(), metrics=False, echo_logs=True) as up:
+        try:
+            children = _descendants(up.process.pid)
+            executor = [pid for pid, cmd in children.items()
+                        if "l4m.executor" in cmd and str(up.executor_socket) in cmd]
+            assert len(executor) == 1, children
+            os.kill(executor[0], signal.SIGKILL)
+            code = up.process.wait(30)
+            output = up.output()
+            assert code != 0, output
+            assert "executor-0 exited with code -9" in output, output
+            assert "model ready" in output.split("executor-0 exited", 1)[1], output  # its log tail
+            time.sleep(0.5)
+            assert not _still_running(children), _still_running(children)
+        except BaseException:
+            print(up.logs(num_output_chars=8000))
+            raise

@@ -17,7 +17,6 @@ import fcntl
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,11 +26,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.harness import REPO, free_ports
 from tests.integration.otlp_receiver import OtlpReceiver
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 PROJECT = "l4m-test"
 COMPOSE = ["docker", "compose", "-p", PROJECT, "-f", "docker-compose.yml", "-f", "docker-compose.host.yml"]
 LOCK = Path(tempfile.gettempdir()) / "l4m-compose-test.lock"  # one run of this project at a time
@@ -61,18 +60,6 @@ def _ensure_docker() -> None:
     _must(["docker", "info"], 60, "reaching the Docker engine")
     _must(["docker", "compose", "version"], 60, "docker compose (the v2 CLI plugin)")
     _must(["scripts/ci/base-image.sh", "python:3.11-slim"], 900, "providing the base image python:3.11-slim")
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = []
-    for _ in range(count):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        sockets.append(sock)
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
 
 
 def _leftovers() -> dict[str, list[str]]:
@@ -117,7 +104,7 @@ def _compose_up_run_down() -> None:
     print(_must(["scripts/docker-build.sh"], 1800, "building the l4m images (scripts/docker-build.sh)"))
 
     host_dir = Path(tempfile.mkdtemp(prefix="l4m-compose-"))
-    spawner_port, scheduler_port, *metrics_ports = _free_ports(5)
+    spawner_port, scheduler_port, *metrics_ports = free_ports(5)
     receiver = OtlpReceiver().__enter__()  # stopped in the finally below
     env = {
         **os.environ,

@@ -4,9 +4,6 @@ refused; the scheduler reaches it with the secret and the CA."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from l4m.credentials import bearer_metadata, write_secret_file
 from l4m.v1 import common_pb2, executor_pb2, executor_pb2_grpc, l4m_pb2, l4m_pb2_grpc
+from tests.integration.harness import ServiceProcess
 from tests.integration.tls_certs import make_certificates
 
 DEADLINE_S = 60
@@ -39,53 +37,19 @@ def executor(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyp
     secret_file = directory / "cluster.secret"
     secret = write_secret_file(secret_file)
     certificates = make_certificates(directory / "tls")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "l4m.executor",
-            "--listen",
-            "127.0.0.1:0",
-            "--num-pages",
-            "64",
-            "--page-size",
-            "4",
-            "--num-embed-slots",
-            "8",
-            "--cluster-secret-file",
-            str(secret_file),
-            "--tls-cert",
-            str(certificates.cert_path),
-            "--tls-key",
-            str(certificates.key_path),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    lines: list[str] = []
-    start = time.monotonic()
-    address = None
-    while time.monotonic() - start < 120:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if "listening on" in line:
-            address = line.rsplit(" ", 1)[1].strip()
-            break
-    if address is None:
-        proc.kill()
-        pytest.fail("executor did not start:\n" + "".join(lines))
-    yield SecuredExecutor(address, secret_file, secret, certificates.ca_path)
-    proc.terminate()
+    process = ServiceProcess(
+        "l4m.executor",
+        ["--listen", "127.0.0.1:0", "--num-pages", "64", "--page-size", "4", "--num-embed-slots", "8",
+         "--cluster-secret-file", str(secret_file),
+         "--tls-cert", str(certificates.cert_path), "--tls-key", str(certificates.key_path)],
+        directory / "executor.log",
+    )  # fmt: skip
     try:
-        out, _ = proc.communicate(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-    print("executor log:\n" + "".join(lines) + out)
+        address = process.wait_listening(300)  # the model loads first: minutes on a busy 2-core box
+        yield SecuredExecutor(address, secret_file, secret, certificates.ca_path)
+    finally:
+        process.stop()
+        print("executor log:\n" + process.output())
 
 
 def greedy() -> common_pb2.SamplerSpec:
@@ -194,16 +158,10 @@ def test_a_plaintext_client_cannot_reach_the_tls_executor(executor: SecuredExecu
 def _scheduler_info(executor: SecuredExecutor, *extra: str, wait_s: float) -> l4m_pb2.GetInfoResponse | None:
     """Starts a scheduler in front of the executor; its GetInfo once an executor connected, None when
     none did within `wait_s`."""
-    scheduler = subprocess.Popen([sys.executable, "-m", "l4m.scheduler", "--listen", "127.0.0.1:0", "--executor",
-                                  executor.address, "--allow-anonymous", *extra],
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    scheduler = ServiceProcess("l4m.scheduler", ["--listen", "127.0.0.1:0", "--executor", executor.address,
+                                                 "--allow-anonymous", *extra])
     try:
-        line = ""
-        while "listening on" not in line:
-            line = scheduler.stdout.readline()  # type: ignore[union-attr]
-            assert line, "the scheduler exited"
-        address = line.split("listening on ", 1)[1].split()[0]
+        address = scheduler.wait_listening(120)
         deadline = time.monotonic() + wait_s
         with grpc.insecure_channel(address) as channel:
             while time.monotonic() < deadline:
@@ -214,8 +172,7 @@ def _scheduler_info(executor: SecuredExecutor, *extra: str, wait_s: float) -> l4
                     time.sleep(0.2)
         return None
     finally:
-        scheduler.terminate()
-        scheduler.wait(10)
+        scheduler.stop()
 
 
 def test_the_scheduler_reaches_the_executor_with_the_secret_over_tls(executor: SecuredExecutor) -> None:

@@ -4,24 +4,13 @@ gRPC) whose JSON must hold sane numbers, and the clear errors their flags give."
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+from tests.integration.harness import REPO, free_metrics_port_base, free_ports
 
 
 def run_bench(script: str, *args: str, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
@@ -31,10 +20,8 @@ def run_bench(script: str, *args: str, timeout_s: float = 240) -> subprocess.Com
 
 def cluster_flags(tmp_path: Path) -> list[str]:
     spawner, scheduler = free_ports(2)
-    # metrics ports: base+0 spawner, +1 scheduler, +10 executor; a free base found the same way
-    base = free_ports(1)[0]
     return ["--state-dir", str(tmp_path / "state"), "--spawner-port", str(spawner),
-            "--scheduler-port", str(scheduler), "--metrics-port-base", str(min(base, 60000))]
+            "--scheduler-port", str(scheduler), "--metrics-port-base", str(free_metrics_port_base())]
 
 
 @pytest.mark.slow

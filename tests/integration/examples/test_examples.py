@@ -23,8 +23,8 @@ import pytest
 from l4m.context import DEFAULT_CONTINUATION_STEPS
 from l4m.tokenizer import Tokenizer
 from l4m.v1 import l4m_pb2, l4m_pb2_grpc
-from tests.integration.conftest import REPO, CliRun, ServiceProcess, UpCluster, executor_argv
 from tests.integration.examples.executor_alone import executor_greedy
+from tests.integration.harness import REPO, CliRun, ServiceProcess, UpCluster, executor_args
 
 EXAMPLES = REPO / "examples" / "controllers"
 
@@ -90,8 +90,8 @@ class PageSampler:
 @pytest.fixture(scope="module")
 def lone_executor() -> Iterator[str]:
     """A second executor that only the reference decoding talks to."""
-    process = ServiceProcess("lone-executor", executor_argv())
-    yield process.address
+    process = ServiceProcess("l4m.executor", executor_args(), name="lone-executor")
+    yield process.wait_listening(300)
     process.stop()
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import L4M_CLI, REPO, CliRun, free_port, service_env
+from tests.integration.harness import L4M_CLI, REPO, CliRun, free_port, service_env
 
 pytestmark = pytest.mark.slow
 

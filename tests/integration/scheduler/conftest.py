@@ -21,11 +21,5 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     report = getattr(request.node, "rep_call", None)
     if report is not None and report.failed:
         for process in cluster.processes:
-            print(f"----- {process.name} log -----\n{process.output()}")
+            print(f"----- {process.name} log -----\n{process.log_tail(8000)}")
 
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # type: ignore[no-untyped-def]
-    outcome = yield
-    report = outcome.get_result()
-    setattr(item, f"rep_{report.when}", report)

@@ -231,4 +231,4 @@ def test_fuzz_never_crashes_traps_every_bad_command_and_frees_everything(cluster
     executor = cluster.simulated_executor("--num-kv-pages", "4096", "--num-embed-slots", "4096")
     scheduler = cluster.scheduler(executor)
     asyncio.run(_run(scheduler))
-    assert all(p.proc.poll() is None for p in cluster.processes), "a process died"
+    assert all(p.process.poll() is None for p in cluster.processes), "a process died"

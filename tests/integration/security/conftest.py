@@ -17,7 +17,7 @@ import pytest
 
 from l4m.credentials import bearer_metadata
 from l4m.v1 import spawner_pb2, spawner_pb2_grpc
-from tests.integration.conftest import L4M_CLI, REPO, UpCluster, service_env
+from tests.integration.harness import L4M_CLI, REPO, UpCluster, service_env
 
 CONTROLLERS = Path(__file__).parent / "controllers"
 ATTACKER = CONTROLLERS / "attacker.py"

@@ -24,7 +24,7 @@ from l4m.scheduler.core import Scheduler
 from l4m.scheduler.server import create_server
 from l4m.scheduler.simulated import SimulatedExecutor, SimulatedLink
 from l4m.v1 import l4m_pb2, spawner_pb2
-from tests.integration.conftest import UpCluster
+from tests.integration.harness import UpCluster
 from tests.integration.security.conftest import (
     CONTROLLERS,
     Baseline,
@@ -109,13 +109,13 @@ def test_malformed_and_oversized_session_messages_get_a_status() -> None:
     async def scenario() -> None:
         config = SchedulerConfig(allow_anonymous=True)
         scheduler = Scheduler(config, [SimulatedLink(SimulatedExecutor())])  # type: ignore[list-item]
-        server, port = await create_server(config, scheduler)
+        server = await create_server(config, scheduler)
         try:
             for _ in range(100):  # the simulated executor connects on the loop
                 if scheduler.is_ready:
                     break
                 await asyncio.sleep(0.01)
-            address = f"127.0.0.1:{port}"
+            address = f"127.0.0.1:{server.port}"
             garbage = await _session_status(address, b"\xff\xff\xff\xff")
             assert garbage.code() == grpc.StatusCode.INVALID_ARGUMENT, garbage
             assert "does not parse as l4m.v1.SessionRequest" in garbage.details(), garbage.details()
@@ -130,8 +130,7 @@ def test_malformed_and_oversized_session_messages_get_a_status() -> None:
             assert [r.request_id for r in replies] == [3] and replies[0].info.max_command_bytes == limits.MAX_COMMAND_BYTES
             assert scheduler.instances.num_active() == 0
         finally:
-            await server.stop(0)
-            server.health_task.cancel()  # type: ignore[attr-defined]
+            await server.stop(0)  # and its health task
             await scheduler.close()
 
     asyncio.run(scenario())

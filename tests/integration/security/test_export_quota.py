@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from tests.integration.conftest import UpCluster
+from tests.integration.harness import UpCluster
 from tests.integration.security.conftest import (
     CONTROLLERS,
     Baseline,

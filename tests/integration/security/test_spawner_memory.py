@@ -25,7 +25,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from l4m.v1 import spawner_pb2, spawner_pb2_grpc
-from tests.integration.spawner.harness import ServiceProcess
+from tests.integration.harness import ServiceProcess
 
 MiB = 1024 * 1024
 ITEM_OVERHEAD_BYTES = 64  # l4m.spawner.supervisor: what each line or message costs beyond its text
@@ -131,8 +131,7 @@ def spawner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Spawner]:
         state / "spawner.log",
     )  # fmt: skip
     try:
-        port = process.wait_listening(60)
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        channel = grpc.insecure_channel(process.wait_listening(60))
         yield Spawner(process, spawner_pb2_grpc.SpawnerServiceStub(channel), health_pb2_grpc.HealthStub(channel))
         channel.close()
     finally:

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from l4m.credentials import bearer_metadata
 from l4m.v1 import spawner_pb2, spawner_pb2_grpc
-from tests.integration.conftest import L4M_CLI, REPO, UpCluster, service_env
+from tests.integration.harness import L4M_CLI, REPO, UpCluster, service_env, up_cluster
 from tests.integration.tls_certs import CertificateFiles, make_certificates
 
 TEXT_COMPLETION = REPO / "examples" / "controllers" / "text_completion.py"
@@ -22,13 +22,9 @@ TEXT_COMPLETION = REPO / "examples" / "controllers" / "text_completion.py"
 def tls_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[UpCluster, CertificateFiles]]:
     work = tmp_path_factory.mktemp("l4m-up-tls")
     certs = make_certificates(work / "certs")
-    cluster = UpCluster(work, ["--tls-cert", str(certs.cert_path), "--tls-key", str(certs.key_path),
-                               "--tls-ca", str(certs.ca_path)])
-    try:
-        cluster.wait_up()
+    with up_cluster(work, ["--tls-cert", str(certs.cert_path), "--tls-key", str(certs.key_path),
+                           "--tls-ca", str(certs.ca_path)]) as cluster:
         yield cluster, certs
-    finally:
-        cluster.stop()
 
 
 def test_l4m_run_over_tls_completes(tls_cluster: tuple[UpCluster, CertificateFiles]) -> None:

@@ -4,7 +4,7 @@ scheduler and the executor agree on every KV page and embedding slot."""
 
 from __future__ import annotations
 
-from tests.integration.conftest import UpCluster
+from tests.integration.harness import UpCluster
 from tests.integration.security.conftest import Baseline, greedy_completion, pages_used, wait_until
 
 SETTLE_S = 10.0  # deallocations reach the executor after the scheduler counted them free

@@ -24,7 +24,7 @@ from l4m.spawner.docker_image import ensure_controller_image
 from l4m.spawner.docker_sandbox import DockerSandbox, DockerSandboxConfig
 from l4m.spawner.process_sandbox import ProcessSandbox, ProcessSandboxConfig
 from l4m.spawner.sandbox import Sandbox
-from tests.integration.spawner.harness import ServiceProcess
+from tests.integration.harness import ServiceProcess
 
 # The repository carries copies of the engine / base-image helpers (scripts/ci), so a fresh clone has them.
 SHARED_SCRIPTS = Path(__file__).resolve().parents[3] / "scripts" / "ci"
@@ -138,20 +138,18 @@ def scheduler_cluster(tmp_path: Path) -> Iterator[SchedulerCluster]:
     )
     processes = [executor]
     try:
-        executor_port = executor.wait_listening()
+        executor_address = executor.wait_listening(30)
         scheduler_socket = socket_dir / "scheduler.sock"
         scheduler = ServiceProcess(
             "l4m.scheduler",
-            ["--executor", f"127.0.0.1:{executor_port}", "--listen", "127.0.0.1:0",
+            ["--executor", executor_address, "--listen", "127.0.0.1:0",
              "--listen-unix", str(scheduler_socket), "--allow-anonymous",
              "--registry-listen", f"unix:{registry_socket}", "--cluster-secret-file", str(secret_file)],
             tmp_path / "scheduler.log",
         )  # fmt: skip
         processes.append(scheduler)
-        scheduler_port = scheduler.wait_listening()
-        yield SchedulerCluster(
-            socket_dir, f"unix:{registry_socket}", f"127.0.0.1:{scheduler_port}", secret_file
-        )
+        scheduler_address = scheduler.wait_listening(30)
+        yield SchedulerCluster(socket_dir, f"unix:{registry_socket}", scheduler_address, secret_file)
     finally:
         for process in reversed(processes):
             process.stop()

@@ -2,8 +2,8 @@
 
 `running_spawner` starts `create_server` (the same function `python -m l4m.spawner` uses) on port 0
 with a real sandbox; `run_with` runs a test's launches beside a sandbox's background work (a full warm
-pool); `ServiceProcess` runs another l4m service as a real process and prints its log when a test
-fails; `upload`, `launch` and `attach` are the user's side of SpawnerService.
+pool); `upload`, `launch` and `attach` are the user's side of SpawnerService. A service as a real
+process is `tests.integration.harness.ServiceProcess`.
 """
 
 from __future__ import annotations
@@ -11,14 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import os
-import re
-import subprocess
-import sys
-import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -112,44 +106,3 @@ def log_lines(events: Sequence[spawner_pb2.AttachResponse]) -> list[str]:
 def exit_of(events: Sequence[spawner_pb2.AttachResponse]) -> spawner_pb2.InstanceExit:
     assert events and events[-1].HasField("exit"), f"no exit event: {events}"
     return events[-1].exit
-
-
-class ServiceProcess:
-    """`python -m MODULE ARGS` with its output in a log file; `port` is parsed from its
-    "listening on HOST:PORT" line."""
-
-    def __init__(self, module: str, args: Sequence[str], log_path: Path, env: dict[str, str] | None = None):
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-        )
-        self.port = 0
-
-    def wait_listening(self, timeout_s: float = 30.0) -> int:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            match = re.search(rb"listening on [\w.]+:(\d+)", self.log_path.read_bytes())
-            if match:
-                self.port = int(match.group(1))
-                return self.port
-            if self.process.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"{self.process.args} did not start:\n{self.log_tail()}")
-
-    def log_tail(self, num_bytes: int = 6000) -> str:
-        return self.log_path.read_bytes()[-num_bytes:].decode(errors="replace")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-        self._log.close()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import urllib.request
 from pathlib import Path
 
@@ -16,9 +15,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from l4m.v1 import spawner_pb2, spawner_pb2_grpc
+from tests.integration.harness import ServiceProcess, free_port
 from tests.integration.otlp_receiver import OtlpReceiver
 from tests.integration.spawner.conftest import SchedulerCluster
-from tests.integration.spawner.harness import ServiceProcess, attach, exit_of, upload
+from tests.integration.spawner.harness import attach, exit_of, upload
 from tests.integration.spawner.test_with_scheduler import GENERATE_FOREVER, _kv_pages, _scheduler_stats
 
 USER_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -43,12 +43,6 @@ async def main(ctx):
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _metrics(port: int) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     series = {}
@@ -62,7 +56,7 @@ def _metrics(port: int) -> dict[str, float]:
 def test_the_spawner_process_traces_meters_and_stops_cleanly(
     scheduler_cluster: SchedulerCluster, tmp_path: Path
 ) -> None:
-    metrics_port = _free_port()
+    metrics_port = free_port()
     with OtlpReceiver() as receiver:
         spawner = ServiceProcess(
             "l4m.spawner",
@@ -74,12 +68,8 @@ def test_the_spawner_process_traces_meters_and_stops_cleanly(
             env={"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"},
         )  # fmt: skip
         try:
-            port = spawner.wait_listening()
-            asyncio.run(
-                _check_running_spawner(
-                    f"127.0.0.1:{port}", metrics_port, receiver, spawner, scheduler_cluster
-                )
-            )
+            address = spawner.wait_listening(30)
+            asyncio.run(_check_running_spawner(address, metrics_port, receiver, spawner, scheduler_cluster))
         finally:
             spawner.stop()
             print(f"---- spawner.log ----\n{spawner.log_tail()}")

@@ -25,7 +25,7 @@ from l4m.keys import KeyStore
 from l4m.spawner.config import SpawnerConfig
 from l4m.spawner.process_sandbox import ProcessSandbox
 from l4m.v1 import spawner_pb2
-from tests.integration.conftest import service_env
+from tests.integration.harness import service_env
 from tests.integration.spawner.conftest import SchedulerCluster
 from tests.integration.spawner.harness import RunningSpawner, running_spawner
 

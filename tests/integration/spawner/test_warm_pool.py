@@ -15,7 +15,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ from l4m.spawner.programs import ProgramStore
 from l4m.spawner.sandbox import ExitInfo, ExitReason, Limits, MiB, SandboxSpec
 from l4m.spawner.supervisor import ExitEvent, InstanceSupervisor
 from l4m.v1 import spawner_pb2
+from tests.integration.harness import ServiceProcess
 from tests.integration.spawner.harness import (
     attach,
     exit_of,
@@ -463,12 +463,9 @@ def test_a_warm_launch_through_the_spawner_gets_its_token_and_stopping_leaves_no
     assert warm_cgroups(spawner_id) == []
 
 
-def spawner_process(spawner_id: str, state_dir: Path, log_path: Path) -> subprocess.Popen[bytes]:
+def spawner_process(spawner_id: str, state_dir: Path, log_path: Path) -> ServiceProcess:
     args = ["--listen", "127.0.0.1:0", "--state-dir", str(state_dir), "--spawner-id", spawner_id, "--insecure-local"]
-    with open(log_path, "wb") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "l4m.spawner", *args, "--warm-pool-size", "2"], stdout=log, stderr=log
-        )
+    return ServiceProcess("l4m.spawner", [*args, "--warm-pool-size", "2"], log_path)
 
 
 def wait_for_warm_sandboxes(spawner_id: str, process: subprocess.Popen[bytes], log_path: Path) -> set[int]:
@@ -489,7 +486,8 @@ def test_a_spawner_process_that_ends_leaves_no_warm_sandbox_running(
     spawner_id = f"{spawner_id}-proc-{uuid.uuid4().hex[:6]}"
     state_dir = tmp_path / "state"
     log_path = tmp_path / "spawner.log"
-    process = spawner_process(spawner_id, state_dir, log_path)
+    spawner = spawner_process(spawner_id, state_dir, log_path)
+    process = spawner.process
     try:
         pids = wait_for_warm_sandboxes(spawner_id, process, log_path)
         process.send_signal(stop_signal)
@@ -498,6 +496,7 @@ def test_a_spawner_process_that_ends_leaves_no_warm_sandbox_running(
         if process.poll() is None:
             process.kill()
             process.wait(timeout=60)
+        spawner.stop()  # closes its log
     deadline = time.monotonic() + WAIT_S  # a crashed spawner's sandboxes die with it, not at once
     while [pid for pid in pids if is_alive(pid)] and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from l4m.telemetry import DurationHistogram
+from l4m.common.metrics import DurationHistogram
 
 
 def test_observations_land_in_the_first_bucket_that_holds_them() -> None:

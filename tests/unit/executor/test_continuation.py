@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
+from l4m.executor.checks import MAX_CONTINUATION_STEPS
 from l4m.executor.commands import Allocate, ForwardText, ResourceKind, SamplerKind, SamplerSpec
-from l4m.executor.engine import MAX_CONTINUATION_STEPS
 from l4m.executor.errors import InvalidCommand
 
 PAGE_SIZE = 4

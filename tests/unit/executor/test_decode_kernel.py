@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils import cpp_extension
 
+from l4m.executor import cpu_kernels
 from l4m.executor.commands import Allocate, EmbedText, Forward, MaskKvPage, ResourceKind, SampleTopK
 from l4m.executor.quant import kernels_available
 from tests.unit.executor.conftest import LogitsRecorder, PageTables, cpu_only, engine_stats
@@ -147,3 +149,25 @@ print(json.dumps({{"weights": engine.weights, "tokens": tokens, "stats": engine_
     seq = prompt + out["tokens"]
     want = reference_logits(loaded, seq[:-1]).argmax(-1)[len(prompt) - 1 :].tolist()
     assert out["tokens"] == want
+
+
+def test_load_kernels_compiles_the_cpp_files_current_text(tmp_path, monkeypatch) -> None:
+    """`load_kernels` hands torch the text of `cpu_kernels.cpp` as it is at load time, with the same flags:
+    torch rewrites the build's main.cpp (and ninja rebuilds) exactly when that text changed."""
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load_inline", lambda name, **kwargs: calls.append((name, kwargs)))
+    monkeypatch.setattr(cpu_kernels, "cpu_supports_kernels", lambda: True)
+    monkeypatch.setenv("PATH", os.environ.get("PATH", ""))
+    shipped = Path(cpu_kernels.__file__).with_name("cpu_kernels.cpp").read_text()
+    cpu_kernels.load_kernels.__wrapped__()  # past the per-process cache
+    edited = tmp_path / "cpu_kernels.cpp"
+    edited.write_text(shipped + "// edited\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE_PATH", edited)
+    cpu_kernels.load_kernels.__wrapped__()
+    (name, first), (_, second) = calls
+    assert name == "l4m_cpu"
+    assert "TORCH_LIBRARY(l4m_cpu, lib)" in shipped
+    assert first["cpp_sources"] == [shipped]
+    assert second["cpp_sources"] == [shipped + "// edited\n"]
+    assert first["no_implicit_headers"] and shipped.startswith("#include <torch/extension.h>\n")
+    assert first["extra_cflags"] == second["extra_cflags"] == ["-O3", "-mavx2", "-mfma", "-fopenmp"]

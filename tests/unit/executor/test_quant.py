@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from l4m.executor.engine import EngineConfig, resolve_weights
+from l4m.executor.config import EngineConfig, resolve_weights
 from l4m.executor.quant import BLOCK_SIZE, QuantizedTensor, kernels_available
 from tests.unit.executor.conftest import cpu_only
 
