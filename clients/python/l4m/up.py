@@ -106,13 +106,21 @@ async def _up(config: ClusterConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    starting = asyncio.ensure_future(cluster.start())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():  # Ctrl-C while a service is still starting: stop what started, now
+        print("l4m up: stopping before it was up ...", file=sys.stderr, flush=True)
+        starting.cancel()  # `Cluster.start` stops every service it started before it re-raises
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        return 130
     try:
-        await cluster.start()
+        starting.result()
     except ClusterError as error:
         print(f"l4m up: {error}", file=sys.stderr)
         return 1
     print("l4m is up:\n  " + "\n  ".join(cluster.endpoints()) + "\nCtrl-C stops it.", flush=True)
-    stopped = asyncio.ensure_future(stop.wait())
     died = asyncio.ensure_future(cluster.wait_for_exit())
     await asyncio.wait({stopped, died}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
