@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from l4m.spawner.cpu_priority import sandbox_tree
 from l4m.spawner.process_sandbox import ProcessSandbox
 from l4m.spawner.programs import ProgramStore
 from l4m.spawner.sandbox import ExitReason, SandboxSpec
@@ -21,33 +22,18 @@ SLEEPER = "import time\nprint('ready', flush=True)\ntime.sleep(120)\n"
 WAIT_S = 60.0
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
 def _program_pids(root: int) -> list[int]:
     """Every python process below `root` (the sandbox's launcher) that runs as a sandbox uid."""
-    pids, pending = [], [root]
-    while pending:
-        for child in _children(pending.pop()):
-            pending.append(child)
-            try:
-                status = Path(f"/proc/{child}/status").read_text()
-                exe = os.readlink(f"/proc/{child}/exe")
-            except OSError:
-                continue
-            uid = int(status.split("Uid:")[1].split()[0])
-            if uid != 0 and "python" in Path(exe).name:
-                pids.append(child)
+    pids = []
+    for pid in sandbox_tree(root) - {root}:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            exe = os.readlink(f"/proc/{pid}/exe")
+        except OSError:
+            continue
+        uid = int(status.split("Uid:")[1].split()[0])
+        if uid != 0 and "python" in Path(exe).name:
+            pids.append(pid)
     return pids
 
 
