@@ -197,7 +197,7 @@ def start_processes() -> GrpcProcesses:
     import tempfile
     from pathlib import Path
 
-    from l4m.credentials import write_secret_file
+    from l4m.wire.credentials import write_secret_file
 
     def port() -> int:
         with socket.socket() as s:

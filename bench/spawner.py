@@ -57,12 +57,12 @@ from pathlib import Path
 
 import grpc
 
-from l4m.credentials import write_secret_file
 from l4m.spawner.config import SpawnerConfig
 from l4m.spawner.sandbox import ExitReason
 from l4m.spawner.server import SpawnerServer, create_server
 from l4m.spawner.supervisor import ExitEvent, InstanceSupervisor
 from l4m.v1 import spawner_pb2, spawner_pb2_grpc
+from l4m.wire.credentials import write_secret_file
 
 MARKER = b"first command answered"
 CONTROLLER = b"""

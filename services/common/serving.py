@@ -1,7 +1,7 @@
 """The services' front door: one way to build a grpc.aio server and one way to serve until a signal.
 
 `build_server` adds the servicers, the standard health service (grpc.health.v1) and server reflection,
-and binds the listeners (TLS on a TCP one when its files are given, `l4m.credentials.add_listener`); it
+and binds the listeners (TLS on a TCP one when its files are given, `l4m.wire.credentials.add_listener`); it
 does not start the server, so that a service can finish wiring (a socket's mode, a task) first.
 `GrpcServer` is what it returns: the server, the ports it bound and its health servicer. A service
 that keeps more (its core, a background task) wraps one in a dataclass of its own rather than setting
@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection as grpc_reflection
 
-from l4m.credentials import TlsFiles, add_listener, is_unix_address
+from l4m.wire.credentials import TlsFiles, add_listener, is_unix_address
 
 # A generated `add_<Service>Servicer_to_server` function and the servicer it adds.
 Service = tuple[Callable[[Any, grpc.aio.Server], None], object]

@@ -14,12 +14,12 @@ import torch
 
 from l4m.common.metrics import start_metrics_server
 from l4m.common.serving import bound_address, serve_until_signal
-from l4m.credentials import CredentialError, read_secret_file, tls_files
 from l4m.executor.engine import EngineConfig
 from l4m.executor.metrics import executor_registry
 from l4m.executor.server import ExecutorConfig, create_server
 from l4m.executor.weights import default_model_path
 from l4m.telemetry import configure_tracing, shutdown_tracing
+from l4m.wire.credentials import CredentialError, read_secret_file, tls_files
 
 
 def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, int]:

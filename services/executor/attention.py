@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from l4m.brle import decode_rows
+from l4m.wire.brle import decode_rows
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from l4m.brle import BrleError, decode_rows
 from l4m.executor.attention import ItemLayout
 from l4m.executor.commands import (
     Allocate,
@@ -34,6 +33,7 @@ from l4m.executor.commands import (
 )
 from l4m.executor.errors import ExecutorError, InvalidCommand, UnknownResource
 from l4m.executor.sampler import decode_vocab_masks, validate_sampler
+from l4m.wire.brle import BrleError, decode_rows
 
 if TYPE_CHECKING:
     from l4m.executor.kv_cache import KvCache

@@ -1,7 +1,7 @@
 """Protobuf <-> executor dataclasses (`from_pb` / `to_pb`); the only module of the core that knows pb.
 
 Conversion errors (an unspecified enum, a batch with no kind) are `InvalidCommand`s, answered as that
-batch's error like any validation failure. Conversion also enforces the bounds of `l4m.limits` that the
+batch's error like any validation failure. Conversion also enforces the bounds of `l4m.wire.limits` that the
 executor advertises in GetInfo, before a batch costs any work: BRLE masks of at most
 `max_brle_runs(length)` runs, and batches whose reply fits the gRPC send limit (distribution entries and
 worst-case reply bytes). The scheduler checks the same bounds first; these are the executor's own.
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from l4m import limits
 from l4m.executor import commands as c
 from l4m.executor.errors import ExecutorError, InvalidCommand
 from l4m.v1 import common_pb2, executor_pb2
+from l4m.wire import limits
 
 # The budget of a batch's items in the reply: the send limit less the envelope.
 MAX_BATCH_REPLY_BYTES = limits.EXECUTOR_MAX_REPLY_BYTES - limits.MESSAGE_MARGIN_BYTES

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from l4m.brle import BrleError, decode_rows
 from l4m.executor.commands import Distribution, SampledToken, SamplerKind, SamplerResult, SamplerSpec
 from l4m.executor.errors import InvalidCommand
+from l4m.wire.brle import BrleError, decode_rows
 
 MAX_SEED = 2**63 - 1
 MIN_SAMPLE_TEMPERATURE = torch.finfo(torch.float32).tiny  # below it SAMPLE is GREEDY (module docstring)

@@ -22,19 +22,18 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from l4m import limits
 from l4m.common.serving import GrpcServer, build_server
-from l4m.credentials import TlsFiles, bearer_token, secrets_equal
 from l4m.executor.convert import batch_from_pb, error_to_pb, info_to_pb, reply_to_pb
 from l4m.executor.engine import Engine, EngineConfig
 from l4m.executor.errors import CapabilityError, ExecutorError
 from l4m.executor.weights import load_model
 from l4m.v1 import executor_pb2, executor_pb2_grpc
+from l4m.wire import limits
+from l4m.wire.credentials import TlsFiles, bearer_token, secrets_equal
+from l4m.wire.tracecontext import parent_context
 
 log = logging.getLogger(__name__)
-_propagator = TraceContextTextMapPropagator()
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["ExecutorService"].full_name
 
 
@@ -85,10 +84,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
         cid = request.correlation_id
         try:
             batch = batch_from_pb(request)
-            carrier = {"traceparent": request.trace_context.traceparent}
-            if request.trace_context.tracestate:
-                carrier["tracestate"] = request.trace_context.tracestate
-            parent = _propagator.extract(carrier) if carrier["traceparent"] else None
+            parent = parent_context(request.trace_context.traceparent, request.trace_context.tracestate)
             return reply_to_pb(cid, batch, self.engine.execute(batch, parent))
         except CapabilityError as exc:
             return error_to_pb(cid, exc, is_unsupported=True)
@@ -172,7 +168,7 @@ async def create_server(config: ExecutorConfig, engine: Engine | None = None) ->
         server = build_server(
             [(executor_pb2_grpc.add_ExecutorServiceServicer_to_server, servicer)],
             [(config.listen, config.tls)],
-            # The limits GetInfo advertises (l4m.limits): batches are bounded so that their replies fit.
+            # The limits GetInfo advertises (l4m.wire.limits): batches are bounded so that their replies fit.
             options=limits.grpc_options(limits.EXECUTOR_MAX_REPLY_BYTES, limits.EXECUTOR_MAX_REQUEST_BYTES),
             health_names=(SERVICE_NAME,),
         )

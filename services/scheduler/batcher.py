@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from l4m import limits
+from l4m.wire import limits
 
 FORWARD_KINDS = frozenset({"forward", "forward_text"})
 EXECUTOR_KINDS = (

@@ -35,7 +35,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from l4m import limits as bounds
 from l4m.scheduler import contention
 from l4m.scheduler.batcher import Batcher, BatchQueue, Command, Stream, parse_strategy
 from l4m.scheduler.config import SchedulerConfig
@@ -71,6 +70,7 @@ from l4m.scheduler.validation import (
     translate_one,
 )
 from l4m.v1 import common_pb2, executor_pb2, l4m_pb2
+from l4m.wire import limits as bounds
 
 log = logging.getLogger(__name__)
 
@@ -420,9 +420,9 @@ class Scheduler:
         getattr(request, kind).items.extend(items)
         batch_span = None
         if self.tracer.enabled:
-            batch_span, carrier = self.tracer.batch_span(kind, executor.index, [c.span for c in commands])
-            request.trace_context.traceparent = carrier.get("traceparent", "")
-            request.trace_context.tracestate = carrier.get("tracestate", "")
+            batch_span, traceparent, tracestate = self.tracer.batch_span(kind, executor.index, [c.span for c in commands])
+            request.trace_context.traceparent = traceparent
+            request.trace_context.tracestate = tracestate
         self._count_batch(kind, commands)
         self._dispatch_seq += 1
         seq = self._dispatch_seq

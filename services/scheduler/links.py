@@ -9,14 +9,14 @@ from pathlib import Path
 
 import grpc
 
-from l4m import limits
-from l4m.credentials import bearer_metadata, open_channel
 from l4m.scheduler.executors import OnConnected, OnLost, OnResponse
 from l4m.v1 import executor_pb2, executor_pb2_grpc
+from l4m.wire import limits
+from l4m.wire.credentials import bearer_metadata, open_channel
 
 log = logging.getLogger(__name__)
 
-# The executor's limits (l4m.limits, advertised in its GetInfo): the batcher keeps batches and their
+# The executor's limits (l4m.wire.limits, advertised in its GetInfo): the batcher keeps batches and their
 # replies within them.
 _CHANNEL_OPTIONS = limits.grpc_options(limits.EXECUTOR_MAX_REQUEST_BYTES, limits.EXECUTOR_MAX_REPLY_BYTES)
 

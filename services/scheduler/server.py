@@ -23,9 +23,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
-from l4m import limits
 from l4m.common.serving import GrpcServer, build_server
-from l4m.credentials import bearer_token, secrets_equal
 from l4m.scheduler.config import SchedulerConfig
 from l4m.scheduler.core import Scheduler
 from l4m.scheduler.errors import (
@@ -38,10 +36,12 @@ from l4m.scheduler.errors import (
 )
 from l4m.scheduler.links import GrpcExecutorLink
 from l4m.v1 import l4m_pb2, l4m_pb2_grpc, registry_pb2, registry_pb2_grpc
+from l4m.wire import limits
+from l4m.wire.credentials import bearer_token, secrets_equal
+from l4m.wire.metadata import TOKEN_METADATA_KEY
 
 log = logging.getLogger(__name__)
 
-TOKEN_METADATA_KEY = "l4m-instance-token"
 MIN_TOKEN_BYTES = 16
 TRAP_STATUS = {
     l4m_pb2.TRAP_KIND_INVALID_COMMAND: grpc.StatusCode.INVALID_ARGUMENT,
@@ -58,7 +58,7 @@ REGISTRATION_STATUS: dict[type[RegistrationError], grpc.StatusCode] = {
     UnknownParent: grpc.StatusCode.NOT_FOUND,
     TooManyInstances: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
-# Controllers' messages (l4m.limits, advertised in GetInfo): validation bounds each command's reply to fit.
+# Controllers' messages (l4m.wire.limits, advertised in GetInfo): validation bounds each command's reply to fit.
 _MESSAGE_OPTIONS = limits.grpc_options(limits.MAX_RESPONSE_BYTES, limits.MAX_COMMAND_BYTES)
 _END = object()
 

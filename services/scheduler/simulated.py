@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from l4m import limits
 from l4m.scheduler.executors import OnConnected, OnLost, OnResponse
 from l4m.v1 import common_pb2, executor_pb2, executor_pb2_grpc
+from l4m.wire import limits
 
 KV_PAGE = common_pb2.RESOURCE_KIND_KV_PAGE
 

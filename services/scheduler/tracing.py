@@ -18,11 +18,10 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link, ProxyTracerProvider, Span, Status, StatusCode
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from l4m.v1 import common_pb2
+from l4m.wire.tracecontext import parent_context, traceparent_of
 
-_PROPAGATOR = TraceContextTextMapPropagator()
 _PAGE_LIST_KINDS = frozenset({"forward", "forward_text", "export_kv_pages", "import_kv_pages"})
 
 
@@ -50,18 +49,13 @@ class SchedulerTracer:
     @staticmethod
     def extract(traceparent: str | None, tracestate: str | None = None) -> otel_context.Context | None:
         """The parent context carried by a session's `traceparent` metadata (None when absent)."""
-        if not traceparent:
-            return None
-        carrier = {"traceparent": traceparent}
-        if tracestate:
-            carrier["tracestate"] = tracestate
-        return _PROPAGATOR.extract(carrier)
+        return parent_context(traceparent, tracestate)
 
     def command_span(self, kind: str, parent: otel_context.Context | None, attributes: dict[str, Any]) -> Span:
         return self._tracer.start_span(f"l4m.{kind}", context=parent, attributes=attributes)
 
-    def batch_span(self, kind: str, executor_index: int, command_spans: Sequence[Span]) -> tuple[Span, dict[str, str]]:
-        """Start the batch span linked to its commands, link them back; returns (span, W3C carrier)."""
+    def batch_span(self, kind: str, executor_index: int, command_spans: Sequence[Span]) -> tuple[Span, str, str]:
+        """Start the batch span linked to its commands, link them back; returns (span, traceparent, tracestate)."""
         traced = [s for s in command_spans if s is not None]
         parent = trace.set_span_in_context(traced[0]) if traced else None
         span = self._tracer.start_span(
@@ -73,9 +67,7 @@ class SchedulerTracer:
         batch_context = span.get_span_context()
         for command_span in traced:
             command_span.add_link(batch_context)
-        carrier: dict[str, str] = {}
-        _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
-        return span, carrier
+        return (span, *traceparent_of(trace.set_span_in_context(span)))
 
     @staticmethod
     def end_with_error(span: Span | None, reason: str) -> None:

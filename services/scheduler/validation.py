@@ -7,7 +7,7 @@ the instance does not own fails there. Both raise a `TrapError` whose reason nam
 
 The LENGTH RULE and MASK RULE are the ones written in `common.proto` (ForwardTextItem).
 
-Work and reply size are bounded per command (`l4m.limits`): distribution entries (outputs x
+Work and reply size are bounded per command (`l4m.wire.limits`): distribution entries (outputs x
 distribution_top_k, or a sample_top_k's k), the worst-case bytes of the reply, and the runs of every BRLE
 mask (counted before they are summed, so a mask of millions of runs costs nothing to refuse). Checks run
 cheapest first: lengths before anything that iterates.
@@ -18,9 +18,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from l4m import limits as bounds
 from l4m.scheduler.errors import InvalidCommand, Unsupported
 from l4m.v1 import common_pb2, l4m_pb2
+from l4m.wire import limits as bounds
 
 KV_PAGE = common_pb2.RESOURCE_KIND_KV_PAGE
 EMBED_SLOT = common_pb2.RESOURCE_KIND_EMBED_SLOT
@@ -44,7 +44,7 @@ class ModelLimits:
     max_export_metadata_bytes: int = 1 << 20
     # Per command: the smaller of the executors' per-batch bound and the scheduler's default.
     max_distribution_entries_per_command: int = bounds.DEFAULT_MAX_DISTRIBUTION_ENTRIES_PER_COMMAND
-    # Worst-case bytes of one command's reply (`l4m.limits.reply_bytes`): it must fit an empty batch's
+    # Worst-case bytes of one command's reply (`l4m.wire.limits.reply_bytes`): it must fit an empty batch's
     # reply and the SessionResponse to the controller, each less its envelope.
     max_reply_bytes: int = bounds.MAX_RESPONSE_BYTES - bounds.MESSAGE_MARGIN_BYTES
     # BRLE runs in all of one command's masks (each mask is also bounded by its length).

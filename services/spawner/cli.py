@@ -230,8 +230,8 @@ def parse_config(
 
 
 async def serve(config: SpawnerConfig, metrics_port: int = 0, metrics_host: str = "127.0.0.1") -> None:
-    from l4m.credentials import CredentialError
     from l4m.spawner.server import ConfigError, create_server
+    from l4m.wire.credentials import CredentialError
 
     try:
         server = await create_server(config)

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import grpc
 
-from l4m.credentials import bearer_metadata, open_channel
 from l4m.spawner.instances import InstanceManager, RegistrationRefused, SchedulerUnavailable
 from l4m.v1 import registry_pb2, registry_pb2_grpc
+from l4m.wire.credentials import bearer_metadata, open_channel
 
 log = logging.getLogger(__name__)
 

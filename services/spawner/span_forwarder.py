@@ -18,7 +18,8 @@ from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from opentelemetry.proto.common.v1 import common_pb2
 
-TOKEN_METADATA_KEY = "l4m-instance-token"
+from l4m.wire.metadata import TOKEN_METADATA_KEY
+
 EXPORT_DEADLINE_S = 10.0
 INSTANCE_ATTRIBUTE = "l4m.instance_id"
 

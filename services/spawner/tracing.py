@@ -13,7 +13,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 
 from l4m.spawner.sandbox import ExitInfo, ExitReason
-from l4m.telemetry import context_from_traceparent, traceparent_of
+from l4m.wire.tracecontext import context_from_traceparent, traceparent_of
 
 _tracer = trace.get_tracer("l4m.spawner")
 _CLEAN_EXITS = (ExitReason.EXITED, ExitReason.TERMINATED)

@@ -12,8 +12,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from l4m.credentials import bearer_metadata, write_secret_file
 from l4m.v1 import common_pb2, executor_pb2, executor_pb2_grpc, l4m_pb2, l4m_pb2_grpc
+from l4m.wire.credentials import bearer_metadata, write_secret_file
 from tests.integration.harness import ServiceProcess
 from tests.integration.tls_certs import make_certificates
 

@@ -14,6 +14,7 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
 from l4m import telemetry
+from l4m.wire import tracecontext
 from tests.integration.otlp_receiver import OtlpReceiver
 
 PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -22,8 +23,9 @@ CHILD = textwrap.dedent(
     """
     from opentelemetry import trace
     from l4m import telemetry
+    from l4m.wire import tracecontext
     assert telemetry.configure_tracing("l4m.test-child")
-    ctx = telemetry.context_from_traceparent(PARENT)
+    ctx = tracecontext.context_from_traceparent(PARENT)
     with trace.get_tracer("t").start_as_current_span("child.work", context=ctx):
         pass
     telemetry.shutdown_tracing()
@@ -69,6 +71,6 @@ def test_spans_travel_over_a_unix_socket(tmp_path: Path) -> None:
 
 
 def test_traceparent_round_trip() -> None:
-    ctx = telemetry.context_from_traceparent(PARENT)
-    assert telemetry.traceparent_of(ctx)[0] == PARENT
-    assert telemetry.traceparent_of(telemetry.context_from_traceparent("")) == ("", "")
+    ctx = tracecontext.context_from_traceparent(PARENT)
+    assert tracecontext.traceparent_of(ctx)[0] == PARENT
+    assert tracecontext.traceparent_of(tracecontext.context_from_traceparent("")) == ("", "")

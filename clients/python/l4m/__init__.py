@@ -1,7 +1,7 @@
 """l4m: programs (controllers) drive an LLM through the L4M protocol.
 
 The controller SDK is imported lazily (`from l4m import Context, Greedy, Constraint`), so services that
-only need `l4m.v1` or `l4m.brle` do not pay for it.
+only need `l4m.v1` or `l4m.wire.brle` do not pay for it.
 """
 
 from __future__ import annotations

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import grpc
 
-from l4m.credentials import CredentialError, bearer_metadata, open_channel, read_secret_file
 from l4m.errors import L4MError
 from l4m.session import call_metadata
-from l4m.telemetry import traceparent_of
 from l4m.v1 import spawner_pb2, spawner_pb2_grpc
+from l4m.wire.credentials import CredentialError, bearer_metadata, open_channel, read_secret_file
+from l4m.wire.tracecontext import traceparent_of
 
 CHUNK_BYTES = 1 << 20  # the proto's limit per chunk
 DEFAULT_TIMEOUT_S = 30.0

@@ -33,8 +33,8 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from l4m.credentials import CredentialError, open_channel, write_secret_file
 from l4m.keys import ADMIN_KEY_FILE_NAME, KEYS_FILE_NAME, KeyStoreError, ensure_admin_key
+from l4m.wire.credentials import CredentialError, open_channel, write_secret_file
 
 STOP_GRACE_S = 10.0
 LOCK_FILE_NAME = "cluster.lock"  # in the state directory: see `lock_state_dir`

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from l4m import brle
 from l4m.errors import ConstraintError
+from l4m.wire import brle
 
 if TYPE_CHECKING:
     import llguidance

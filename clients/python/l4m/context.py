@@ -600,7 +600,7 @@ class Context:
         """Hide slots outside the window for every later pass; deallocate pages fully hidden."""
         import numpy as np  # lazily: a controller without a window does not pay numpy's import
 
-        from l4m import brle
+        from l4m.wire import brle
 
         assert self._window is not None
         num_slots = self.num_kv_slots

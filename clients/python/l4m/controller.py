@@ -38,7 +38,8 @@ from l4m.instance import Instance
 from l4m.model import Model
 from l4m.runtime import ChildExit, LocalRuntime, Runtime, RuntimeClient
 from l4m.session import Session
-from l4m.telemetry import configure_tracing, context_from_traceparent, shutdown_tracing, traceparent_of
+from l4m.telemetry import configure_tracing, shutdown_tracing
+from l4m.wire.tracecontext import context_from_traceparent, traceparent_of
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer

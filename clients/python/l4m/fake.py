@@ -26,8 +26,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from l4m import brle, limits
 from l4m.v1 import common_pb2, l4m_pb2
+from l4m.wire import brle, limits
 
 SMOLLM_CHAT_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

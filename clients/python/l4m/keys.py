@@ -20,7 +20,7 @@ import secrets
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from l4m.credentials import CredentialError, read_secret_file, write_secret_file
+from l4m.wire.credentials import CredentialError, read_secret_file, write_secret_file
 
 KEYS_FILE_NAME = "api-keys.json"
 ADMIN_KEY_FILE_NAME = "admin.key"

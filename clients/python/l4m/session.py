@@ -19,11 +19,11 @@ from typing import Any
 
 import grpc
 
-from l4m import limits
 from l4m.errors import SessionClosed, Trapped
 from l4m.v1 import l4m_pb2, l4m_pb2_grpc
+from l4m.wire import limits
+from l4m.wire.metadata import TOKEN_METADATA_KEY
 
-TOKEN_METADATA_KEY = "l4m-instance-token"
 # A synchronous GetInfo: (request, timeout_s, metadata) -> GetInfoResponse.
 BlockingGetInfo = Callable[[l4m_pb2.GetInfoRequest, float, Any], l4m_pb2.GetInfoResponse]
 DEFAULT_CALL_TIMEOUT_S = 30.0
@@ -110,7 +110,7 @@ class Session:
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
     ) -> Session:
         """Open a channel to the scheduler at `address` (e.g. `unix:///run/l4m/scheduler.sock`)."""
-        # The scheduler's limits (l4m.limits): it accepts commands of MAX_COMMAND_BYTES and answers each
+        # The scheduler's limits (l4m.wire.limits): it accepts commands of MAX_COMMAND_BYTES and answers each
         # within MAX_RESPONSE_BYTES.
         options = limits.grpc_options(limits.MAX_COMMAND_BYTES, limits.MAX_RESPONSE_BYTES)
         channel = grpc.aio.insecure_channel(grpc_target(address), options=options)

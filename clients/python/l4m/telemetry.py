@@ -3,19 +3,14 @@
 Tracing is on when the environment asks for it (`OTEL_TRACES_EXPORTER`, or an `OTEL_EXPORTER_OTLP_*`
 endpoint); otherwise the OpenTelemetry API stays the no-op tracer, so instrumentation costs a few
 function calls and nothing is exported. Resource attributes come from `OTEL_SERVICE_NAME` and
-`OTEL_RESOURCE_ATTRIBUTES`, with the service's own name as the default.
+`OTEL_RESOURCE_ATTRIBUTES`, with the service's own name as the default. Trace context on the wire is
+`l4m.wire.tracecontext`.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from opentelemetry import context as otel_context
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 _ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 
@@ -61,29 +56,3 @@ def shutdown_tracing() -> None:
     shutdown = getattr(provider, "shutdown", None)
     if shutdown is not None:
         shutdown()
-
-
-def context_from_traceparent(traceparent: str, tracestate: str = "") -> otel_context.Context:
-    """The OpenTelemetry context a W3C `traceparent` (and `tracestate`) names; empty → the root context."""
-    from opentelemetry import context as otel_context
-
-    carrier = {"traceparent": traceparent} if traceparent else {}
-    if traceparent and tracestate:
-        carrier["tracestate"] = tracestate
-    return _propagator().extract(carrier, context=otel_context.Context())
-
-
-def traceparent_of(ctx: otel_context.Context | None = None) -> tuple[str, str]:
-    """(`traceparent`, `tracestate`) of the current span, or of `ctx`; empty strings when not traced."""
-    carrier: dict[str, str] = {}
-    _propagator().inject(carrier, context=ctx)
-    return carrier.get("traceparent", ""), carrier.get("tracestate", "")
-
-
-@functools.cache
-def _propagator() -> TraceContextTextMapPropagator:
-    # Imported on first use: a process that never propagates a trace never imports OpenTelemetry.
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-    return TraceContextTextMapPropagator()
-

@@ -72,7 +72,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cluster_config(args: argparse.Namespace) -> ClusterConfig:
-    from l4m.credentials import CredentialError, tls_files
+    from l4m.wire.credentials import CredentialError, tls_files
 
     try:
         tls_files(args.tls_cert, args.tls_key)

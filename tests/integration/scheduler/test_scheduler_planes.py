@@ -13,11 +13,11 @@ import grpc
 import pytest
 from scheduler_procs import Cluster, sync_channel
 
-from l4m.credentials import bearer_metadata, write_secret_file
 from l4m.scheduler import requests as rq
 from l4m.spawner.instances import RegistrationRefused
 from l4m.spawner.registry_client import GrpcInstanceRegistry
 from l4m.v1 import l4m_pb2, l4m_pb2_grpc, registry_pb2, registry_pb2_grpc
+from l4m.wire.credentials import bearer_metadata, write_secret_file
 from tests.integration.harness import REPO, free_port
 from tests.integration.tls_certs import make_certificates
 

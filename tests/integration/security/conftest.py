@@ -15,8 +15,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from l4m.credentials import bearer_metadata
 from l4m.v1 import spawner_pb2, spawner_pb2_grpc
+from l4m.wire.credentials import bearer_metadata
 from tests.integration.harness import L4M_CLI, REPO, UpCluster, service_env
 
 CONTROLLERS = Path(__file__).parent / "controllers"

@@ -17,8 +17,8 @@ import subprocess
 import grpc
 import pytest
 
-from l4m.credentials import bearer_metadata
 from l4m.v1 import registry_pb2, registry_pb2_grpc, spawner_pb2
+from l4m.wire.credentials import bearer_metadata
 from tests.integration.harness import L4M_CLI, REPO, UpCluster, service_env
 from tests.integration.security.conftest import ATTACKER, Baseline, Users, pages_used, wait_until
 

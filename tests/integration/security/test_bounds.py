@@ -18,12 +18,12 @@ from collections.abc import Iterator
 
 import grpc
 
-from l4m import limits
 from l4m.scheduler.config import SchedulerConfig
 from l4m.scheduler.core import Scheduler
 from l4m.scheduler.server import create_server
 from l4m.scheduler.simulated import SimulatedExecutor, SimulatedLink
 from l4m.v1 import l4m_pb2, spawner_pb2
+from l4m.wire import limits
 from tests.integration.harness import UpCluster
 from tests.integration.security.conftest import (
     CONTROLLERS,

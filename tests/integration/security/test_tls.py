@@ -10,8 +10,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from l4m.credentials import bearer_metadata
 from l4m.v1 import spawner_pb2, spawner_pb2_grpc
+from l4m.wire.credentials import bearer_metadata
 from tests.integration.harness import L4M_CLI, REPO, UpCluster, service_env, up_cluster
 from tests.integration.tls_certs import CertificateFiles, make_certificates
 

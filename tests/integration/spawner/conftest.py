@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from l4m.credentials import write_secret_file
 from l4m.spawner.docker_image import ensure_controller_image
 from l4m.spawner.docker_sandbox import DockerSandbox, DockerSandboxConfig
 from l4m.spawner.process_sandbox import ProcessSandbox, ProcessSandboxConfig
 from l4m.spawner.sandbox import Sandbox
+from l4m.wire.credentials import write_secret_file
 from tests.integration.harness import ServiceProcess
 
 # The repository carries copies of the engine / base-image helpers (scripts/ci), so a fresh clone has them.

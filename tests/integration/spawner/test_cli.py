@@ -29,11 +29,12 @@ TRACED = """
 import os
 from opentelemetry import trace
 from l4m import telemetry
+from l4m.wire import tracecontext
 
 async def main(ctx):
     if not hasattr(trace.get_tracer_provider(), "force_flush"):  # the runner may have set it up
         assert telemetry.configure_tracing("unused: OTEL_SERVICE_NAME is set")
-    parent = telemetry.context_from_traceparent(os.environ["TRACEPARENT"])
+    parent = tracecontext.context_from_traceparent(os.environ["TRACEPARENT"])
     with trace.get_tracer("test").start_as_current_span("controller.work", context=parent):
         c = ctx.new_context()
         c.fill([1, 2, 3])

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from l4m import brle
+from l4m.wire import brle
 
 bool_lists = st.lists(st.booleans(), max_size=200)
 

@@ -1,6 +1,7 @@
-"""Imports flow one way: each service imports the generated stubs (`l4m.v1`), the wire modules it
-shares with the SDK, `l4m.common` and its own package, never another service or the rest of the SDK;
-`l4m.common` imports no service; the SDK imports neither. Read from the source (ast), nothing imported."""
+"""Imports flow one way: each service imports the generated stubs (`l4m.v1`), the wire layer it shares
+with the SDK (`l4m.wire`), the tracing set-up, `l4m.common` and its own package, never another service or
+the rest of the SDK; `l4m.common` imports no service; the SDK imports neither; the wire layer imports only
+the stubs and itself. Read from the source (ast), nothing imported."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 SERVICES = ("executor", "scheduler", "spawner")
-# Packages a service may import anything from.
-SHARED_PACKAGES = ("l4m.v1", "l4m.common")
-# The SDK's modules that speak the wire or set up what every process shares; a service may import
-# these and no other part of the SDK. A new one belongs here only if clients need it too (else: l4m.common).
-WIRE_MODULES = frozenset({"l4m.brle", "l4m.credentials", "l4m.limits", "l4m.telemetry"})
+# Packages a service may import anything from: the stubs, the wire layer (what both ends of a connection
+# agree on) and the services' common front door.
+SHARED_PACKAGES = ("l4m.v1", "l4m.wire", "l4m.common")
+# The SDK's modules besides the wire layer that every process shares; a service may import these and no
+# other part of the SDK. A new one belongs here only if clients need it too (else: l4m.common).
+WIRE_MODULES = frozenset({"l4m.telemetry"})
 EXTRA_MODULES = {
     # `l4m` itself for its location (the SDK mounted into sandboxes); the key store `l4m keys` writes.
     "spawner": frozenset({"l4m", "l4m.keys"}),
@@ -72,10 +74,18 @@ def test_a_service_imports_the_stubs_the_wire_modules_common_and_itself(service:
 
 def test_common_imports_no_service_and_only_the_wire_modules() -> None:
     def is_allowed(module: str) -> bool:
-        return module.startswith(".") or module in WIRE_MODULES or is_within(module, "l4m.v1") \
-            or is_within(module, "l4m.common")
+        return module.startswith(".") or module in WIRE_MODULES \
+            or any(is_within(module, package) for package in SHARED_PACKAGES)
 
     assert violations(ROOT / "services" / "common", is_allowed) == []
+
+
+def test_the_wire_layer_imports_only_the_stubs_and_itself() -> None:
+    """Both ends of every connection import `l4m.wire`: it may not pull in the SDK or a service."""
+    def is_allowed(module: str) -> bool:
+        return module.startswith(".") or is_within(module, "l4m.v1") or is_within(module, "l4m.wire")
+
+    assert violations(ROOT / "clients" / "python" / "l4m" / "wire", is_allowed) == []
 
 
 def test_the_sdk_imports_no_service_and_not_common() -> None:

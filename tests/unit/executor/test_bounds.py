@@ -9,12 +9,12 @@ from collections.abc import Callable
 
 import pytest
 
-from l4m import limits
 from l4m.executor import convert
 from l4m.executor.engine import Engine
 from l4m.executor.errors import InvalidCommand
 from l4m.executor.server import ExecutorServicer
 from l4m.v1 import common_pb2, executor_pb2, l4m_pb2
+from l4m.wire import limits
 
 MAX_UINT32 = (1 << 32) - 1
 MAX_UINT64 = (1 << 64) - 1

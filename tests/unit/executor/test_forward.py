@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from l4m import brle
 from l4m.executor.commands import MaskKvPage, SamplerKind, SamplerSpec
+from l4m.wire import brle
 from tests.unit.executor.conftest import LogitsRecorder, PageTables, engine_stats
 from tests.unit.executor.reference import reference_logits
 

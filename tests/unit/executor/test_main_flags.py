@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from l4m.credentials import write_secret_file
 from l4m.executor.__main__ import parse_config
+from l4m.wire.credentials import write_secret_file
 
 
 def test_decode_kernel_is_on_by_default_and_can_be_turned_off() -> None:

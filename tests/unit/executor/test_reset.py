@@ -8,10 +8,10 @@ import asyncio
 import grpc
 import pytest
 
-from l4m.credentials import bearer_metadata
 from l4m.executor.commands import Allocate, ResourceKind
 from l4m.executor.server import ExecutorServicer
 from l4m.v1 import common_pb2, executor_pb2
+from l4m.wire.credentials import bearer_metadata
 
 # Made at import: a loop opens a socketpair, which the unit-test socket guard forbids inside a test.
 _LOOP = asyncio.new_event_loop()

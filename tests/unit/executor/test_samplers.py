@@ -10,10 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from l4m import brle
 from l4m.executor.commands import Distribution, SampledToken, SamplerKind, SamplerSpec
 from l4m.executor.errors import InvalidCommand
 from l4m.executor.sampler import MIN_SAMPLE_TEMPERATURE, apply_samplers, decode_vocab_masks, validate_sampler
+from l4m.wire import brle
 
 V = 64
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from l4m import limits
 from l4m.scheduler import requests as rq
 from l4m.scheduler.batcher import (
     Adaptive,
@@ -20,6 +19,7 @@ from l4m.scheduler.batcher import (
     parse_strategy,
 )
 from l4m.v1 import common_pb2, executor_pb2
+from l4m.wire import limits
 
 
 class FakeExecutor:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from l4m import limits
 from l4m.scheduler import requests as rq
 from l4m.v1 import common_pb2, l4m_pb2
+from l4m.wire import limits
 
 INVALID = l4m_pb2.TRAP_KIND_INVALID_COMMAND
 S = common_pb2.SamplerSpec
@@ -168,7 +168,7 @@ async def test_commands_after_a_trap_are_ignored(harness_factory) -> None:  # ty
     assert len(sink.events) == 1 and h.free_pages() == 64
 
 
-# ---- bounded work per command (l4m.limits): distribution entries, reply bytes, mask runs ----
+# ---- bounded work per command (l4m.wire.limits): distribution entries, reply bytes, mask runs ----
 
 
 def distributions(num_outputs: int, top_k: int, num_tokens: int = 2):  # type: ignore[no-untyped-def]

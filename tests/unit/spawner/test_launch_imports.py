@@ -31,7 +31,7 @@ def test_the_runner_and_the_context_defer_the_heavy_imports(statement: str) -> N
 
 def test_the_deferred_modules_load_when_used() -> None:
     loaded = imported_after(
-        "from l4m.tokenizer import Tokenizer\nfrom l4m import telemetry\n"
-        "telemetry.context_from_traceparent('')\nimport l4m.brle"
+        "from l4m.tokenizer import Tokenizer\nfrom l4m.wire import tracecontext\n"
+        "tracecontext.context_from_traceparent('')\nimport l4m.wire.brle"
     )
     assert {"numpy", "opentelemetry"} <= loaded

@@ -24,8 +24,8 @@ from pathlib import Path
 import grpc
 import grpc.aio
 
-AUTHORIZATION_METADATA_KEY = "authorization"
-BEARER_PREFIX = "Bearer "
+from l4m.wire.metadata import AUTHORIZATION_METADATA_KEY, BEARER_PREFIX
+
 MIN_SECRET_CHARS = 16
 SECRET_BYTES = 32  # of randomness in a generated secret (43 url-safe characters)
 
