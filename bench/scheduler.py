@@ -92,14 +92,14 @@ async def run_in_process(strategy: str, num_instances: int, duration_s: float) -
         client.next(now)
     await asyncio.sleep(0.2)  # warm up
     latencies.clear()
-    commands_before = scheduler.stats["commands"]
-    items_before = scheduler.stats["items"].get("forward_text", 0)
+    commands_before = scheduler.metrics.counts()["commands"]
+    items_before = scheduler.metrics.counts()["items"].get("forward_text", 0)
     batches_before = scheduler.stats["batches"].get("forward_text", 0)
     started = time.perf_counter()
     await asyncio.sleep(duration_s)
     elapsed = time.perf_counter() - started
-    num_commands = scheduler.stats["commands"] - commands_before
-    num_items = scheduler.stats["items"].get("forward_text", 0) - items_before
+    num_commands = scheduler.metrics.counts()["commands"] - commands_before
+    num_items = scheduler.metrics.counts()["items"].get("forward_text", 0) - items_before
     num_batches = scheduler.stats["batches"].get("forward_text", 0) - batches_before
     for client in clients:
         client.running = False

@@ -1,11 +1,12 @@
 """The executor's own checks of a batch, before it touches any state (defence in depth behind the
-scheduler's validation).
+scheduler's validation, with the same code: the protocol's rules are `l4m.wire.rules`').
 
 Pure functions over the command dataclasses, the model's numbers (`ModelConfig`) and the KV cache's
 allocation state (`KvCache.is_page_allocated` / `is_slot_allocated`, read only): each raises a typed
-`ExecutorError` naming `where` (e.g. "forward_text item 2"). Per-item checks run inside
-`blame_item(n)`, which sets the error's `item_index`; batch-wide checks set it themselves or leave it
-unset when no single item is at fault.
+`ExecutorError` naming `where` (e.g. "forward_text item 2"); a broken rule of the protocol is an
+`InvalidCommand` with the rule's own wording after `where`. Per-item checks run inside `blame_item(n)`,
+which sets the error's `item_index`; batch-wide checks set it themselves or leave it unset when no
+single item is at fault.
 """
 
 from __future__ import annotations
@@ -27,19 +28,17 @@ from l4m.executor.commands import (
     ForwardText,
     MaskKvPage,
     ResourceKind,
-    SamplerKind,
     SamplerSpec,
     SampleTopK,
 )
 from l4m.executor.errors import ExecutorError, InvalidCommand, UnknownResource
-from l4m.executor.sampler import decode_vocab_masks, validate_sampler
+from l4m.executor.sampler import decode_vocab_masks
+from l4m.wire import rules
 from l4m.wire.brle import BrleError, decode_rows
 
 if TYPE_CHECKING:
     from l4m.executor.kv_cache import KvCache
     from l4m.executor.weights import ModelConfig
-
-MAX_CONTINUATION_STEPS = 64  # per forward_text item: bounds how long one batch holds the executor
 
 
 @contextlib.contextmanager
@@ -50,6 +49,15 @@ def blame_item(index: int) -> Iterator[None]:
     except ExecutorError as exc:
         exc.item_index = index
         raise
+
+
+@contextlib.contextmanager
+def obey(where: str) -> Iterator[None]:
+    """A broken rule of the protocol (`l4m.wire.rules`) as an `InvalidCommand` naming `where`."""
+    try:
+        yield
+    except rules.RuleViolation as exc:
+        raise InvalidCommand(f"{where}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -79,73 +87,19 @@ def check_slots(cache: KvCache, slot_ids: Sequence[int], where: str) -> None:
             raise UnknownResource(f"{where}: embed slot {slot} is not allocated")
 
 
-def check_tokens(token_ids: Sequence[int], vocab_size: int, where: str) -> None:
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidCommand(f"{where}: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
-
-
-def check_positions(position_ids: Sequence[int], num_tokens: int, max_context: int, where: str) -> None:
-    if len(position_ids) != num_tokens:
-        raise InvalidCommand(f"{where}: {len(position_ids)} position ids for {num_tokens} tokens")
-    bad = [p for p in position_ids if not 0 <= p < max_context]
-    if bad:
-        raise InvalidCommand(
-            f"{where}: position id {bad[0]} is outside the model's context (0..{max_context - 1})"
-        )
-
-
-def check_outputs(output_indices: Sequence[int], num_new: int, where: str) -> None:
-    bad = [j for j in output_indices if not 0 <= j < num_new]
-    if bad:
-        raise InvalidCommand(f"{where}: output index {bad[0]} is out of range (0..{num_new - 1})")
-
-
 # ---- an item's pages and where its new tokens go ------------------------------------------------
 
 
 def prepare_layout(
-    cache: KvCache,
-    page_ids: Sequence[int],
-    last_len: int,
-    num_new: int,
-    mask_rows: Sequence[Sequence[int]],
-    where: str,
+    cache: KvCache, page_ids: Sequence[int], num_context: int, num_new: int,
+    mask_rows: Sequence[Sequence[int]], where: str,
 ) -> PreparedItem:
-    """Check an item's pages, lengths and mask rows; where its new tokens go."""
-    page_size = cache.page_size
-    if not page_ids:
-        raise InvalidCommand(f"{where}: no kv pages")
-    if len(set(page_ids)) != len(page_ids):
-        raise InvalidCommand(f"{where}: a kv page appears twice in the item's page list")
+    """An item whose shape obeys the rules: its pages must be allocated; where its new tokens go."""
     check_pages(cache, page_ids, where)
-    if not 0 < last_len <= page_size:
-        raise InvalidCommand(f"{where}: kv_last_page_length must be in 1..{page_size}, got {last_len}")
-    if num_new < 1:
-        raise InvalidCommand(f"{where}: no input tokens")
-    total = page_size * (len(page_ids) - 1) + last_len
-    if num_new > total:
-        raise InvalidCommand(
-            f"{where}: {num_new} new tokens do not fit in a context of {total} slots "
-            "(the pages must already include room for the new tokens)"
-        )
-    num_ctx = total - num_new
-    if mask_rows:
-        if len(mask_rows) != num_new:
-            raise InvalidCommand(
-                f"{where}: {len(mask_rows)} attention-mask rows for {num_new} tokens (one per token)"
-            )
-        for i, row in enumerate(mask_rows):
-            if any(r < 0 for r in row):
-                raise InvalidCommand(f"{where}: attention-mask row {i} has a negative run")
-            if sum(row) != num_ctx + i + 1:
-                raise InvalidCommand(
-                    f"{where}: attention-mask row {i} decodes to {sum(row)} values, expected {num_ctx + i + 1} "
-                    f"(context {num_ctx} + {i + 1})"
-                )
-    slots = np.arange(num_ctx, total)
+    page_size = cache.page_size
+    slots = np.arange(num_context, num_context + num_new)
     write_slots = np.asarray(page_ids, dtype=np.int64)[slots // page_size] * page_size + slots % page_size
-    return PreparedItem(ItemLayout(tuple(page_ids), num_ctx, num_new, tuple(mask_rows)), write_slots)
+    return PreparedItem(ItemLayout(tuple(page_ids), num_context, num_new, tuple(mask_rows)), write_slots)
 
 
 def check_no_write_collision(prepared: Sequence[PreparedItem], page_size: int, kind: str) -> None:
@@ -201,48 +155,57 @@ def check_resource_batch(
 
 
 def check_forward_text_item(item: ForwardText, cache: KvCache, model: ModelConfig, where: str) -> PreparedItem:
-    p = prepare_layout(
-        cache, item.kv_page_ids, item.kv_last_page_length, len(item.token_ids), item.attention_mask, where
-    )
-    check_tokens(item.token_ids, model.vocab_size, where)
-    check_positions(item.position_ids, len(item.token_ids), model.max_context, where)
-    check_outputs(item.output_indices, len(item.token_ids), where)
-    if len(item.samplers) != len(item.output_indices):
-        raise InvalidCommand(
-            f"{where}: {len(item.samplers)} samplers for {len(item.output_indices)} output indices (one each)"
+    with obey(where):
+        num_context = rules.check_forward_text(
+            kv_page_ids=item.kv_page_ids, kv_last_page_length=item.kv_last_page_length, token_ids=item.token_ids,
+            position_ids=item.position_ids, attention_masks=item.attention_mask,
+            output_indices=item.output_indices, num_samplers=len(item.samplers),
+            num_continuation_steps=item.num_continuation_steps, vocab_size=model.vocab_size,
+            max_context=model.max_context, page_size=cache.page_size,
         )
     for j, spec in enumerate(item.samplers):
-        validate_sampler(spec, model.vocab_size, f"{where} sampler {j}")
-    return p
+        check_sampler(spec, model.vocab_size, f"{where}: samplers[{j}]")
+    if item.num_continuation_steps or item.continuation_stop_token_ids:
+        _check_continuation_rules(item, model, where)
+    return prepare_layout(cache, item.kv_page_ids, num_context, len(item.token_ids), item.attention_mask, where)
+
+
+def check_sampler(spec: SamplerSpec, vocab_size: int, field: str) -> None:
+    """One sampler's rules (`rules.check_sampler`); the message names `field` ("... samplers[0]")."""
+    try:
+        rules.check_sampler(
+            spec.kind, distribution_top_k=spec.distribution_top_k, temperature=spec.temperature, top_k=spec.top_k,
+            top_p=spec.top_p, min_p=spec.min_p, seed=spec.seed, vocabulary_mask=spec.vocab_mask or (),
+            vocab_size=vocab_size,
+        )
+    except rules.RuleViolation as exc:
+        raise InvalidCommand(f"{field}: {exc}") from None
+
+
+def _check_continuation_rules(item: ForwardText, model: ModelConfig, where: str) -> None:
+    (sampler,) = item.samplers if len(item.samplers) == 1 else (None,)
+    with obey(where):
+        rules.check_continuation(
+            num_steps=item.num_continuation_steps, stop_token_ids=item.continuation_stop_token_ids,
+            num_tokens=len(item.token_ids), output_indices=item.output_indices,
+            num_mask_rows=len(item.attention_mask), sampler_kind=None if sampler is None else sampler.kind,
+            has_vocabulary_mask=bool(sampler is not None and sampler.vocab_mask),
+            last_position=item.position_ids[-1] if item.position_ids else 0,
+            vocab_size=model.vocab_size, max_context=model.max_context,
+        )
 
 
 def check_continuation(item: ForwardText, cache: KvCache, model: ModelConfig, where: str) -> PreparedItem:
-    """Checks what continuation needs beyond a plain forward_text (see common.proto); returns the pages,
-    room and write slots of everything the item may write, the continuation included."""
+    """Checks what continuation needs beyond a plain forward_text (`rules.check_continuation`, then the
+    LENGTH RULE counting the steps); returns the pages, room and write slots of everything the item may
+    write, the continuation included. (The first pass is checked in full as a plain forward_text.)"""
     num_steps, num_tokens = item.num_continuation_steps, len(item.token_ids)
-    if num_steps == 0:
-        return prepare_layout(cache, item.kv_page_ids, item.kv_last_page_length, max(num_tokens, 1), (), where)
-    if num_steps > MAX_CONTINUATION_STEPS:
-        raise InvalidCommand(f"{where}: {num_steps} continuation steps, more than {MAX_CONTINUATION_STEPS}")
-    if item.attention_mask:
-        raise InvalidCommand(f"{where}: continuation needs plain causal attention (no attention masks)")
-    if tuple(item.output_indices) != (num_tokens - 1,):
-        raise InvalidCommand(
-            f"{where}: continuation needs exactly one output index, the last token's ({num_tokens - 1}), "
-            f"not {list(item.output_indices)}"
-        )
-    (sampler,) = item.samplers or (None,)
-    if sampler is None or sampler.kind not in (SamplerKind.GREEDY, SamplerKind.SAMPLE) or sampler.vocab_mask:
-        raise InvalidCommand(
-            f"{where}: continuation needs a GREEDY or SAMPLE sampler without a vocabulary mask (its token is fed back)"
-        )
-    check_tokens(tuple(item.continuation_stop_token_ids), model.vocab_size, f"{where} continuation_stop_token_ids")
-    if item.position_ids and item.position_ids[-1] + num_steps >= model.max_context:
-        raise InvalidCommand(
-            f"{where}: {num_steps} continuation steps after position {item.position_ids[-1]} pass the "
-            f"model's context ({model.max_context} positions)"
-        )
-    return prepare_layout(cache, item.kv_page_ids, item.kv_last_page_length, num_tokens + num_steps, (), where)
+    if num_steps:
+        _check_continuation_rules(item, model, where)
+    num_new = max(num_tokens + num_steps, 1)
+    with obey(where):
+        num_context = rules.check_context(item.kv_page_ids, item.kv_last_page_length, cache.page_size, num_new)
+    return prepare_layout(cache, item.kv_page_ids, num_context, num_new, (), where)
 
 
 def decode_batch_vocab_masks(
@@ -261,49 +224,40 @@ def decode_batch_vocab_masks(
 
 
 def check_forward_item(item: Forward, cache: KvCache, where: str) -> PreparedItem:
-    check_slots(cache, item.input_slot_ids, where)
-    p = prepare_layout(cache, item.kv_page_ids, item.kv_last_page_length, len(item.input_slot_ids), (), where)
-    check_outputs(item.output_indices, len(item.input_slot_ids), where)
-    if len(item.output_slot_ids) != len(item.output_indices):
-        raise InvalidCommand(
-            f"{where}: {len(item.output_slot_ids)} output slots for {len(item.output_indices)} output indices"
+    with obey(where):
+        num_context = rules.check_forward(
+            kv_page_ids=item.kv_page_ids, kv_last_page_length=item.kv_last_page_length,
+            num_inputs=len(item.input_slot_ids), output_indices=item.output_indices,
+            num_output_slots=len(item.output_slot_ids), page_size=cache.page_size,
         )
+    check_slots(cache, item.input_slot_ids, where)
     check_slots(cache, item.output_slot_ids, where)
-    return p
+    return prepare_layout(cache, item.kv_page_ids, num_context, len(item.input_slot_ids), (), where)
 
 
 def check_embed_text_item(item: EmbedText, cache: KvCache, model: ModelConfig, where: str) -> None:
-    if len(item.slot_ids) != len(item.token_ids):
-        raise InvalidCommand(f"{where}: {len(item.slot_ids)} slots for {len(item.token_ids)} tokens")
+    with obey(where):
+        rules.check_embed_text(embed_slot_ids=item.slot_ids, token_ids=item.token_ids, position_ids=item.position_ids,
+                               vocab_size=model.vocab_size, max_context=model.max_context)
     check_slots(cache, item.slot_ids, where)
-    check_tokens(item.token_ids, model.vocab_size, where)
-    check_positions(item.position_ids, len(item.token_ids), model.max_context, where)
 
 
 def check_sample_top_k_item(item: SampleTopK, cache: KvCache, vocab_size: int, where: str) -> None:
+    with obey(where):
+        rules.check_sample_top_k(item.k, vocab_size)
     check_slots(cache, [item.slot_id], where)
-    if not 0 < item.k <= vocab_size:
-        raise InvalidCommand(f"{where}: k must be in 1..{vocab_size}, got {item.k}")
 
 
 def check_copy(item: CopyKvPage, cache: KvCache, where: str) -> None:
-    page_size = cache.page_size
+    with obey(where):
+        rules.check_copy(item.src_offset, item.dst_offset, item.length, cache.page_size)
     check_pages(cache, [item.src_page_id, item.dst_page_id], where)
-    for name, offset in (("src_offset", item.src_offset), ("dst_offset", item.dst_offset)):
-        if not offset >= 0 or offset + item.length > page_size:
-            raise InvalidCommand(
-                f"{where}: {name} {offset} + length {item.length} leaves the page (page_size {page_size})"
-            )
-    if item.length < 0:
-        raise InvalidCommand(f"{where}: length must be >= 0, got {item.length}")
 
 
 def check_page_mask(item: MaskKvPage, cache: KvCache, where: str) -> None:
+    with obey(where):
+        rules.check_page_visibility(item.mask, cache.page_size)
     check_pages(cache, [item.page_id], where)
-    if any(r < 0 for r in item.mask) or sum(item.mask) != cache.page_size:
-        raise InvalidCommand(
-            f"{where}: mask must decode to exactly page_size={cache.page_size} values, got {sum(item.mask)}"
-        )
 
 
 def decode_page_masks(items: Sequence[MaskKvPage], page_size: int) -> np.ndarray:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from l4m.executor.checks import PreparedItem, blame_item, check_continuation, check_no_write_collision
 from l4m.executor.commands import ForwardText, ForwardTextResult
+from l4m.wire import rules
 
 if TYPE_CHECKING:
     from l4m.executor.kv_cache import KvCache
@@ -54,7 +55,7 @@ class Continuation:
         """Continuation step `step` (1-based): feed `token_id`, the last one sampled, and sample the next."""
         (sampler,) = self.item.samplers
         if sampler.seed is not None:  # as the SDK numbers a generation's steps: step i draws with seed + i
-            sampler = dataclasses.replace(sampler, seed=(sampler.seed + step) % (1 << 64))
+            sampler = dataclasses.replace(sampler, seed=rules.step_seed(sampler.seed, step))
         position = self.item.position_ids[-1] + step
         return ForwardText(token_ids=(token_id,), position_ids=(position,), output_indices=(0,),
                            samplers=(sampler,), **self._pages(self._first_total + step))  # type: ignore[arg-type]

@@ -22,29 +22,7 @@ from l4m.executor.commands import Distribution, SampledToken, SamplerKind, Sampl
 from l4m.executor.errors import InvalidCommand
 from l4m.wire.brle import BrleError, decode_rows
 
-MAX_SEED = 2**63 - 1
 MIN_SAMPLE_TEMPERATURE = torch.finfo(torch.float32).tiny  # below it SAMPLE is GREEDY (module docstring)
-
-
-def validate_sampler(spec: SamplerSpec, vocab_size: int, where: str) -> None:
-    """Raise `InvalidCommand` naming `where` for any parameter outside its domain."""
-    if not isinstance(spec.kind, SamplerKind):
-        raise InvalidCommand(f"{where}: unknown sampler kind {spec.kind!r}")
-    if spec.kind is SamplerKind.DISTRIBUTION and not 0 < spec.distribution_top_k <= vocab_size:
-        raise InvalidCommand(
-            f"{where}: distribution_top_k must be in 1..{vocab_size}, got {spec.distribution_top_k}"
-        )
-    if spec.kind is SamplerKind.SAMPLE:
-        if not (math.isfinite(spec.temperature) and spec.temperature > 0):
-            raise InvalidCommand(f"{where}: temperature must be a finite number > 0, got {spec.temperature}")
-        if spec.top_k < 0:
-            raise InvalidCommand(f"{where}: top_k must be >= 0 (0 = off), got {spec.top_k}")
-        if not 0.0 <= spec.top_p <= 1.0:
-            raise InvalidCommand(f"{where}: top_p must be in [0, 1] (0 or 1 = off), got {spec.top_p}")
-        if not 0.0 <= spec.min_p < 1.0:
-            raise InvalidCommand(f"{where}: min_p must be in [0, 1) (0 = off), got {spec.min_p}")
-    if spec.seed is not None and not 0 <= spec.seed <= MAX_SEED:
-        raise InvalidCommand(f"{where}: seed must be in 0..{MAX_SEED}, got {spec.seed}")
 
 
 def decode_vocab_masks(

@@ -14,9 +14,9 @@ from l4m.common.serving import bound_address, serve_until_signal
 from l4m.scheduler.batcher import parse_strategy
 from l4m.scheduler.config import SchedulerConfig
 from l4m.scheduler.server import create_registry_server, create_server
-from l4m.scheduler.validation import MAX_CONTINUATION_STEPS
 from l4m.telemetry import configure_tracing, shutdown_tracing
 from l4m.wire.credentials import CredentialError, read_secret_file, tls_files
+from l4m.wire.rules import MAX_CONTINUATION_STEPS
 
 
 def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, int]:

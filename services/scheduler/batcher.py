@@ -11,7 +11,8 @@ distribution entries its reply carries, and the bytes of the batch and of its re
 so that neither message passes a gRPC limit of the executor link (one would break the stream, and every
 instance on it). A batch always takes its first item: validation bounds each command by the same limits.
 
-Forward kinds (forward, forward_text) use the configured strategy; every other kind fires eagerly.
+Forward queues (forward, forward_text: `kinds.py` says which) use the configured strategy; every other
+kind fires eagerly.
 Commands that never reach an executor (exports, synchronize, ...) run as soon as they are at the head
 of their stream: everything the stream sent before them has been sent by then.
 
@@ -27,18 +28,6 @@ from typing import Any, Protocol
 
 from l4m.wire import limits
 
-FORWARD_KINDS = frozenset({"forward", "forward_text"})
-EXECUTOR_KINDS = (
-    "allocate",
-    "deallocate",
-    "embed_text",
-    "forward",
-    "forward_text",
-    "sample_top_k",
-    "copy_kv_page",
-    "mask_kv_page",
-    "embed_image",
-)
 # StreamPriority value -> level index; level 0 fires first.
 PRIORITY_LEVEL = {3: 0, 2: 1, 0: 1, 1: 2}
 NUM_LEVELS = 3
@@ -73,14 +62,15 @@ class Command:
     __slots__ = ("stream", "request_id", "kind", "item", "arrived_at", "num_tokens", "num_entries",
                  "request_bytes", "reply_bytes", "has_reply", "span")
 
-    def __init__(self, stream: Stream, request_id: int, kind: str, item: Any, arrived_at: float, num_tokens: int) -> None:
+    def __init__(self, stream: Stream, request_id: int, kind: str, item: Any, arrived_at: float, num_tokens: int, *,
+                 is_executor_kind: bool) -> None:
         self.stream = stream
         self.request_id = request_id
         self.kind = kind
         self.item = item
         self.arrived_at = arrived_at
         self.num_tokens = num_tokens
-        if item is not None and kind in EXECUTOR_KINDS:
+        if is_executor_kind:
             self.num_entries, self.reply_bytes = limits.reply_cost(kind, item)
             self.request_bytes = request_bytes(kind, item)
         else:
@@ -154,12 +144,13 @@ class BatchQueue:
     __slots__ = ("kind", "target", "levels", "num_items", "is_forward", "max_batch_tokens", "bounds", "awaited",
                  "hold_until")
 
-    def __init__(self, kind: str, target: FireTarget, max_batch_tokens: int, bounds: BatchBounds | None = None) -> None:
+    def __init__(self, kind: str, target: FireTarget, max_batch_tokens: int, bounds: BatchBounds | None = None, *,
+                 is_forward: bool) -> None:
         self.kind = kind
         self.target = target
         self.levels: tuple[deque[Command], ...] = tuple(deque() for _ in range(NUM_LEVELS))
         self.num_items = 0
-        self.is_forward = kind in FORWARD_KINDS
+        self.is_forward = is_forward
         self.max_batch_tokens = max_batch_tokens if self.is_forward else 1 << 62
         self.bounds = bounds or BatchBounds.from_info(getattr(target, "info", None))
         # Adaptive regrouping: streams of the batch that just returned which have not sent their next

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from l4m.scheduler.validation import MAX_CONTINUATION_STEPS
 from l4m.wire.credentials import TlsFiles
+from l4m.wire.rules import MAX_CONTINUATION_STEPS
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,13 @@
 """The scheduler core: instances, their commands, batching and executors, tied together.
 
-A command's life: `submit` checks its shape (validation.check_command) and queues it on its stream;
-the batcher moves it into its executor's batch queue when it reaches the head of the stream; when the
-queue fires, `_fire` translates virtual ids to physical ones *in send order* (so the tables always
-describe exactly what the executor has been told), sends one `ExecuteRequest`, and the reply, if the
-batch has one, is dispatched back to the commands by position. Scheduler-local commands (exports,
-synchronize, get_info, ...) run when they reach the head of their stream, after everything the
-stream sent before them was sent.
+A command's life: `submit` looks its kind up in the kind table (kinds.py), checks its shape and queues
+it on its stream; the batcher moves it into its executor's batch queue when it reaches the head of the
+stream; when the queue fires, `_fire` makes room (an allocate batch evicts before it is built), translates
+virtual ids to physical ones *in send order* (translate.py; so the tables always describe exactly what
+the executor has been told), sends one `ExecuteRequest`, and the reply, if the batch has one, is
+dispatched back to the commands by position. Scheduler-local commands (exports.py, local.py) run when
+they reach the head of their stream, after everything the stream sent before them was sent; they return
+a `LocalOutcome` (outbound.py) that the core acts on.
 
 Freeing: a deallocate returns physical ids to the pool when it is sent; any later allocate that
 reuses them is sent after it, and the executor runs batches in order. A trapped or closed instance
@@ -29,11 +30,10 @@ Everything here runs on one asyncio loop thread; nothing blocks.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from l4m.scheduler import contention
 from l4m.scheduler.batcher import Batcher, BatchQueue, Command, Stream, parse_strategy
@@ -44,9 +44,7 @@ from l4m.scheduler.errors import (
     ExecutorLost,
     InvalidCommand,
     NoExecutor,
-    PermissionDenied,
     ResourceExhausted,
-    TokenBudgetExceeded,
     TooManyInstances,
     TrapError,
     UnknownParent,
@@ -55,30 +53,20 @@ from l4m.scheduler.errors import (
 from l4m.scheduler.executors import Executor, ExecutorLink, InflightBatch
 from l4m.scheduler.exports import Export, ExportTable
 from l4m.scheduler.instances import EventSink, Instance, InstanceRegistry, InstanceState
+from l4m.scheduler.kinds import KINDS
 from l4m.scheduler.metrics import SchedulerMetrics
-from l4m.scheduler.quotas import UserQuotas
-from l4m.scheduler.tracing import SchedulerTracer, num_kv_pages_named
-from l4m.scheduler.validation import (
-    EMBED_SLOT,
-    KV_PAGE,
-    MAX_CONTINUATION_STEPS,
-    ModelLimits,
-    check_command,
-    check_forward_text,
-    resource_name,
-    translate_ids,
-    translate_one,
-)
+from l4m.scheduler.outbound import LocalOutcome
+from l4m.scheduler.quotas import UserQuotas, spend_tokens
+from l4m.scheduler.tracing import SchedulerTracer
+from l4m.scheduler.translate import claim_allocation
+from l4m.scheduler.validation import EMBED_SLOT, KV_PAGE, ModelLimits
 from l4m.v1 import common_pb2, executor_pb2, l4m_pb2
 from l4m.wire import limits as bounds
+from l4m.wire.rules import MAX_CONTINUATION_STEPS
 
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = "l4m.v1"
-# Batches the executor always answers. forward_text is answered even without outputs, so that every
-# forward pass counts as in flight (the adaptive strategy fires the next one when none is); only its
-# items with output indices get a reply of their own (`Command.has_reply`).
-_REPLIED_KINDS = frozenset({"forward", "forward_text", "sample_top_k"})
 
 Watcher = Callable[[str, l4m_pb2.Trap], None]
 
@@ -114,9 +102,6 @@ class Scheduler:
         self.model: common_pb2.ModelInfo | None = None
         self._model_without_tokenizer: common_pb2.ModelInfo | None = None  # for GetInfo(omit_tokenizer_json)
         self.watchers: list[Watcher] = []
-        self.stats: dict[str, Any] = {"commands": 0, "batches": {}, "items": {}, "max_instances_per_batch": {},
-                                      "multi_instance_batches": {}, "traps": {}, "batch_errors": 0,
-                                      "batches_resent": 0}
         self._anonymous_seq = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._step_scheduled = False
@@ -151,6 +136,13 @@ class Scheduler:
     @property
     def is_ready(self) -> bool:
         return self.limits is not None
+
+    @property
+    def model_limits(self) -> ModelLimits:
+        """The limits every command is checked against; they exist once an executor connected."""
+        if self.limits is None:
+            raise NoExecutor("no executor is connected yet")
+        return self.limits
 
     # ---- instances ----
 
@@ -212,7 +204,7 @@ class Scheduler:
         instance.num_streams_closing = len(streams)
         now = self.clock()
         for stream in streams:  # a synchronize per stream, with no request id: answered by closing
-            self.batcher.submit(Command(stream, None, "synchronize", None, now, 0))  # type: ignore[arg-type]
+            self.batcher.submit(Command(stream, None, "synchronize", None, now, 0, is_executor_kind=False))
         self._schedule_step()
 
     def destroy_instance(self, instance_id: str, reason: str) -> tuple[int, int]:
@@ -231,30 +223,32 @@ class Scheduler:
         """Accept one command of an instance's session (the hot path)."""
         if not instance.is_alive:
             return
-        kind = request.WhichOneof("command")
-        item = getattr(request, kind) if kind is not None else None
-        self.stats["commands"] += 1
-        self.metrics.count_command(kind or "none")
-        try:
-            if kind == "forward_text":
-                check_forward_text(item, self.limits)  # type: ignore[arg-type]
-                # What it may feed: its tokens and every continuation step (the budget is spent up front).
-                num_tokens = len(item.token_ids) + item.num_continuation_steps  # type: ignore[union-attr]
-            else:
-                check_command(kind, item, self.limits)  # type: ignore[arg-type]
-                num_tokens = len(item.input_embed_slot_ids) if kind == "forward" else 0  # type: ignore[union-attr]
-        except TrapError as error:
-            self.trap(instance, error, request.request_id, kind)
+        name = request.WhichOneof("command")
+        self.metrics.count_command(name or "none")
+        kind = KINDS.get(name) if name is not None else None
+        if kind is None:
+            self.trap(instance, InvalidCommand("the SessionRequest carries no command"), request.request_id, name)
             return
+        item = getattr(request, name)
+        try:
+            limits = self.model_limits
+            if kind.capability is not None:
+                kind.check_capability(limits)
+            kind.check(item, limits)
+        except TrapError as error:
+            self.trap(instance, error, request.request_id, name)
+            return
+        num_tokens = kind.num_tokens(item)
         stream = instance.streams.get(request.stream_id) or instance.stream(request.stream_id)
-        command = Command(stream, request.request_id, kind, item, self.clock(), num_tokens)  # type: ignore[arg-type]
+        command = Command(stream, request.request_id, name, item, self.clock(), num_tokens,
+                          is_executor_kind=kind.is_executor_kind)
         if self.tracer.enabled:
             command.span = self.tracer.command_span(
-                kind,  # type: ignore[arg-type]
+                name,
                 instance.trace_context,
-                {"l4m.instance_id": instance.instance_id, "l4m.command": kind, "l4m.request_id": request.request_id,
+                {"l4m.instance_id": instance.instance_id, "l4m.command": name, "l4m.request_id": request.request_id,
                  "l4m.stream_id": request.stream_id, "l4m.tokens": num_tokens,
-                 "l4m.kv_pages": num_kv_pages_named(kind, item),
+                 "l4m.kv_pages": kind.num_kv_pages(item),
                  "l4m.instance.kv_pages_held": len(instance.table.kv_pages)},
             )
         self.batcher.submit(command)
@@ -295,23 +289,25 @@ class Scheduler:
     def _route(self, command: Command) -> BatchQueue | None:
         """Where the command at the head of its stream goes; local commands run here."""
         instance = command.stream.instance
-        kind = command.kind
-        local = _LOCAL_HANDLERS.get(kind)
+        kind = KINDS[command.kind]
         try:
-            if local is not None:
-                local(self, command)
-                if kind in _SHARING_KINDS:
+            if kind.run_local is not None:
+                if kind.permit is not None:
+                    kind.permit(instance, command.item)
+                self._run_local(command, kind.run_local(self, command, command.item))
+                if kind.is_sharing:
                     self._dispatch_seq += 1
                     self._last_dispatch[instance] = self._dispatch_seq
                 return None
             executor = instance.executor
             if executor is None:
-                if kind != "allocate":
-                    self._translate(None, command)  # owns nothing yet: raises, naming the first id
+                if kind.name != "allocate" and kind.translate is not None:
+                    # Owns nothing yet: raises, naming the first id.
+                    kind.translate(command.item, instance.table, None, self.model_limits)
                 executor = self._bind(instance)
-            return executor.queues[kind]
+            return executor.queues[kind.name]
         except TrapError as error:
-            self.trap(instance, error, command.request_id, kind)
+            self.trap(instance, error, command.request_id, kind.name)
             return None
 
     def _bind(self, instance: Instance) -> Executor:
@@ -319,15 +315,21 @@ class Scheduler:
         candidates = [e for e in self.executors if e.is_connected]
         if not candidates:
             raise NoExecutor("no executor is connected")
-        executor = max(candidates, key=lambda e: (e.resources.kv_pages.num_free, -len(e.instances)))  # type: ignore[union-attr]
+        executor = max(candidates, key=lambda e: (e.pools().kv_pages.num_free, -len(e.instances)))
         instance.executor = executor
         executor.instances.add(instance)
         return executor
 
     def _fire(self, queue: BatchQueue, commands: list[Command]) -> None:
-        """Translate and send one batch."""
-        executor: Executor = queue.target  # type: ignore[assignment]
-        kind = queue.kind
+        """Make room, translate and send one batch."""
+        executor = cast(Executor, queue.target)
+        kind = KINDS[queue.kind]
+        translate = kind.translate
+        if translate is None:  # only executor kinds have queues
+            return
+        limits = self.model_limits
+        if kind.name == "allocate":
+            self._make_room(executor, commands, limits)
         traps_before = self._num_traps
         items, sent = [], []
         for command in commands:
@@ -335,33 +337,86 @@ class Scheduler:
             if not instance.is_alive:
                 continue
             try:
-                item = self._translate(executor, command)
+                item = translate(command.item, instance.table, executor, limits)
+                if command.num_tokens:
+                    spend_tokens(self.quotas, instance, command.num_tokens)
             except TrapError as error:
-                self.trap(instance, error, command.request_id, kind)
+                self.trap(instance, error, command.request_id, kind.name)
                 continue
             if item is not None:
                 items.append(item)
                 sent.append(command)
             elif command.span is not None:
                 command.span.end()
-        executor.unsent_kv_pages.clear()
-        executor.unsent_embed_slots.clear()
-        waves = self._plan_waves(sent) if queue_is_forward(kind) and len(sent) > 1 else None
-        if self._num_traps != traps_before:  # an eviction may have hit an instance already in this batch
+        waves = self._plan_waves(sent) if queue.is_forward and len(sent) > 1 else None
+        if self._num_traps != traps_before:  # a trap may have hit an instance already in this batch
             # A translated deallocate already returned its ids to the pool, so it must reach the executor
             # even when its instance trapped later in this batch (or the ids would be handed out again
             # while the executor still holds them).
-            kept = [i for i, c in enumerate(sent) if c.stream.instance.is_alive or kind == "deallocate"]
+            kept = [i for i, c in enumerate(sent) if c.stream.instance.is_alive or kind.frees_when_translated]
             items, sent = [items[i] for i in kept], [sent[i] for i in kept]
             waves = [waves[i] for i in kept] if waves is not None else None
         if not sent:
             return
         if waves is None:
-            self._send_batch(executor, kind, items, sent)
+            self._send_batch(executor, kind.name, items, sent)
             return
         for wave in range(max(waves) + 1):  # in order: a later wave reads what an earlier one wrote
             chosen = [i for i, w in enumerate(waves) if w == wave]
-            self._send_batch(executor, kind, [items[i] for i in chosen], [sent[i] for i in chosen])
+            self._send_batch(executor, kind.name, [items[i] for i in chosen], [sent[i] for i in chosen])
+
+    def _make_room(self, executor: Executor, commands: list[Command], limits: ModelLimits) -> None:
+        """Before an allocate batch is built: check each allocate against its instance and, where the pool
+        cannot hold it on top of the batch's earlier allocates, evict (contention.py) until it can. Victims
+        are trapped here, before any item is translated; what fails traps its own instance."""
+        pools = executor.pools()
+        claimed: dict[tuple[Instance, bool], set[int]] = {}  # virtual ids claimed in this batch
+        admitted: list[tuple[Instance, bool, int]] = []  # (instance, is kv, ids) of the allocates that fit
+        num_claimed = {True: 0, False: 0}  # ids the admitted allocates of live instances take, by is kv
+        for command in commands:
+            instance = command.stream.instance
+            if not instance.is_alive:
+                continue
+            item: common_pb2.AllocateItem = command.item
+            is_kv = item.kind == KV_PAGE
+            pool = pools.kv_pages if is_kv else pools.embed_slots
+            try:
+                num_ids = claim_allocation(item, instance.table, limits, claimed.setdefault((instance, is_kv), set()))
+                if not pool.can_allocate(num_claimed[is_kv] + num_ids):
+                    self._evict(executor, instance, is_kv, num_ids, admitted)
+                    num_claimed = {
+                        kv: sum(n for i, k, n in admitted if k is kv and i.is_alive) for kv in (True, False)}
+            except TrapError as error:
+                self.trap(instance, error, command.request_id, "allocate")
+                continue
+            admitted.append((instance, is_kv, num_ids))
+            num_claimed[is_kv] += num_ids
+
+    def _evict(self, executor: Executor, requester: Instance, is_kv: bool, num_ids: int,
+               admitted: list[tuple[Instance, bool, int]]) -> None:
+        """Contention policy (contention.py): evict newer instances until `num_ids` more fit beside what the
+        batch's admitted allocates take (a victim's own allocates no longer count)."""
+        what = "kv pages" if is_kv else "embed slots"
+        pools = executor.pools()
+        pool = pools.kv_pages if is_kv else pools.embed_slots
+        while True:
+            num_claimed = sum(n for i, k, n in admitted if k is is_kv and i.is_alive)
+            if pool.can_allocate(num_claimed + num_ids):
+                return
+            claiming = {i for i, k, n in admitted if k is is_kv and n}
+            victim = contention.choose_victim(requester, executor.instances, kind_is_kv_page=is_kv, claiming=claiming)
+            if victim is None:
+                raise ResourceExhausted(
+                    f"needs {num_ids} {what}, {pool.num_free - num_claimed} of {pool.capacity} are free on executor "
+                    f"{executor.index} and no instance launched after this one holds any to evict"
+                )
+            self.trap(
+                victim,
+                Evicted(
+                    f"evicted to make room: instance {requester.instance_id!r}, launched before this one, "
+                    f"needed {num_ids} {what} on executor {executor.index}"
+                ),
+            )
 
     def _plan_waves(self, commands: list[Command]) -> list[int] | None:
         """Split a forward batch where items of one instance write the same kv page slot, which the
@@ -376,7 +431,7 @@ class Scheduler:
             by_instance.setdefault(command.stream.instance, []).append(index)
         if len(by_instance) == len(commands):
             return None
-        page_size = self.limits.kv_page_size  # type: ignore[union-attr]
+        page_size = self.model_limits.kv_page_size
         waves = [0] * len(commands)
         for instance, own in by_instance.items():
             if len(own) < 2:
@@ -423,21 +478,21 @@ class Scheduler:
             batch_span, traceparent, tracestate = self.tracer.batch_span(kind, executor.index, [c.span for c in commands])
             request.trace_context.traceparent = traceparent
             request.trace_context.tracestate = tracestate
-        self._count_batch(kind, commands)
+        num_instances = len({id(c.stream.instance) for c in commands}) if len(commands) > 1 else 1
+        self.metrics.observe_batch(kind, len(commands), num_instances)
         self._dispatch_seq += 1
         seq = self._dispatch_seq
         for command in commands:
             self._last_dispatch[command.stream.instance] = seq
-        if kind in _REPLIED_KINDS:
-            if kind != "forward_text":
-                for command in commands:
-                    command.has_reply = True
-            if not is_resend:
-                for command in commands:
-                    if command.has_reply:
-                        command.stream.num_replies_sent += 1
+        spec = KINDS[kind]
+        if spec.is_replied:
+            has_reply = spec.has_reply
+            for command in commands:
+                command.has_reply = has_reply(command.item)
+                if command.has_reply and not is_resend:
+                    command.stream.num_replies_sent += 1
             executor.inflight[correlation_id] = InflightBatch(kind, commands, batch_span, self.clock(), seq, items)
-            if queue_is_forward(kind):
+            if spec.is_forward:
                 executor.num_forward_in_flight += 1
         else:
             executor.unanswered[correlation_id] = InflightBatch(kind, list(commands), None, self.clock(), seq, items)
@@ -460,163 +515,6 @@ class Scheduler:
         executor.inflight[correlation_id] = InflightBatch("debug_query", [], None, self.clock())
         executor.link.send(request)
 
-    def _count_batch(self, kind: str, commands: list[Command]) -> None:
-        stats = self.stats
-        stats["batches"][kind] = stats["batches"].get(kind, 0) + 1
-        stats["items"][kind] = stats["items"].get(kind, 0) + len(commands)
-        num_instances = len({id(c.stream.instance) for c in commands}) if len(commands) > 1 else 1
-        if num_instances > stats["max_instances_per_batch"].get(kind, 0):
-            stats["max_instances_per_batch"][kind] = num_instances
-        if num_instances > 1:
-            stats["multi_instance_batches"][kind] = stats["multi_instance_batches"].get(kind, 0) + 1
-        self.metrics.observe_batch(kind, len(commands))
-
-    # ---- translation (virtual -> physical), in send order ----
-
-    def _translate(self, executor: Executor | None, command: Command) -> Any:
-        """Rewrite the command's item to physical ids in place; None when nothing must be sent."""
-        instance = command.stream.instance
-        item = command.item
-        table = instance.table
-        kind = command.kind
-        if kind == "forward_text":
-            physical = translate_ids(table.kv_pages, item.kv_page_ids, "kv page")
-            self._check_writable(executor, item.kv_page_ids, physical, item.kv_last_page_length,
-                                 len(item.token_ids) + item.num_continuation_steps)
-            self._spend_tokens(instance, command.num_tokens)
-            item.kv_page_ids[:] = physical
-            command.has_reply = len(item.output_indices) > 0
-            return item
-        if kind == "forward":
-            pages = translate_ids(table.kv_pages, item.kv_page_ids, "kv page")
-            inputs = translate_ids(table.embed_slots, item.input_embed_slot_ids, "embed slot")
-            outputs = translate_ids(table.embed_slots, item.output_embed_slot_ids, "embed slot")
-            self._check_writable(executor, item.kv_page_ids, pages, item.kv_last_page_length, len(inputs))
-            self._spend_tokens(instance, command.num_tokens)
-            item.kv_page_ids[:] = pages
-            item.input_embed_slot_ids[:] = inputs
-            item.output_embed_slot_ids[:] = outputs
-            return item
-        if kind == "allocate":
-            return self._allocate(executor, instance, item)  # type: ignore[arg-type]
-        if kind == "deallocate":
-            return self._deallocate(executor, instance, item)  # type: ignore[arg-type]
-        if kind == "embed_text":
-            item.embed_slot_ids[:] = translate_ids(table.embed_slots, item.embed_slot_ids, "embed slot")
-            return item
-        if kind == "sample_top_k":
-            item.embed_slot_id = translate_one(table.embed_slots, item.embed_slot_id, "embed slot")
-            return item
-        if kind == "copy_kv_page":
-            source = translate_one(table.kv_pages, item.source_kv_page_id, "kv page")
-            destination = translate_one(table.kv_pages, item.destination_kv_page_id, "kv page")
-            self._check_writable(executor, [item.destination_kv_page_id], [destination])
-            item.destination_kv_page_id = destination
-            item.source_kv_page_id = source
-            return item
-        if kind == "mask_kv_page":
-            physical_id = translate_one(table.kv_pages, item.kv_page_id, "kv page")
-            self._check_writable(executor, [item.kv_page_id], [physical_id])
-            item.kv_page_id = physical_id
-            return item
-        if kind == "embed_image":
-            item.embed_slot_ids[:] = translate_ids(table.embed_slots, item.embed_slot_ids, "embed slot")
-            return item
-        raise InvalidCommand(f"command kind {kind} cannot be sent to an executor")
-
-    def _check_writable(self, executor: Executor | None, virtual_ids: Any, physical_ids: list[int],
-                        last_page_length: int = 0, num_written: int = 0) -> None:
-        """Traps when a command would write into a frozen (exported or imported) page. With
-        `num_written`, only the pages holding the last `num_written` token slots are written (the
-        LENGTH RULE puts the new tokens at the end); without it every listed page is."""
-        pool = executor.resources.kv_pages  # type: ignore[union-attr]
-        if not pool.has_frozen:  # the common case: nothing is exported on this executor
-            return
-        first = 0
-        if num_written:
-            page_size = self.limits.kv_page_size  # type: ignore[union-attr]
-            num_slots = page_size * (len(physical_ids) - 1) + last_page_length
-            first = (num_slots - num_written) // page_size
-        for index in range(first, len(physical_ids)):
-            if pool.is_frozen(physical_ids[index]):
-                raise InvalidCommand(f"kv page {virtual_ids[index]} is shared by an export (read-only): "
-                                     f"copy_kv_page it into a page you own first")
-
-    def _spend_tokens(self, instance: Instance, num_tokens: int) -> None:
-        """Charge the instance, each ancestor and the user; all or nothing. The trap names whose
-        budget ran out."""
-        payers = (instance, *instance.ancestors()) if instance.parent is not None else (instance,)
-        for payer in payers:
-            used = payer.num_tokens_used + num_tokens
-            if payer.max_tokens and used > payer.max_tokens:
-                whose = "the instance's" if payer is instance else f"its ancestor {payer.instance_id!r}'s"
-                raise TokenBudgetExceeded(
-                    f"feeding {num_tokens} more tokens would use {used} of {whose} budget of {payer.max_tokens}"
-                )
-        self.quotas.check(instance.user, num_tokens)
-        for payer in payers:
-            payer.num_tokens_used += num_tokens
-        self.quotas.spend(instance.user, num_tokens)
-
-    def _allocate(self, executor: Executor | None, instance: Instance, item: common_pb2.AllocateItem) -> Any:
-        if executor is None:
-            raise NoExecutor("no executor is connected")
-        is_kv = item.kind == KV_PAGE
-        what = resource_name(item.kind)
-        table = instance.table.kv_pages if is_kv else instance.table.embed_slots
-        for virtual_id in item.ids:
-            if virtual_id in table:
-                raise InvalidCommand(f"{what} id {virtual_id} is already allocated by this instance")
-        num_ids = len(item.ids)
-        limit = self.limits.max_kv_pages_per_instance if is_kv else self.limits.max_embed_slots_per_instance  # type: ignore[union-attr]
-        if len(table) + num_ids > limit:
-            raise ResourceExhausted(
-                f"allocating {num_ids} {what}s would hold {len(table) + num_ids}, more than the {limit} one instance may hold"
-            )
-        self._make_room(executor, instance, is_kv, num_ids)
-        resources = executor.resources
-        pool = resources.kv_pages if is_kv else resources.embed_slots  # type: ignore[union-attr]
-        physical = pool.allocate(num_ids)
-        (executor.unsent_kv_pages if is_kv else executor.unsent_embed_slots).update(physical)
-        table.update(zip(item.ids, physical, strict=True))
-        item.ids[:] = physical
-        return item
-
-    def _make_room(self, executor: Executor, requester: Instance, is_kv: bool, num_ids: int) -> None:
-        """Contention policy (contention.py): evict newer instances until `num_ids` are free."""
-        what = "kv pages" if is_kv else "embed slots"
-        while True:
-            pool = executor.resources.kv_pages if is_kv else executor.resources.embed_slots  # type: ignore[union-attr]
-            if pool.can_allocate(num_ids):
-                return
-            victim = contention.choose_victim(requester, executor.instances, kind_is_kv_page=is_kv)
-            if victim is None:
-                raise ResourceExhausted(
-                    f"needs {num_ids} {what}, {pool.num_free} of {pool.capacity} are free on executor "
-                    f"{executor.index} and no instance launched after this one holds any to evict"
-                )
-            self.trap(
-                victim,
-                Evicted(
-                    f"evicted to make room: instance {requester.instance_id!r}, launched before this one, "
-                    f"needed {num_ids} {what} on executor {executor.index}"
-                ),
-            )
-
-    def _deallocate(self, executor: Executor | None, instance: Instance, item: common_pb2.DeallocateItem) -> Any:
-        is_kv = item.kind == KV_PAGE
-        what = resource_name(item.kind)
-        table = instance.table.kv_pages if is_kv else instance.table.embed_slots
-        physical = translate_ids(table, item.ids, what)
-        for virtual_id in item.ids:
-            del table[virtual_id]
-        pool = executor.resources.kv_pages if is_kv else executor.resources.embed_slots  # type: ignore[union-attr]
-        freed = pool.release(physical)
-        if not freed:  # every page is still shared: the executor keeps it
-            return None
-        item.ids[:] = freed
-        return item
-
     # ---- replies ----
 
     def _on_batch_reply(self, executor: Executor, response: executor_pb2.ExecuteResponse) -> None:
@@ -627,11 +525,11 @@ class Scheduler:
             log.error("executor %d answered unknown correlation id %d (%s)", executor.index, correlation_id,
                       response.WhichOneof("result"))
             if response.WhichOneof("result") == "error":
-                self.stats["batch_errors"] += 1
+                self.metrics.num_batch_errors += 1
             return
         now = self.clock()
         self.metrics.observe_batch_reply(batch.kind, now - batch.sent_at)
-        if queue_is_forward(batch.kind):
+        if KINDS[batch.kind].is_forward:
             executor.num_forward_in_flight -= 1
             queue = executor.queues.get(batch.kind)
             if queue is not None:  # the streams that get an answer now will likely send their next step
@@ -674,11 +572,10 @@ class Scheduler:
     def _reply(self, command: Command, **event: Any) -> None:
         stream = command.stream
         instance = stream.instance
-        if not instance.is_alive:
+        sink = instance.sink
+        if not instance.is_alive or sink is None:
             return
-        instance.sink.send(  # type: ignore[union-attr]
-            l4m_pb2.SessionResponse(stream_id=stream.stream_id, request_id=command.request_id, **event)
-        )
+        sink.send(l4m_pb2.SessionResponse(stream_id=stream.stream_id, request_id=command.request_id, **event))
         self.metrics.observe_reply(command.kind, self.clock() - command.arrived_at)
         if command.span is not None:
             command.span.end()
@@ -694,7 +591,7 @@ class Scheduler:
         cannot be re-sent, and their instances are trapped EXECUTOR_LOST naming the batch rather than
         left with silently inconsistent state: an error that names no item, and an instance that already
         sent (or exported, imported) something after the batch, which may depend on the lost item."""
-        self.stats["batch_errors"] += 1
+        self.metrics.num_batch_errors += 1
         commands, kind = batch.commands, batch.kind
         reason = f"the executor rejected the {kind} batch: {error.reason}"
         if not error.has_item_index or error.item_index >= len(commands):
@@ -715,9 +612,9 @@ class Scheduler:
         again = [(c, item) for index, (c, item) in enumerate(zip(commands, batch.items, strict=True))
                  if index != error.item_index and c is not None and c.stream.instance.is_alive]
         if again and executor.is_connected:
-            self.stats["batches_resent"] += 1
+            self.metrics.num_batches_resent += 1
             self._send_batch(executor, kind, [item for _, item in again], [c for c, _ in again], is_resend=True)
-        if kind == "deallocate":  # the ids are free in the pools already: they must reach the executor
+        if KINDS[kind].frees_when_translated:  # the ids are free in the pools already: they must reach the executor
             ended = [item for index, (c, item) in enumerate(zip(commands, batch.items, strict=True))
                      if index != error.item_index and (c is None or not c.stream.instance.is_alive)]
             if ended and executor.is_connected:
@@ -730,106 +627,25 @@ class Scheduler:
             if command is not None:
                 self.trap(command.stream.instance, ExecutorLost(reason), command.request_id, batch.kind)
 
-    # ---- scheduler-local commands (run at the head of their stream) ----
+    # ---- scheduler-local commands (run at the head of their stream; exports.py, local.py) ----
 
-    def _local_get_info(self, command: Command) -> None:
-        self._reply_local(command, info=self.get_info(command.item.omit_tokenizer_json))
+    def _run_local(self, command: Command, outcome: LocalOutcome) -> None:
+        """Do what a local command decided (outbound.py)."""
+        for export in outcome.dropped_exports:
+            self._drop_export(export)
+        if outcome.priority is not None:
+            self.batcher.set_priority(command.stream, outcome.priority)
+        if outcome.forward_strategy is not None:
+            self.batcher.forward_strategy = outcome.forward_strategy
+            self._schedule_step()
+        if outcome.waits_for_replies:
+            self._synchronize(command)
+        elif outcome.reply is not None:
+            self._reply_local(command, **outcome.reply)
+        else:
+            self._done_local(command)
 
-    def _local_export(self, command: Command) -> None:
-        item: l4m_pb2.ExportKvPagesCommand = command.item
-        instance = command.stream.instance
-        if not self.exports.can_add(item.name, instance.user, item.is_public):
-            raise InvalidCommand(f"name {item.name!r} is already exported")
-        physical = translate_ids(instance.table.kv_pages, item.kv_page_ids, "kv page")
-        executor: Executor = instance.executor
-        if item.persistent:
-            self._check_export_quota(instance.user, executor, physical)
-        executor.resources.kv_pages.retain(physical)  # type: ignore[union-attr]
-        executor.resources.kv_pages.freeze(physical)  # type: ignore[union-attr]
-        self.exports.add(Export(item.name, executor.index, tuple(physical), item.persistent, bytes(item.metadata),
-                                instance.instance_id, instance.user, item.is_public))
-        self._done_local(command)
-
-    def _check_export_quota(self, user: str, executor: Executor, physical: list[int]) -> None:
-        """Persistent exports outlive their instances: a user's hold at most `max_export_pages_per_user`
-        distinct pages together (default half of the smallest executor), so other users can always get
-        pages."""
-        limit = self.config.max_export_pages_per_user
-        if limit is None:
-            limit = min(e.resources.kv_pages.capacity for e in self.executors if e.resources) // 2
-        if not limit:
-            return
-        held = self.exports.num_persistent_pages(user)
-        total = held + self.exports.num_new_persistent_pages(user, executor.index, physical)
-        if total > limit:
-            raise ResourceExhausted(
-                f"a persistent export of {len(physical)} kv pages would bring user {user!r}'s persistent exports to "
-                f"{total} kv pages, more than its quota of {limit} (--max-export-pages-per-user); unexport some first"
-            )
-
-    def _find_export(self, instance: Instance, name: str) -> Export:
-        """The export `name` as the instance sees it; another user's private export is 'no export'."""
-        export = self.exports.find(name, instance.user, instance.is_admin)
-        if export is None:
-            raise InvalidCommand(f"no export is named {name!r}")
-        return export
-
-    def _local_unexport(self, command: Command) -> None:
-        instance = command.stream.instance
-        export = self._find_export(instance, command.item.name)
-        if export.owner_user != instance.user and not instance.is_admin:
-            raise PermissionDenied(f"export {export.name!r} belongs to another user; only its user or an admin "
-                                   f"may unexport it")
-        self._drop_export(self.exports.remove(export))
-        self._done_local(command)
-
-    def _drop_export(self, export: Export) -> int:
-        executor = self.executors[export.executor_index]
-        if not executor.is_connected:
-            return 0
-        return len(self._release(executor, list(export.physical_page_ids), []))
-
-    def _local_import(self, command: Command) -> None:
-        item: l4m_pb2.ImportKvPagesCommand = command.item
-        instance = command.stream.instance
-        export = self._find_export(instance, item.name)
-        if len(item.kv_page_ids) != len(export.physical_page_ids):
-            raise InvalidCommand(
-                f"export {item.name!r} has {len(export.physical_page_ids)} pages; kv_page_ids lists {len(item.kv_page_ids)}"
-            )
-        table = instance.table.kv_pages
-        for virtual_id in item.kv_page_ids:
-            if virtual_id in table:
-                raise InvalidCommand(f"kv page id {virtual_id} is already allocated by this instance")
-        limit = self.limits.max_kv_pages_per_instance  # type: ignore[union-attr]
-        if len(table) + len(item.kv_page_ids) > limit:
-            raise ResourceExhausted(f"importing {item.name!r} would hold more than the {limit} kv pages one instance may hold")
-        executor = self.executors[export.executor_index]
-        if instance.executor is None:
-            instance.executor = executor
-            executor.instances.add(instance)
-        elif instance.executor is not executor:
-            raise InvalidCommand(
-                f"export {item.name!r} lives on executor {executor.index}; this instance is bound to executor "
-                f"{instance.executor.index}"
-            )
-        executor.resources.kv_pages.retain(export.physical_page_ids)  # type: ignore[union-attr]
-        table.update(zip(item.kv_page_ids, export.physical_page_ids, strict=True))
-        self._reply_local(
-            command,
-            import_kv_pages=l4m_pb2.ImportKvPagesResult(num_kv_pages=len(export.physical_page_ids), metadata=export.metadata),
-        )
-
-    def _local_list_exports(self, command: Command) -> None:
-        instance = command.stream.instance
-        infos = [
-            l4m_pb2.ExportInfo(name=e.name, num_kv_pages=len(e.physical_page_ids), persistent=e.is_persistent,
-                               metadata_bytes=len(e.metadata), is_public=e.is_public)
-            for e in self.exports.visible_to(instance.user, instance.is_admin)
-        ]
-        self._reply_local(command, list_exports=l4m_pb2.ListExportsResult(exports=infos))
-
-    def _local_synchronize(self, command: Command) -> None:
+    def _synchronize(self, command: Command) -> None:
         stream = command.stream
         if stream.num_replies_done >= stream.num_replies_sent:
             self._resolve_sync(command)
@@ -845,37 +661,24 @@ class Scheduler:
             return
         self._reply_local(command, synchronize=l4m_pb2.SynchronizeDone())
 
-    def _local_set_stream_priority(self, command: Command) -> None:
-        self.batcher.set_priority(command.stream, command.item.priority)
-        self._done_local(command)
-
-    def _local_debug_query(self, command: Command) -> None:
-        query = command.item.query
-        if query == "ping":
-            answer = "pong"
-        elif query == "stats":
-            answer = json.dumps(self.stats_snapshot(), sort_keys=True)
-        elif query == "batching":
-            answer = self.batcher.forward_strategy.name
-        else:  # "batching:<strategy>" (validation let nothing else through): a cluster-wide knob
-            if not command.stream.instance.is_admin:
-                raise PermissionDenied(f"{query!r} changes batching for every instance: it needs an admin instance")
-            self.batcher.forward_strategy = parse_strategy(query.removeprefix("batching:"))
-            answer = self.batcher.forward_strategy.name
-            self._schedule_step()
-        self._reply_local(command, debug_query=l4m_pb2.DebugQueryResult(response=answer))
-
     def _reply_local(self, command: Command, **event: Any) -> None:
         stream = command.stream
-        stream.instance.sink.send(
-            l4m_pb2.SessionResponse(stream_id=stream.stream_id, request_id=command.request_id, **event)
-        )
+        sink = stream.instance.sink
+        if sink is not None:
+            sink.send(l4m_pb2.SessionResponse(stream_id=stream.stream_id, request_id=command.request_id, **event))
         self.metrics.observe_reply(command.kind, self.clock() - command.arrived_at)
         self._done_local(command)
 
     def _done_local(self, command: Command) -> None:
         if command.span is not None:
             command.span.end()
+
+    def _drop_export(self, export: Export) -> int:
+        """Release an export's page references; returns the pages freed."""
+        executor = self.executors[export.executor_index]
+        if not executor.is_connected:
+            return 0
+        return len(self._release(executor, list(export.physical_page_ids), []))
 
     # ---- traps and freeing ----
 
@@ -889,9 +692,7 @@ class Scheduler:
         prefix = f"{command_kind} (request {request_id}): " if command_kind else ""
         trap = l4m_pb2.Trap(kind=error.trap_kind, reason=prefix + error.reason, offending_request_id=request_id)
         instance.trap = trap
-        kind_name = l4m_pb2.TrapKind.Name(error.trap_kind)
-        self.stats["traps"][kind_name] = self.stats["traps"].get(kind_name, 0) + 1
-        self.metrics.traps.labels(kind_name).inc()
+        self.metrics.count_trap(l4m_pb2.TrapKind.Name(error.trap_kind))
         freed = self._end_instance(instance, trap.reason)
         if instance.sink is not None:
             instance.sink.send(l4m_pb2.SessionResponse(request_id=request_id, trap=trap))
@@ -931,20 +732,16 @@ class Scheduler:
 
     def _release(self, executor: Executor, pages: list[int], slots: list[int]) -> list[int]:
         """Drop one reference from each id; tell the executor to deallocate those nobody holds."""
-        resources = executor.resources
+        pools = executor.pools()
         freed: list[int] = []
-        for ids, pool, unsent, kind in (
-            (pages, resources.kv_pages, executor.unsent_kv_pages, KV_PAGE),  # type: ignore[union-attr]
-            (slots, resources.embed_slots, executor.unsent_embed_slots, EMBED_SLOT),  # type: ignore[union-attr]
-        ):
+        for ids, pool, kind in ((pages, pools.kv_pages, KV_PAGE), (slots, pools.embed_slots, EMBED_SLOT)):
             if not ids:
                 continue
             now_free = pool.release(ids)
             freed.extend(now_free)
-            told = [i for i in now_free if i not in unsent] if unsent else now_free
-            if told:
+            if now_free:
                 request = executor_pb2.ExecuteRequest(correlation_id=executor.next_correlation_id())
-                request.deallocate.items.add(kind=kind, ids=told)
+                request.deallocate.items.add(kind=kind, ids=now_free)
                 executor.link.send(request)
         return freed
 
@@ -976,20 +773,20 @@ class Scheduler:
 
     def _update_limits(self) -> None:
         infos = [e.info for e in self.executors if e.is_connected and e.info is not None]
-        if not infos:
-            return
         model = self.model
+        if not infos or model is None:
+            return
         max_pages = min(i.num_kv_pages for i in infos)
         max_slots = min(i.num_embed_slots for i in infos)
         config = self.config
         self.limits = ModelLimits(
-            vocab_size=model.vocab_size,  # type: ignore[union-attr]
+            vocab_size=model.vocab_size,
             kv_page_size=infos[0].kv_page_size,
-            max_context_tokens=model.max_context_tokens,  # type: ignore[union-attr]
+            max_context_tokens=model.max_context_tokens,
             max_batch_tokens=min(i.max_batch_tokens or (1 << 30) for i in infos),
             max_kv_pages_per_instance=min(max_pages, config.max_kv_pages_per_instance or max_pages),
             max_embed_slots_per_instance=min(max_slots, config.max_embed_slots_per_instance or max_slots),
-            capabilities=frozenset(model.capabilities),  # type: ignore[union-attr]
+            capabilities=frozenset(model.capabilities),
             max_continuation_steps=min(config.max_continuation_steps, MAX_CONTINUATION_STEPS),
             max_export_name_bytes=config.max_export_name_bytes,
             max_export_metadata_bytes=config.max_export_metadata_bytes,
@@ -1024,41 +821,12 @@ class Scheduler:
             max_mask_runs_per_command=limits.max_mask_runs_per_command,
         )
 
-    def stats_snapshot(self) -> dict[str, Any]:
-        return {
-            **self.stats,
-            "batching": self.batcher.forward_strategy.name,
-            "queued": self.batcher.num_queued,
-            "instances_active": self.instances.num_active(),
-            "instances_registered": len(self.instances),
-            "exports": len(self.exports),
-            "executors": [
-                {
-                    "address": e.link.address,
-                    "connected": e.is_connected,
-                    "kv_pages_free": e.resources.kv_pages.num_free if e.resources else 0,
-                    "kv_pages_total": e.resources.kv_pages.capacity if e.resources else 0,
-                    "embed_slots_free": e.resources.embed_slots.num_free if e.resources else 0,
-                    "embed_slots_total": e.resources.embed_slots.capacity if e.resources else 0,
-                    "batches_in_flight": len(e.inflight),
-                }
-                for e in self.executors
-            ],
-        }
-
-
-def queue_is_forward(kind: str) -> bool:
-    return kind == "forward_text" or kind == "forward"
-
 
 def _written_ranges(command: Command, page_size: int) -> list[tuple[int, int, int]]:
     """(physical page, first slot, end slot) of each page a translated forward item writes: its last
     `num written` token slots (the LENGTH RULE), continuation steps included."""
     item = command.item
-    if command.kind == "forward_text":
-        num_written = len(item.token_ids) + item.num_continuation_steps
-    else:
-        num_written = len(item.input_embed_slot_ids)
+    num_written = command.num_tokens  # forward_text: tokens and continuation steps; forward: inputs
     pages = item.kv_page_ids
     total = page_size * (len(pages) - 1) + item.kv_last_page_length
     first = max(0, total - num_written)
@@ -1070,22 +838,7 @@ def _written_ranges(command: Command, page_size: int) -> list[tuple[int, int, in
     return ranges
 
 
-# Local commands that change what an instance's pages mean to others: a rejected batch of the instance
-# sent before one of them is not sent again (see `Scheduler._on_batch_error`).
-_SHARING_KINDS = frozenset({"export_kv_pages", "unexport_kv_pages", "import_kv_pages"})
 # Fire-and-forget batches not yet known to have run, per executor, before a barrier ping is sent.
 _MAX_UNANSWERED = 64
 
-
-_LOCAL_HANDLERS: dict[str, Callable[[Scheduler, Command], None]] = {
-    "get_info": Scheduler._local_get_info,
-    "export_kv_pages": Scheduler._local_export,
-    "unexport_kv_pages": Scheduler._local_unexport,
-    "import_kv_pages": Scheduler._local_import,
-    "list_exports": Scheduler._local_list_exports,
-    "synchronize": Scheduler._local_synchronize,
-    "set_stream_priority": Scheduler._local_set_stream_priority,
-    "debug_query": Scheduler._local_debug_query,
-}
-
-__all__ = ["Scheduler", "Stream", "PROTOCOL_VERSION"]
+__all__ = ["Scheduler", "PROTOCOL_VERSION"]

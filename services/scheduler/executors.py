@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from l4m.scheduler.batcher import EXECUTOR_KINDS, BatchQueue, Command
+from l4m.scheduler.batcher import BatchQueue, Command
+from l4m.scheduler.errors import ExecutorLost
+from l4m.scheduler.kinds import EXECUTOR_KINDS, KINDS
 from l4m.scheduler.resources import ExecutorResources
 from l4m.v1 import executor_pb2
 
@@ -66,14 +68,16 @@ class Executor:
         self.num_forward_in_flight = 0
         self.instances: set[Any] = set()
         self._next_correlation_id = 0
-        # Physical ids handed out by the allocate batch being built (not yet sent): when a trap frees
-        # one of them, the executor is not told to deallocate it, since it never saw it allocated.
-        self.unsent_kv_pages: set[int] = set()
-        self.unsent_embed_slots: set[int] = set()
 
     @property
     def is_connected(self) -> bool:
         return self.resources is not None
+
+    def pools(self) -> ExecutorResources:
+        """Its pools, while connected (the core acts only on connected executors' pools)."""
+        if self.resources is None:
+            raise ExecutorLost(f"executor {self.index} ({self.link.address}) is not connected")
+        return self.resources
 
     def next_correlation_id(self) -> int:
         self._next_correlation_id += 1
@@ -94,7 +98,7 @@ class Executor:
             for index, command in enumerate(commands):
                 if command is not None and command.stream.instance is instance:
                     commands[index] = None
-            if batch.kind != "deallocate" and not any(commands):
+            if not KINDS[batch.kind].frees_when_translated and not any(commands):
                 del self.unanswered[correlation_id]
 
     def connect(self, info: executor_pb2.ExecutorServiceGetInfoResponse) -> list[BatchQueue]:
@@ -102,7 +106,8 @@ class Executor:
         self.info = info
         self.resources = ExecutorResources(info.num_kv_pages, info.num_embed_slots)
         max_batch_tokens = info.max_batch_tokens or (1 << 30)
-        self.queues = {kind: BatchQueue(kind, self, max_batch_tokens) for kind in EXECUTOR_KINDS}
+        self.queues = {kind: BatchQueue(kind, self, max_batch_tokens, is_forward=KINDS[kind].is_forward)
+                       for kind in EXECUTOR_KINDS}
         return list(self.queues.values())
 
     def disconnect(self) -> list[BatchQueue]:

@@ -13,11 +13,26 @@ Visibility: an export belongs to its exporter's user. Names are one namespace pe
 public exports: a user's own export of a name comes first, then the public one; an admin instance
 also reaches any user's. Another user's private export is not found, exactly like a missing one, so
 neither an import nor a taken name reveals that it exists.
+
+The export commands (export_kv_pages, unexport_kv_pages, import_kv_pages, list_exports) run here as
+scheduler-local commands, at the head of their stream; each returns a `LocalOutcome` for the core.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from l4m.scheduler.errors import InvalidCommand, PermissionDenied, ResourceExhausted
+from l4m.scheduler.outbound import DONE, LocalOutcome
+from l4m.scheduler.translate import translate_ids
+from l4m.v1 import l4m_pb2
+
+if TYPE_CHECKING:
+    from l4m.scheduler.batcher import Command
+    from l4m.scheduler.executors import Executor
+    from l4m.scheduler.instances import Instance
+    from l4m.scheduler.local import SchedulerView
 
 
 @dataclass(frozen=True)
@@ -106,3 +121,98 @@ class ExportTable:
 
     def on_executor(self, executor_index: int) -> list[Export]:
         return [e for e in self._by_key.values() if e.executor_index == executor_index]
+
+
+# ---- the export commands ----
+
+
+def run_export(view: SchedulerView, command: Command, item: l4m_pb2.ExportKvPagesCommand) -> LocalOutcome:
+    instance: Instance = command.stream.instance
+    if not view.exports.can_add(item.name, instance.user, item.is_public):
+        raise InvalidCommand(f"name {item.name!r} is already exported")
+    physical = translate_ids(instance.table.kv_pages, item.kv_page_ids, "kv page")
+    executor: Executor = instance.executor  # bound: it owns the pages just translated
+    if item.persistent:
+        _check_export_quota(view, instance.user, executor, physical)
+    pool = executor.pools().kv_pages
+    pool.retain(physical)
+    pool.freeze(physical)
+    view.exports.add(Export(item.name, executor.index, tuple(physical), item.persistent, bytes(item.metadata),
+                            instance.instance_id, instance.user, item.is_public))
+    return DONE
+
+
+def _check_export_quota(view: SchedulerView, user: str, executor: Executor, physical: list[int]) -> None:
+    """Persistent exports outlive their instances: a user's hold at most `max_export_pages_per_user`
+    distinct pages together (default half of the smallest executor), so other users can always get
+    pages."""
+    limit = view.config.max_export_pages_per_user
+    if limit is None:
+        limit = min(e.resources.kv_pages.capacity for e in view.executors if e.resources) // 2
+    if not limit:
+        return
+    held = view.exports.num_persistent_pages(user)
+    total = held + view.exports.num_new_persistent_pages(user, executor.index, physical)
+    if total > limit:
+        raise ResourceExhausted(
+            f"a persistent export of {len(physical)} kv pages would bring user {user!r}'s persistent exports to "
+            f"{total} kv pages, more than its quota of {limit} (--max-export-pages-per-user); unexport some first"
+        )
+
+
+def _find_export(exports: ExportTable, instance: Instance, name: str) -> Export:
+    """The export `name` as the instance sees it; another user's private export is 'no export'."""
+    export = exports.find(name, instance.user, instance.is_admin)
+    if export is None:
+        raise InvalidCommand(f"no export is named {name!r}")
+    return export
+
+
+def run_unexport(view: SchedulerView, command: Command, item: l4m_pb2.UnexportKvPagesCommand) -> LocalOutcome:
+    """Only the export's user or an admin may unexport it."""
+    instance: Instance = command.stream.instance
+    export = _find_export(view.exports, instance, item.name)
+    if export.owner_user != instance.user and not instance.is_admin:
+        raise PermissionDenied(f"export {export.name!r} belongs to another user; only its user or an admin "
+                               f"may unexport it")
+    return LocalOutcome(dropped_exports=(view.exports.remove(export),))
+
+
+def run_import(view: SchedulerView, command: Command, item: l4m_pb2.ImportKvPagesCommand) -> LocalOutcome:
+    """Maps the export's pages into the instance (binding it to the export's executor if unbound)."""
+    instance: Instance = command.stream.instance
+    export = _find_export(view.exports, instance, item.name)
+    if len(item.kv_page_ids) != len(export.physical_page_ids):
+        raise InvalidCommand(
+            f"export {item.name!r} has {len(export.physical_page_ids)} pages; kv_page_ids lists {len(item.kv_page_ids)}"
+        )
+    table = instance.table.kv_pages
+    for virtual_id in item.kv_page_ids:
+        if virtual_id in table:
+            raise InvalidCommand(f"kv page id {virtual_id} is already allocated by this instance")
+    limit = view.limits.max_kv_pages_per_instance if view.limits is not None else 0
+    if len(table) + len(item.kv_page_ids) > limit:
+        raise ResourceExhausted(f"importing {item.name!r} would hold more than the {limit} kv pages one instance may hold")
+    executor = view.executors[export.executor_index]
+    if instance.executor is None:
+        instance.executor = executor
+        executor.instances.add(instance)
+    elif instance.executor is not executor:
+        raise InvalidCommand(
+            f"export {item.name!r} lives on executor {executor.index}; this instance is bound to executor "
+            f"{instance.executor.index}"
+        )
+    executor.pools().kv_pages.retain(export.physical_page_ids)
+    table.update(zip(item.kv_page_ids, export.physical_page_ids, strict=True))
+    result = l4m_pb2.ImportKvPagesResult(num_kv_pages=len(export.physical_page_ids), metadata=export.metadata)
+    return LocalOutcome(reply={"import_kv_pages": result})
+
+
+def run_list_exports(view: SchedulerView, command: Command, item: l4m_pb2.ListExportsCommand) -> LocalOutcome:
+    instance: Instance = command.stream.instance
+    infos = [
+        l4m_pb2.ExportInfo(name=e.name, num_kv_pages=len(e.physical_page_ids), persistent=e.is_persistent,
+                           metadata_bytes=len(e.metadata), is_public=e.is_public)
+        for e in view.exports.visible_to(instance.user, instance.is_admin)
+    ]
+    return LocalOutcome(reply={"list_exports": l4m_pb2.ListExportsResult(exports=infos)})

@@ -1,28 +1,32 @@
-"""Prometheus metrics of the scheduler, in a registry it owns (the cluster exposes it)."""
+"""The scheduler's counters and Prometheus metrics, in a registry it owns (the cluster exposes it).
+
+One source: every count the scheduler keeps lives here; the Prometheus families read them at scrape
+time and the debug_query "stats" answer is built from `SchedulerMetrics.counts()`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from l4m.common.metrics import DurationsByKind
-from l4m.scheduler.batcher import EXECUTOR_KINDS
+from l4m.scheduler.kinds import EXECUTOR_KINDS
 
 _BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
-class _CommandCounter(Collector):
-    """`l4m_scheduler_commands_total{kind}` read from a plain dict at scrape time: a prometheus
+class _CountsByKind(Collector):
+    """A counter family (`<name>_total{kind}`) read from a plain dict at scrape time: a prometheus
     Counter takes a lock per increment, too much for every command on the hot path."""
 
-    def __init__(self, counts: dict[str, int]) -> None:
-        self.counts = counts
+    def __init__(self, name: str, documentation: str, counts: dict[str, int]) -> None:
+        self.name, self.documentation, self.counts = name, documentation, counts
 
-    def collect(self):  # type: ignore[no-untyped-def]
-        family = CounterMetricFamily("l4m_scheduler_commands", "L4M commands received", labels=["kind"])
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=["kind"])
         for kind, count in sorted(self.counts.items()):
             family.add_metric([kind], count)
         yield family
@@ -34,19 +38,26 @@ class _DurationCollector(Collector):
     def __init__(self, name: str, documentation: str, by_kind: DurationsByKind) -> None:
         self.name, self.documentation, self.by_kind = name, documentation, by_kind
 
-    def collect(self):  # type: ignore[no-untyped-def]
+    def collect(self) -> Iterator[Metric]:
         yield self.by_kind.family(self.name, self.documentation)
 
 
 class SchedulerMetrics:
-    """Per-command counts are plain ints read at scrape time; per-batch observations go to
-    prometheus directly; gauges are computed when scraped, so they cost nothing in between."""
+    """Counts are plain ints and dicts (read at scrape time, and by `counts()`); batch sizes go to a
+    prometheus histogram as well; gauges are computed when scraped, so they cost nothing in between."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.commands_by_kind: dict[str, int] = {}
-        self.registry.register(_CommandCounter(self.commands_by_kind))
-        self.traps = Counter("l4m_scheduler_traps", "Instances trapped", ["kind"], registry=self.registry)
+        self.traps_by_kind: dict[str, int] = {}  # by TrapKind name
+        self.batches_by_kind: dict[str, int] = {}
+        self.items_by_kind: dict[str, int] = {}  # items sent, in all batches of the kind
+        self.max_instances_per_batch: dict[str, int] = {}
+        self.multi_instance_batches: dict[str, int] = {}  # batches that carried items of several instances
+        self.num_batch_errors = 0  # batches the executor rejected (or errors naming no batch)
+        self.num_batches_resent = 0  # rejected batches sent again without their offending item
+        self.registry.register(_CountsByKind("l4m_scheduler_commands", "L4M commands received", self.commands_by_kind))
+        self.registry.register(_CountsByKind("l4m_scheduler_traps", "Instances trapped", self.traps_by_kind))
         self.batch_size = Histogram(
             "l4m_scheduler_batch_size", "Items per batch sent to an executor", ["kind"],
             buckets=_BATCH_SIZE_BUCKETS, registry=self.registry,
@@ -88,7 +99,18 @@ class SchedulerMetrics:
         counts = self.commands_by_kind
         counts[kind] = counts.get(kind, 0) + 1
 
-    def observe_batch(self, kind: str, num_items: int) -> None:
+    def count_trap(self, trap_kind_name: str) -> None:
+        counts = self.traps_by_kind
+        counts[trap_kind_name] = counts.get(trap_kind_name, 0) + 1
+
+    def observe_batch(self, kind: str, num_items: int, num_instances: int) -> None:
+        """A batch of `num_items` items from `num_instances` instances was sent."""
+        self.batches_by_kind[kind] = self.batches_by_kind.get(kind, 0) + 1
+        self.items_by_kind[kind] = self.items_by_kind.get(kind, 0) + num_items
+        if num_instances > self.max_instances_per_batch.get(kind, 0):
+            self.max_instances_per_batch[kind] = num_instances
+        if num_instances > 1:
+            self.multi_instance_batches[kind] = self.multi_instance_batches.get(kind, 0) + 1
         self._batch_size_by_kind[kind].observe(num_items)
 
     def observe_reply(self, kind: str, seconds: float) -> None:
@@ -97,3 +119,15 @@ class SchedulerMetrics:
     def observe_batch_reply(self, kind: str, seconds: float) -> None:
         self.executor_batch_seconds.observe(kind, seconds)
 
+    def counts(self) -> dict[str, Any]:
+        """The counters as the debug_query "stats" answer names them (copies)."""
+        return {
+            "commands": sum(self.commands_by_kind.values()),
+            "batches": dict(self.batches_by_kind),
+            "items": dict(self.items_by_kind),
+            "max_instances_per_batch": dict(self.max_instances_per_batch),
+            "multi_instance_batches": dict(self.multi_instance_batches),
+            "traps": dict(self.traps_by_kind),
+            "batch_errors": self.num_batch_errors,
+            "batches_resent": self.num_batches_resent,
+        }

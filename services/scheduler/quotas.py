@@ -9,8 +9,12 @@ dropped: the tables hold only users with instances or that fed recently, however
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from l4m.scheduler.errors import TokenBudgetExceeded
+
+if TYPE_CHECKING:
+    from l4m.scheduler.instances import Instance
 
 
 class TokenBucket:
@@ -92,3 +96,19 @@ class UserQuotas:
             bucket.refill(now)
             if bucket.is_full and user not in self._quotas:
                 del self._buckets[user]
+
+
+def spend_tokens(quotas: UserQuotas, instance: Instance, num_tokens: int) -> None:
+    """Charge the instance, each ancestor and the user; all or nothing. The trap names whose budget ran out."""
+    payers = (instance, *instance.ancestors()) if instance.parent is not None else (instance,)
+    for payer in payers:
+        used = payer.num_tokens_used + num_tokens
+        if payer.max_tokens and used > payer.max_tokens:
+            whose = "the instance's" if payer is instance else f"its ancestor {payer.instance_id!r}'s"
+            raise TokenBudgetExceeded(
+                f"feeding {num_tokens} more tokens would use {used} of {whose} budget of {payer.max_tokens}"
+            )
+    quotas.check(instance.user, num_tokens)
+    for payer in payers:
+        payer.num_tokens_used += num_tokens
+    quotas.spend(instance.user, num_tokens)

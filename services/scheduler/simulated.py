@@ -19,8 +19,9 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import grpc
+from grpc_health.v1 import health_pb2
 
+from l4m.common.serving import bound_address, build_server, serve_until_signal
 from l4m.scheduler.executors import OnConnected, OnLost, OnResponse
 from l4m.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from l4m.wire import limits
@@ -295,12 +296,16 @@ class SimulatedExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
 
 
 async def serve(listen: str, config: SimulatedExecutorConfig) -> None:
-    server = grpc.aio.server()
-    executor_pb2_grpc.add_ExecutorServiceServicer_to_server(SimulatedExecutorServicer(config), server)
-    port = server.add_insecure_port(listen)
-    await server.start()
-    print(f"simulated executor listening on {listen.rsplit(':', 1)[0]}:{port}", flush=True)
-    await server.wait_for_termination()
+    """Serves until SIGINT or SIGTERM, on the services' one front door (health and reflection included)."""
+    server = build_server([(executor_pb2_grpc.add_ExecutorServiceServicer_to_server, SimulatedExecutorServicer(config))],
+                          [(listen, None)], health_names=[executor_pb2.DESCRIPTOR.services_by_name["ExecutorService"].full_name])
+
+    async def start() -> None:
+        await server.start()
+        await server.set_health(health_pb2.HealthCheckResponse.SERVING)
+        print(f"simulated executor listening on {bound_address(listen, server.port)}", flush=True)
+
+    await serve_until_signal(start, lambda: server.stop(1.0))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -19,23 +19,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link, ProxyTracerProvider, Span, Status, StatusCode
 
-from l4m.v1 import common_pb2
 from l4m.wire.tracecontext import parent_context, traceparent_of
-
-_PAGE_LIST_KINDS = frozenset({"forward", "forward_text", "export_kv_pages", "import_kv_pages"})
-
-
-def num_kv_pages_named(kind: str | None, item: Any) -> int:
-    """How many KV pages a command names (its context, or what it allocates / frees / shares)."""
-    if kind in _PAGE_LIST_KINDS:
-        return len(item.kv_page_ids)
-    if kind in ("allocate", "deallocate"):
-        return len(item.ids) if item.kind == common_pb2.RESOURCE_KIND_KV_PAGE else 0
-    if kind == "copy_kv_page":
-        return 2
-    if kind == "mask_kv_page":
-        return 1
-    return 0
 
 
 class SchedulerTracer:

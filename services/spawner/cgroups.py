@@ -2,7 +2,7 @@
 
 Each instance gets `/sys/fs/cgroup/<controller>/l4m/<spawner id>/<instance id>` in every controller
 that is mounted and writable here. The sandbox's first process writes its own pid into each group's
-`cgroup.procs` before it execs anything (see process_sandbox.py), so every descendant is counted.
+`cgroup.procs` before it execs anything (see process_command.py), so every descendant is counted.
 Counters read back after an exit say which limit was hit: `memory.oom_control` (oom_kill),
 `memory.failcnt`, `pids.events` (max), `cpuacct.usage`.
 

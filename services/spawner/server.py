@@ -353,7 +353,8 @@ class RuntimeServicer(spawner_pb2_grpc.RuntimeServiceServicer):
 
 def make_sandbox(config: SpawnerConfig) -> Sandbox:
     if config.sandbox_kind == "process":
-        from l4m.spawner.process_sandbox import SDK_WARM_MODULES, ProcessSandbox, ProcessSandboxConfig
+        from l4m.spawner.process_command import SDK_WARM_MODULES, ProcessSandboxConfig
+        from l4m.spawner.process_sandbox import ProcessSandbox
 
         # Warm sandboxes start under the spawner's maximum limits (a launch over them is refused) and
         # the /tmp size every launch gets; the runner is imported first.

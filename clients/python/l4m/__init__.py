@@ -14,9 +14,13 @@ _EXPORTS = {
     "Model": "l4m.model",
     "Tokenizer": "l4m.tokenizer",
     "Context": "l4m.context",
-    "Completion": "l4m.context",
-    "Token": "l4m.context",
-    "Window": "l4m.context",
+    "StepResult": "l4m.context",
+    "SampledToken": "l4m.context",
+    "Distribution": "l4m.context",
+    "Generation": "l4m.generation",
+    "Completion": "l4m.generation",
+    "Token": "l4m.generation",
+    "Window": "l4m.window",
     "Constraint": "l4m.constraint",
     "Instance": "l4m.instance",
     "Sampler": "l4m.sampler",
@@ -38,7 +42,7 @@ _EXPORTS = {
     "generate_speculative": "l4m.drafter",
     "Client": "l4m.client",
 }
-_MODULES = {"stop", "brle", "sampler", "fake"}
+_MODULES = {"stop", "sampler", "fake"}
 
 __all__ = sorted(_EXPORTS) + sorted(_MODULES)
 

@@ -18,21 +18,26 @@ Every Context has a stream of its own, so forks run side by side (the scheduler 
 streams). Commands another stream depends on are ordered with `synchronize`: a fork of a context with
 commands in flight waits for them before its first command, and `free()` waits for its own stream
 before it deallocates anything.
+
+The decode loop (`Generation`, `Token`, `Completion`) is in `l4m.generation`, the window arithmetic in
+`l4m.window`. A decode step answers with SDK values (`StepResult`, `SampledToken`, `Distribution`); the
+protobuf messages stay inside this module.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Generator, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from l4m.errors import ContextFreed, L4MError
+from l4m.generation import DEFAULT_CONTINUATION_STEPS, Generation
 from l4m.sampler import Greedy, Sample, Sampler, TopDistribution
-from l4m.stop import AnyOf, MaxTokens, Stop, StopCondition, needs_text, on_tokens, token_bounds
-from l4m.tokenizer import StreamDecoder
+from l4m.stop import AnyOf, MaxTokens, StopCondition, on_tokens
 from l4m.v1 import common_pb2, l4m_pb2
+from l4m.window import Window, kept_slots, page_visibilities, window_row
 
 if TYPE_CHECKING:
     import numpy as np
@@ -42,103 +47,30 @@ if TYPE_CHECKING:
 
 EXPORT_METADATA_VERSION = 1
 GREEDY = Greedy()  # the default sampler
-# Continuation steps a generation asks for when its stop condition reads token ids only (see
-# `Context.step_many`): one round trip per up to 9 tokens, streamed in bursts of as many.
-DEFAULT_CONTINUATION_STEPS = 8
 
 
-@dataclass(frozen=True)
-class Window:
-    """Keep the first `num_sink_tokens` slots and the last `num_window_tokens` visible (StreamingLLM)."""
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    """A token the executor sampled, with its natural-log probability (temperature 1, after the mask)."""
 
-    num_window_tokens: int
-    num_sink_tokens: int = 0
-
-
-class Token:
-    """One generated token and the text it adds to the visible output (may be "" while held back).
-
-    Immutable. When no stop condition needs the text, `text` is decoded on first access (a controller
-    that only reads token ids never loads the tokenizer); its value is the same either way."""
-
-    __slots__ = ("token_id", "logprob", "forced", "_text", "_generation", "_index")
-
-    def __init__(self, token_id: int, logprob: float, text: str, forced: bool = False) -> None:
-        object.__setattr__(self, "token_id", token_id)
-        object.__setattr__(self, "logprob", logprob)
-        object.__setattr__(self, "forced", forced)  # fast-forwarded by a constraint, not sampled
-        object.__setattr__(self, "_text", text)
-        object.__setattr__(self, "_generation", None)
-
-    @classmethod
-    def _lazy(cls, token_id: int, logprob: float, forced: bool, generation: Generation, index: int) -> Token:
-        token = cls(token_id, logprob, "", forced)
-        object.__setattr__(token, "_text", None)
-        object.__setattr__(token, "_generation", generation)
-        object.__setattr__(token, "_index", index)
-        return token
-
-    @property
-    def text(self) -> str:
-        if self._text is None:
-            object.__setattr__(self, "_text", self._generation._delta_of(self._index))
-            object.__setattr__(self, "_generation", None)
-        return self._text
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"Token is immutable (cannot set {name!r})")
-
-    def _key(self) -> tuple[int, float, str, bool]:
-        return (self.token_id, self.logprob, self.text, self.forced)
-
-    def __eq__(self, other: object) -> bool:
-        return self._key() == other._key() if isinstance(other, Token) else NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
-    def __repr__(self) -> str:
-        return f"Token(token_id={self.token_id!r}, logprob={self.logprob!r}, text={self.text!r}, forced={self.forced!r})"
+    token_id: int
+    logprob: float
 
 
-class Completion:
-    """The whole result of a generation. `text` may be decoded on first access (see `Token`)."""
+@dataclass(frozen=True, slots=True)
+class Distribution:
+    """The top tokens of a next-token distribution, most probable first, with their probabilities."""
 
-    def __init__(self, text: str = "", token_ids: list[int] | None = None, logprobs: list[float] | None = None,
-                 stop: Stop | None = None) -> None:
-        self._text: str | None = text
-        self._text_source: Generation | None = None
-        self.token_ids: list[int] = [] if token_ids is None else token_ids
-        self.logprobs: list[float] = [] if logprobs is None else logprobs
-        self.stop = stop
+    token_ids: tuple[int, ...]
+    probabilities: tuple[float, ...]
 
-    @property
-    def text(self) -> str:
-        if self._text_source is not None:
-            self._text = self._text_source._visible_text_of(len(self.token_ids))
-            if self.stop is not None:
-                self._text_source = None  # final
-        return self._text
 
-    @text.setter
-    def text(self, value: str) -> None:
-        self._text, self._text_source = value, None
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """The answer of a decode step: a `token` (Greedy, Sample) or a `distribution` (TopDistribution)."""
 
-    @property
-    def logprob(self) -> float:
-        return float(sum(self.logprobs))
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Completion):
-            return NotImplemented
-        return (self.text, self.token_ids, self.logprobs, self.stop) == (other.text, other.token_ids,
-                                                                          other.logprobs, other.stop)
-
-    __hash__ = None  # mutable, as the dataclass it replaces
-
-    def __repr__(self) -> str:
-        return (f"Completion(text={self.text!r}, token_ids={self.token_ids!r}, logprobs={self.logprobs!r}, "
-                f"stop={self.stop!r})")
+    token: SampledToken | None = None
+    distribution: Distribution | None = None
 
 
 class Context:
@@ -194,6 +126,11 @@ class Context:
     def next_position(self) -> int:
         return self._next_position
 
+    @property
+    def window(self) -> Window | None:
+        """The window set by `set_window`, or None when every token sees every slot."""
+        return self._window
+
     # ---- feeding -------------------------------------------------------------------------------
     def fill(self, text_or_tokens: str | Sequence[int]) -> None:
         """Queue text or token ids; they are fed with the next forward pass (fast-forward, no sampling)."""
@@ -228,7 +165,7 @@ class Context:
 
     # ---- decode steps --------------------------------------------------------------------------
     async def step(self, sampler: Sampler = GREEDY, vocabulary_mask: Sequence[int] | None = None,
-                   step_index: int = 0) -> common_pb2.OutputResult:
+                   step_index: int = 0) -> StepResult:
         """Feed the pending tokens in one forward pass; the answer for the last of them."""
         self._check_alive()
         if not self._pending:
@@ -237,10 +174,10 @@ class Context:
                 "append the token you chose from the last distribution)"
             )
         (result,) = await self._forward([len(self._pending) - 1], [sampler.to_pb(vocabulary_mask, step_index)])
-        return result
+        return _step_result_from_pb(result)
 
     async def step_many(self, sampler: Sampler = GREEDY, num_continuation_steps: int = DEFAULT_CONTINUATION_STEPS,
-                        stop_token_ids: Iterable[int] = (), step_index: int = 0) -> list[common_pb2.SampledToken]:
+                        stop_token_ids: Iterable[int] = (), step_index: int = 0) -> list[SampledToken]:
         """Feed the pending tokens, then let the executor decode on by itself: it feeds each token it
         samples and samples the next, up to `num_continuation_steps` more times, stopping early at a
         token of `stop_token_ids` (L4M continuation). One round trip for up to 1 + steps tokens, for a
@@ -266,7 +203,8 @@ class Context:
         future = self._send_pending(len(self._pending), [len(self._pending) - 1], [sampler.to_pb(None, step_index)],
                                     num_continuation_steps, stop_token_ids)
         assert future is not None
-        sampled = [output.token for output in (await future).forward_text.outputs]
+        sampled = [SampledToken(output.token.token_id, output.token.logprob)
+                   for output in (await future).forward_text.outputs]
         for token in sampled[:-1]:  # fed by the executor
             self._slot_token_ids.append(token.token_id)
             self._slot_positions.append(self._next_position)
@@ -546,8 +484,10 @@ class Context:
             continuation_stop_token_ids=sorted(set(stop_token_ids)),
         )
         if self._window is not None and len(tokens) > 1:
+            num_window, num_sink = self._window.num_window_tokens, self._window.num_sink_tokens
             item.attention_masks.extend(
-                common_pb2.Brle(run_lengths=self._window_row(num_context + i)) for i in range(len(tokens))
+                common_pb2.Brle(run_lengths=window_row(num_context + i, num_window, num_sink))
+                for i in range(len(tokens))
             )
         future = self._session.send("forward_text", item, self.stream_id)
         del self._pending[:num_tokens]
@@ -589,13 +529,6 @@ class Context:
             self._page_visibility.pop(page_id, None)
         self.model.release_kv_pages(released, self.stream_id)
 
-    def _window_row(self, slot: int) -> list[int]:
-        """Attention row of the token written at `slot`: the sinks and the last window slots."""
-        assert self._window is not None
-        num_visible_from = max(slot + 1 - self._window.num_window_tokens, 0)
-        num_sink = min(self._window.num_sink_tokens, num_visible_from)
-        return [num_sink, num_visible_from - num_sink, slot + 1 - num_visible_from]
-
     def _apply_window(self) -> None:
         """Hide slots outside the window for every later pass; deallocate pages fully hidden."""
         import numpy as np  # lazily: a controller without a window does not pay numpy's import
@@ -603,15 +536,10 @@ class Context:
         from l4m.wire import brle
 
         assert self._window is not None
-        num_slots = self.num_kv_slots
-        hide_below = num_slots + 1 - self._window.num_window_tokens  # the next token's view
         dropped = []
-        for index, page_id in enumerate(self._page_ids):
-            first_slot = index * self._page_size
-            if first_slot >= hide_below:
-                break
-            slots = np.arange(first_slot, first_slot + self._page_size)
-            visible = (slots < self._window.num_sink_tokens) | (slots >= hide_below)
+        for index, visible in page_visibilities(len(self._page_ids), self._page_size, self.num_kv_slots,
+                                                self._window.num_window_tokens, self._window.num_sink_tokens):
+            page_id = self._page_ids[index]
             current = self._page_visibility.get(page_id)
             if (current is not None and np.array_equal(current, visible)) or (current is None and visible.all()):
                 continue
@@ -631,11 +559,7 @@ class Context:
     def _drop_pages(self, page_indices: list[int]) -> None:
         if not page_indices:
             return
-        import numpy as np
-
-        keep = np.ones(self.num_kv_slots, dtype=bool)
-        for index in page_indices:
-            keep[index * self._page_size:(index + 1) * self._page_size] = False
+        keep = kept_slots(self.num_kv_slots, self._page_size, page_indices)
         released = [self._page_ids[i] for i in page_indices]
         self._page_ids = [p for i, p in enumerate(self._page_ids) if i not in set(page_indices)]
         self._slot_token_ids = [t for t, k in zip(self._slot_token_ids, keep, strict=True) if k]
@@ -650,150 +574,8 @@ def _ignore_failure(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
-class Generation:
-    """A generation in progress: async-iterate for `Token`s, or await for the `Completion`.
-
-    When the stop condition does not read the text (token ids, length), the text is not decoded while
-    generating: `Token.text` and `Completion.text` decode it on first access, in token order (the same
-    values as decoding as we go, without loading the tokenizer for controllers that never ask)."""
-
-    def __init__(self, context: Context, sampler: Sampler, stop: StopCondition, constraint: Constraint | None,
-                 max_continuation_steps: int = 0) -> None:
-        self._context = context
-        self._sampler = sampler
-        self._stop = stop
-        self._constraint = constraint
-        # (most tokens the stop lets through or None, its stop token ids) when the executor may decode on
-        # by itself (`step_many`); None when every step must come back here.
-        self._continuation = (
-            token_bounds(stop)
-            if constraint is None and max_continuation_steps > 0 and isinstance(sampler, (Greedy, Sample))
-            else None
-        )
-        self._max_continuation_steps = max_continuation_steps
-        self._is_text_lazy = not needs_text(stop)
-        self._decoder: StreamDecoder | None = None
-        self._num_emitted_chars = 0
-        self._num_decoded = 0  # lazy: tokens whose text was computed
-        self._deltas: list[str] = []  # lazy: the text each token added
-        self._visible_text = ""
-        self.completion = Completion()
-        if self._is_text_lazy:
-            self.completion._text_source = self
-
-    def __aiter__(self) -> AsyncIterator[Token]:
-        return self._run()
-
-    def __await__(self) -> Generator[Any, None, Completion]:
-        return self._drain().__await__()
-
-    async def _drain(self) -> Completion:
-        async for _ in self._run():
-            pass
-        return self.completion
-
-    async def _run(self) -> AsyncIterator[Token]:
-        context, constraint, sampler = self._context, self._constraint, self._sampler
-        step_index = 0
-        if constraint is not None:
-            # Overlap: the prompt is fed while the first mask is computed.
-            context.flush()
-        while self.completion.stop is None:
-            for token_id in constraint.forced_tokens() if constraint is not None else []:
-                context.fill([token_id])
-                yield self._accept(token_id, 0.0, forced=True)
-                if self.completion.stop is not None:
-                    return
-            num_steps = self._num_continuation_steps()
-            if num_steps > 0:
-                tokens = await context.step_many(sampler, num_steps, self._continuation[1], step_index)  # type: ignore[index]
-                step_index += len(tokens)
-                for index, sampled in enumerate(tokens):
-                    yield self._accept(sampled.token_id, sampled.logprob)
-                    if self.completion.stop is not None:
-                        # Only the last can stop (the executor stops on the stop tokens and the step
-                        # count respects the length); a condition that stops earlier gets the rest back.
-                        context.rollback(len(tokens) - 1 - index)
-                        return
-                continue
-            mask = await asyncio.to_thread(constraint.mask) if constraint is not None else None
-            token = (await context.step(sampler, mask, step_index)).token
-            step_index += 1
-            token_id = token.token_id
-            context.fill((token_id,))
-            yield self._accept(token_id, token.logprob)
-
-    def _num_continuation_steps(self) -> int:
-        """Steps the executor may decode on by itself now; 0: one step, here. The first token comes alone:
-        its wait is the time to first token, which continuation would stretch by every step it adds."""
-        context = self._context
-        if self._continuation is None or context._window is not None or not self.completion.token_ids:
-            return 0
-        max_tokens, _ = self._continuation
-        num_steps = min(self._max_continuation_steps, context.model.max_continuation_steps)
-        if max_tokens is not None:
-            num_steps = min(num_steps, max_tokens - len(self.completion.token_ids) - 1)
-        return max(num_steps, 0)
-
-    def _accept(self, token_id: int, logprob: float, forced: bool = False) -> Token:
-        completion = self.completion
-        completion.token_ids.append(token_id)
-        completion.logprobs.append(logprob)
-        if self._is_text_lazy:
-            stop = self._stop.check(completion.token_ids, "")
-            stop = self._check_constraint(token_id, stop)
-            if stop is not None:
-                completion.stop = stop
-            return Token._lazy(token_id, logprob, forced, self, len(completion.token_ids) - 1)
-        text = self._push_text(token_id)
-        stop = self._check_constraint(token_id, self._stop.check(completion.token_ids, text))
-        if stop is not None:
-            completion.stop = stop
-        return Token(token_id, logprob, self._emit(text, stop), forced)
-
-    def _check_constraint(self, token_id: int, stop: Stop | None) -> Stop | None:
-        if stop is None and self._constraint is not None:
-            self._constraint.consume(token_id)  # raises ConstraintError on a token the grammar refuses
-            if self._constraint.is_finished():
-                return Stop("constraint")
-        return stop
-
-    def _push_text(self, token_id: int) -> str:
-        if self._decoder is None:
-            self._decoder = StreamDecoder(self._context.model.tokenizer)
-        self._decoder.push(token_id)
-        return self._decoder.text
-
-    def _emit(self, text: str, stop: Stop | None) -> str:
-        """Cut the visible text after a token; the part of it not emitted yet."""
-        if stop is not None:
-            visible_end = len(text) if stop.text_end is None else stop.text_end
-        else:
-            visible_end = len(text) - self._stop.holdback(text)
-        visible = text[:visible_end] if visible_end < len(text) else text
-        if self._is_text_lazy:
-            self._visible_text = visible
-        else:
-            self.completion.text = visible
-        delta = visible[self._num_emitted_chars:]
-        self._num_emitted_chars = max(self._num_emitted_chars, len(visible))
-        return delta
-
-    def _decode_up_to(self, num_tokens: int) -> None:
-        """Lazy text: decode the tokens before `num_tokens` not decoded yet, as `_accept` would have."""
-        token_ids = self.completion.token_ids
-        while self._num_decoded < num_tokens:
-            index = self._num_decoded
-            text = self._push_text(token_ids[index])
-            # Only the last token stopped; a lazy stop never cuts text (no text_end, no holdback).
-            stop = self.completion.stop if index == len(token_ids) - 1 else None
-            self._deltas.append(self._emit(text, stop))
-            self._num_decoded += 1
-
-    def _delta_of(self, index: int) -> str:
-        self._decode_up_to(index + 1)
-        return self._deltas[index]
-
-    def _visible_text_of(self, num_tokens: int) -> str:
-        self._decode_up_to(num_tokens)
-        return self._visible_text
+def _step_result_from_pb(result: common_pb2.OutputResult) -> StepResult:
+    if result.WhichOneof("result") == "distribution":
+        distribution = result.distribution
+        return StepResult(distribution=Distribution(tuple(distribution.token_ids), tuple(distribution.probabilities)))
+    return StepResult(token=SampledToken(result.token.token_id, result.token.logprob))

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from l4m.context import Completion, Context
+from l4m.context import Context
+from l4m.generation import Completion
 from l4m.stop import Stop
 
 

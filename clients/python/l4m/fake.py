@@ -17,9 +17,10 @@ cycle (an n-gram drafter then has something to find).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ import grpc
 import numpy as np
 
 from l4m.v1 import common_pb2, l4m_pb2
-from l4m.wire import brle, limits
+from l4m.wire import brle, limits, rules
 
 SMOLLM_CHAT_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -71,6 +72,18 @@ class FakeTrap(Exception):
 
 def _invalid(reason: str) -> FakeTrap:
     return FakeTrap(l4m_pb2.TRAP_KIND_INVALID_COMMAND, reason)
+
+
+@contextlib.contextmanager
+def _obeys(where: str) -> Iterator[None]:
+    """A broken rule of the protocol (`l4m.wire.rules`, the scheduler's own) as an INVALID_COMMAND trap."""
+    try:
+        yield
+    except rules.RuleViolation as violation:
+        raise _invalid(f"{where}: {violation}") from None
+
+
+_MAX_CONTEXT_TOKENS = 8192
 
 
 @dataclass
@@ -163,7 +176,7 @@ class FakeL4M:
     def info(self) -> l4m_pb2.GetInfoResponse:
         model = common_pb2.ModelInfo(
             name="fake-tiny", architecture="fake", vocab_size=self.vocab_size, num_layers=1, hidden_size=8,
-            num_attention_heads=1, num_kv_heads=1, head_dim=8, max_context_tokens=8192,
+            num_attention_heads=1, num_kv_heads=1, head_dim=8, max_context_tokens=_MAX_CONTEXT_TOKENS,
             tokenizer_json=self.tokenizer_json, chat_template=self.chat_template,
             stop_token_ids=self.stop_token_ids, special_token_ids=self.special_token_ids, capabilities=["text"],
         )
@@ -304,32 +317,36 @@ class FakeCall:
 
     def _do_forward_text(self, item: common_pb2.ForwardTextItem) -> l4m_pb2.SessionResponse | None:
         backend, page_size = self._backend, self._backend.kv_page_size
-        pages = [backend.pages[self._physical(v, "forward_text.kv_page_ids")] for v in item.kv_page_ids]
         num_tokens = len(item.token_ids)
-        if num_tokens == 0 or len(item.position_ids) != num_tokens:
-            raise _invalid("forward_text: needs at least one token and one position per token")
-        if not pages or not 1 <= item.kv_last_page_length <= page_size:
-            raise _invalid(f"forward_text.kv_last_page_length {item.kv_last_page_length} not in [1, {page_size}]")
-        total = page_size * (len(pages) - 1) + item.kv_last_page_length
         num_steps = item.num_continuation_steps
-        num_context = total - num_tokens - num_steps  # the length rule counts continuation slots
-        if num_context < 0:
-            raise _invalid(f"forward_text: {num_tokens} tokens and {num_steps} continuation steps do not fit "
-                           f"the {total} slots of the pages")
-        if num_steps and (item.attention_masks or list(item.output_indices) != [num_tokens - 1]
-                          or item.samplers[0].kind == common_pb2.SAMPLER_KIND_DISTRIBUTION
-                          or item.samplers[0].vocabulary_mask.run_lengths):
-            raise _invalid("forward_text: continuation needs no masks, the last token's output only, and a "
-                           "GREEDY or SAMPLE sampler without a vocabulary mask")
-        if item.attention_masks and len(item.attention_masks) != num_tokens:
-            raise _invalid("forward_text.attention_masks: one row per token, or none")
-        if len(item.samplers) != len(item.output_indices) or any(i >= num_tokens for i in item.output_indices):
-            raise _invalid("forward_text: output_indices and samplers must match and index the tokens")
+        with _obeys("forward_text"):
+            rules.check_continuation_steps(num_steps, backend.max_continuation_steps)
+            num_context = rules.check_forward_text(
+                kv_page_ids=item.kv_page_ids, kv_last_page_length=item.kv_last_page_length, token_ids=item.token_ids,
+                position_ids=item.position_ids, attention_masks=[row.run_lengths for row in item.attention_masks],
+                output_indices=item.output_indices, num_samplers=len(item.samplers), num_continuation_steps=num_steps,
+                vocab_size=backend.vocab_size, max_context=_MAX_CONTEXT_TOKENS, page_size=page_size,
+                max_pages=backend.max_kv_pages_per_instance)
+        for index, spec in enumerate(item.samplers):
+            with _obeys(f"forward_text samplers[{index}]"):
+                rules.check_sampler(
+                    spec.kind, distribution_top_k=spec.distribution_top_k, temperature=spec.temperature,
+                    top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p, seed=None,
+                    vocabulary_mask=spec.vocabulary_mask.run_lengths, vocab_size=backend.vocab_size)
+        if num_steps or item.continuation_stop_token_ids:
+            with _obeys("forward_text"):
+                first = item.samplers[0] if item.samplers else None
+                rules.check_continuation(
+                    num_steps=num_steps, stop_token_ids=item.continuation_stop_token_ids, num_tokens=num_tokens,
+                    output_indices=item.output_indices, num_mask_rows=len(item.attention_masks),
+                    sampler_kind=first.kind if first is not None else None,
+                    has_vocabulary_mask=first is not None and len(first.vocabulary_mask.run_lengths) > 0,
+                    last_position=item.position_ids[-1], vocab_size=backend.vocab_size,
+                    max_context=_MAX_CONTEXT_TOKENS, max_steps=backend.max_continuation_steps)
+        pages = [backend.pages[self._physical(v, "forward_text.kv_page_ids")] for v in item.kv_page_ids]
         for index in range(num_context // page_size, len(pages)):  # the pages the new slots land in
             self._writable(item.kv_page_ids[index], "forward_text.kv_page_ids")
         for i, (token, position) in enumerate(zip(item.token_ids, item.position_ids, strict=True)):
-            if token >= backend.vocab_size:
-                raise _invalid(f"forward_text.token_ids[{i}] = {token} >= vocab_size {backend.vocab_size}")
             slot = num_context + i
             pages[slot // page_size].slots[slot % page_size] = (token, position)
         backend.stats.num_forward_passes += 1
@@ -343,9 +360,6 @@ class FakeCall:
             row = None
             if item.attention_masks:
                 row = brle.decode(item.attention_masks[index].run_lengths)
-                if row.size != num_context + index + 1:
-                    raise _invalid(f"forward_text.attention_masks[{index}] decodes to {row.size} values, "
-                                   f"not {num_context + index + 1}")
             visible = self._visible(pages, num_context + index + 1, row)
             outputs.append(self._sample(backend.logits(visible), spec))
         self._continue(item, pages, num_context + num_tokens, outputs)
@@ -378,16 +392,12 @@ class FakeCall:
             spec = common_pb2.SamplerSpec()
             spec.CopyFrom(item.samplers[0])
             if spec.HasField("seed"):
-                spec.seed = (spec.seed + step) % (1 << 64)
+                spec.seed = rules.step_seed(spec.seed, step)
             outputs.append(self._sample(backend.logits(self._visible(pages, slot + 1, None)), spec))
 
     def _sample(self, logits: np.ndarray, spec: common_pb2.SamplerSpec) -> common_pb2.OutputResult:
-        if spec.vocabulary_mask.run_lengths:
+        if spec.vocabulary_mask.run_lengths:  # its shape obeys the rules (checked when the command came)
             allowed = brle.decode(spec.vocabulary_mask.run_lengths)
-            if allowed.size != logits.size:
-                raise _invalid(f"vocabulary_mask decodes to {allowed.size} values, not vocab_size {logits.size}")
-            if not allowed.any():
-                raise _invalid("vocabulary_mask allows no token")
             logits = np.where(allowed, logits, -np.inf)
         logprobs = logits - np.logaddexp.reduce(logits)
         if spec.kind == common_pb2.SAMPLER_KIND_DISTRIBUTION:
@@ -398,17 +408,20 @@ class FakeCall:
             token = int(np.argmax(logprobs))
         elif spec.kind == common_pb2.SAMPLER_KIND_SAMPLE:
             token = _draw(logits, spec)
-        else:
-            raise _invalid("samplers[].kind is unspecified")
+        else:  # checked when the command came
+            raise AssertionError(f"sampler kind {spec.kind}")
         return common_pb2.OutputResult(token=common_pb2.SampledToken(token_id=token, logprob=float(logprobs[token])))
 
     def _do_mask_kv_page(self, item: common_pb2.MaskKvPageItem) -> None:
+        with _obeys("mask_kv_page"):
+            rules.check_page_visibility(item.visibility.run_lengths, self._backend.kv_page_size)
         visibility = brle.decode(item.visibility.run_lengths)
-        if visibility.size != self._backend.kv_page_size:
-            raise _invalid(f"mask_kv_page.visibility decodes to {visibility.size} values, not the page size")
         self._writable(item.kv_page_id, "mask_kv_page.kv_page_id").visible = visibility
 
     def _do_copy_kv_page(self, item: common_pb2.CopyKvPageItem) -> None:
+        with _obeys("copy_kv_page"):
+            rules.check_copy(item.source_offset_tokens, item.destination_offset_tokens, item.length_tokens,
+                             self._backend.kv_page_size)
         source = self._backend.pages[self._physical(item.source_kv_page_id, "copy_kv_page.source_kv_page_id")]
         target = self._writable(item.destination_kv_page_id, "copy_kv_page.destination")
         n = item.length_tokens

@@ -1,7 +1,9 @@
 """Samplers: how a next-token distribution becomes a token (or a top-k list), as `SamplerSpec`s.
 
 Sampling happens on the executor; a sampler here is only a description. `to_pb(mask)` adds an
-optional vocabulary mask (BRLE, first run allowed) produced by a constraint.
+optional vocabulary mask (BRLE, first run allowed) produced by a constraint. A sampler's parameters obey
+the protocol's rules (`l4m.wire.rules`) when it is made: a bad one raises `ValueError` (a
+`RuleViolation`) naming the parameter, before anything is sent.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from l4m.v1 import common_pb2
+from l4m.wire import rules
 
 
 class Sampler:
@@ -48,14 +51,12 @@ class Sample(Sampler):
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0 (got {self.temperature}); use Greedy() for argmax")
-        if not 0 <= self.top_p <= 1:
-            raise ValueError(f"top_p must be in [0, 1] (got {self.top_p})")
-        if not 0 <= self.min_p < 1:
-            raise ValueError(f"min_p must be in [0, 1) (got {self.min_p})")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (got {self.top_k})")
+        try:
+            rules.check_sample(self.temperature, self.top_k, self.top_p, self.min_p)
+            rules.check_seed(self.seed)
+        except rules.RuleViolation as violation:
+            hint = "; use Greedy() for argmax" if self.temperature == 0 else ""
+            raise rules.RuleViolation(f"Sample: {violation}{hint}") from None
 
     def to_pb(self, vocabulary_mask: Sequence[int] | None = None, step: int = 0) -> common_pb2.SamplerSpec:
         spec = common_pb2.SamplerSpec(
@@ -66,7 +67,7 @@ class Sample(Sampler):
             min_p=self.min_p,
         )
         if self.seed is not None:
-            spec.seed = (self.seed + step) % (1 << 64)
+            spec.seed = rules.step_seed(self.seed, step)
         return _with_mask(spec, vocabulary_mask)
 
 
@@ -77,8 +78,10 @@ class TopDistribution(Sampler):
     k: int
 
     def __post_init__(self) -> None:
-        if self.k <= 0:
-            raise ValueError(f"a distribution needs k > 0 (got {self.k})")
+        try:
+            rules.check_distribution_top_k(self.k)
+        except rules.RuleViolation as violation:
+            raise rules.RuleViolation(f"TopDistribution: {violation}") from None
 
     def to_pb(self, vocabulary_mask: Sequence[int] | None = None, step: int = 0) -> common_pb2.SamplerSpec:
         spec = common_pb2.SamplerSpec(kind=common_pb2.SAMPLER_KIND_DISTRIBUTION, distribution_top_k=self.k)

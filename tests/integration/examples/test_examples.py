@@ -20,7 +20,7 @@ import grpc
 import jsonschema
 import pytest
 
-from l4m.context import DEFAULT_CONTINUATION_STEPS
+from l4m.generation import DEFAULT_CONTINUATION_STEPS
 from l4m.tokenizer import Tokenizer
 from l4m.v1 import l4m_pb2, l4m_pb2_grpc
 from tests.integration.examples.executor_alone import executor_greedy

@@ -21,7 +21,8 @@ import pytest
 
 from l4m.spawner.docker_image import ensure_controller_image
 from l4m.spawner.docker_sandbox import DockerSandbox, DockerSandboxConfig
-from l4m.spawner.process_sandbox import ProcessSandbox, ProcessSandboxConfig
+from l4m.spawner.process_command import ProcessSandboxConfig
+from l4m.spawner.process_sandbox import ProcessSandbox
 from l4m.spawner.sandbox import Sandbox
 from l4m.wire.credentials import write_secret_file
 from tests.integration.harness import ServiceProcess

@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 
 from l4m.spawner.config import SpawnerConfig
-from l4m.spawner.process_sandbox import ProcessSandbox, ProcessSandboxConfig
+from l4m.spawner.process_command import ProcessSandboxConfig
+from l4m.spawner.process_sandbox import ProcessSandbox
 from l4m.spawner.programs import ProgramStore
 from l4m.spawner.sandbox import ExitInfo, ExitReason, Limits, MiB, SandboxSpec
 from l4m.spawner.supervisor import ExitEvent, InstanceSupervisor

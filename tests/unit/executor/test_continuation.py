@@ -8,9 +8,9 @@ import dataclasses
 
 import pytest
 
-from l4m.executor.checks import MAX_CONTINUATION_STEPS
 from l4m.executor.commands import Allocate, ForwardText, ResourceKind, SamplerKind, SamplerSpec
 from l4m.executor.errors import InvalidCommand
+from l4m.wire.rules import MAX_CONTINUATION_STEPS
 
 PAGE_SIZE = 4
 GREEDY = SamplerSpec(SamplerKind.GREEDY)
@@ -96,17 +96,17 @@ def test_bad_continuation_items_are_refused_before_anything_changes(make_engine,
     good = _item(pages, prompts[0][:5], 0, GREEDY, num_steps=3)
     cases = [
         (dataclasses.replace(good, num_continuation_steps=MAX_CONTINUATION_STEPS + 1),
-         f"more than {MAX_CONTINUATION_STEPS}"),
-        (dataclasses.replace(good, attention_mask=((1,), (2,), (3,), (4,), (5,))), "no attention masks"),
+         f"not in \\[0, max_continuation_steps={MAX_CONTINUATION_STEPS}\\]"),
+        (dataclasses.replace(good, attention_mask=((1,), (2,), (3,), (4,), (5,))), "attention_masks must be empty"),
         (dataclasses.replace(good, output_indices=(2,)), "the last token's"),
         (dataclasses.replace(good, samplers=(SamplerSpec(SamplerKind.DISTRIBUTION, distribution_top_k=3),)),
          "GREEDY or SAMPLE"),
         (dataclasses.replace(good, samplers=(dataclasses.replace(GREEDY, vocab_mask=(10, 49142)),)),
          "without a vocabulary mask"),
-        (dataclasses.replace(good, continuation_stop_token_ids=frozenset({10**6})), "outside the vocabulary"),
+        (dataclasses.replace(good, continuation_stop_token_ids=frozenset({10**6})), "continuation_stop_token_ids holds token id 1000000"),
         # Pages with room for the 5 tokens but not the 3 continuation tokens (the length rule counts them).
         (dataclasses.replace(good, kv_page_ids=(0, 1), kv_last_page_length=1), "do not fit"),
-        (dataclasses.replace(good, position_ids=(8187, 8188, 8189, 8190, 8191)), "pass the model's context"),
+        (dataclasses.replace(good, position_ids=(8187, 8188, 8189, 8190, 8191)), "pass max_context_tokens 8192"),
     ]
     for item, reason in cases:
         _refused(engine, item, reason)

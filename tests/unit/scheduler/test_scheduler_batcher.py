@@ -18,6 +18,7 @@ from l4m.scheduler.batcher import (
     TOnly,
     parse_strategy,
 )
+from l4m.scheduler.kinds import KINDS
 from l4m.v1 import common_pb2, executor_pb2
 from l4m.wire import limits
 
@@ -37,7 +38,7 @@ class Rig:
         self.now = 0.0
         self.executor = FakeExecutor()
         self.batcher = Batcher(strategy)  # type: ignore[arg-type]
-        self.queues = {k: BatchQueue(k, self.executor, max_batch_tokens, bounds)
+        self.queues = {k: BatchQueue(k, self.executor, max_batch_tokens, bounds, is_forward=KINDS[k].is_forward)
                        for k in ("forward_text", "allocate", "sample_top_k")}
         self.batcher.add_queues(list(self.queues.values()))
         self.fired: list[tuple[str, list[tuple[int, int]]]] = []
@@ -47,7 +48,9 @@ class Rig:
         return Stream(FakeInstance(), 0)
 
     def submit(self, stream: Stream, kind: str, request_id: int, num_tokens: int = 1, item: object = None) -> None:
-        self.batcher.submit(Command(stream, request_id, kind, item, self.now, num_tokens))
+        is_executor_kind = item is not None and KINDS[kind].is_executor_kind  # an item-less command costs nothing
+        self.batcher.submit(Command(stream, request_id, kind, item, self.now, num_tokens,
+                                    is_executor_kind=is_executor_kind))
 
     def route(self, command: Command) -> BatchQueue | None:
         if command.kind == "synchronize":
@@ -442,7 +445,7 @@ def test_forward_text_batches_respect_the_reply_bytes_bound() -> None:
 def test_batches_respect_the_request_bytes_bound() -> None:
     """Items with an attention mask are large; a batch holds what the executor's receive limit allows."""
     item = rq.forward_text([0, 1], 16, [1] * 16, masks=[[17 + i] for i in range(16)]).forward_text
-    cost = Command(Stream(FakeInstance(), 0), 0, "forward_text", item, 0.0, 16).request_bytes
+    cost = Command(Stream(FakeInstance(), 0), 0, "forward_text", item, 0.0, 16, is_executor_kind=True).request_bytes
     assert cost >= item.ByteSize() + 4 * len(item.kv_page_ids)
     rig = Rig(Eager(), bounds=BatchBounds(max_request_bytes=2 * cost + cost // 2))
     submit_items(rig, "forward_text", [item] * 5)

@@ -51,7 +51,7 @@ async def test_two_streams_of_one_instance_writing_one_slot_trap_that_instance_b
     assert b.is_alive and _tokens(sink_b) == [next_token(7, 0, 1000)]
     sent = [r for r in h.links[0].sent if r.WhichOneof("batch") == "forward_text"]
     assert [len(r.forward_text.items) for r in sent] == [1]  # b's item alone reached the executor
-    assert h.sim().num_errors == 0 and h.scheduler.stats["batch_errors"] == 0
+    assert h.sim().num_errors == 0 and h.scheduler.metrics.counts()["batch_errors"] == 0
     h.scheduler.close_session(b)
     assert h.free_pages() == 64 and h.sim().allocated_pages == set()
 
@@ -119,7 +119,7 @@ async def test_a_batch_error_without_an_item_index_traps_the_whole_batch(harness
     await h.settle()
     for sink in (sink_a, sink_b):
         assert sink.trap.kind == TRAP.TRAP_KIND_EXECUTOR_LOST and "rejected" in sink.trap.reason  # type: ignore[union-attr]
-    assert h.scheduler.stats["batches_resent"] == 0
+    assert h.scheduler.metrics.counts()["batches_resent"] == 0
 
 
 async def test_a_bystander_that_sent_later_commands_is_not_resent(harness_factory) -> None:  # type: ignore[no-untyped-def]
@@ -155,7 +155,7 @@ async def test_a_rejected_fire_and_forget_batch_traps_its_offender_alone(harness
     h.send(b, rq.allocate([0]))
     await h.settle()
     assert sink_b.trap.kind == TRAP.TRAP_KIND_INVALID_COMMAND and "wrong state" in sink_b.trap.reason  # type: ignore[union-attr]
-    assert a.is_alive and h.scheduler.stats["batches_resent"] == 1
+    assert a.is_alive and h.scheduler.metrics.counts()["batches_resent"] == 1
     h.send(a, rq.forward_text([0], 1, [3], outputs=[0]))
     await h.settle()
     assert _tokens(sink_a) == [next_token(3, 0, 1000)]

@@ -50,7 +50,7 @@ async def test_two_instances_share_one_forward_batch(harness_factory) -> None:  
     h.send(b, rq.forward_text([0], 1, [9], outputs=[0]))
     await h.settle()
     assert _tokens(sink_a) == [next_token(4, 1, 1000)] and _tokens(sink_b) == [next_token(9, 0, 1000)]
-    assert h.scheduler.stats["max_instances_per_batch"]["forward_text"] == 2
+    assert h.scheduler.metrics.counts()["max_instances_per_batch"]["forward_text"] == 2
     assert ("forward_text", 2) in h.sim().batch_sizes
 
 
@@ -258,7 +258,7 @@ async def test_batch_error_traps_the_offender_alone_and_resends_the_rest(harness
     await h.settle()
     assert sink_b.trap.kind == TRAP.TRAP_KIND_INVALID_COMMAND and "not allocated" in sink_b.trap.reason  # type: ignore[union-attr]
     assert a.is_alive and sink_a.trap is None and _tokens(sink_a) == [next_token(1, 0, 1000)]
-    assert h.scheduler.stats["batch_errors"] >= 1 and h.scheduler.stats["batches_resent"] == 1
+    assert h.scheduler.metrics.counts()["batch_errors"] >= 1 and h.scheduler.metrics.counts()["batches_resent"] == 1
     assert ("forward_text", 2) in h.sim().batch_sizes and ("forward_text", 1) in h.sim().batch_sizes
 
 
@@ -347,9 +347,9 @@ async def test_output_less_forward_batches_count_as_in_flight_under_adaptive(har
     await h.settle()
     executor = h.scheduler.executors[0]
     assert executor.num_forward_in_flight == 1  # b waits for a's forward to be answered
-    assert h.scheduler.stats["batches"]["forward_text"] == 1
+    assert h.scheduler.metrics.counts()["batches"]["forward_text"] == 1
     await asyncio.sleep(0.08)
-    assert h.scheduler.stats["batches"]["forward_text"] == 2
+    assert h.scheduler.metrics.counts()["batches"]["forward_text"] == 2
     await asyncio.sleep(0.08)
     assert executor.num_forward_in_flight == 0 and not executor.inflight
 
@@ -375,7 +375,7 @@ async def test_reply_and_executor_round_trip_latencies_are_exported(harness_fact
     # Each reply came at least one simulated executor latency after its command arrived.
     assert samples[("l4m_scheduler_command_seconds_sum", (("kind", "forward_text"),))] >= 2 * 0.03
     num_batches = samples[("l4m_scheduler_executor_batch_seconds_count", (("kind", "forward_text"),))]
-    assert num_batches == h.scheduler.stats["batches"]["forward_text"] >= 1
+    assert num_batches == h.scheduler.metrics.counts()["batches"]["forward_text"] >= 1
     assert samples[("l4m_scheduler_executor_batch_seconds_sum", (("kind", "forward_text"),))] >= 0.03 * num_batches
 
 
@@ -432,7 +432,7 @@ async def test_a_scheduler_with_continuation_off_says_so_and_traps_it(harness_fa
     a, sink = h.open()
     h.send(a, rq.allocate([0]), _continued([0], 3, [3], [0], 2, request_id=1))
     await h.settle()
-    assert sink.trap is not None and "max_continuation_steps 0" in sink.trap.reason
+    assert sink.trap is not None and "max_continuation_steps=0" in sink.trap.reason
 
 
 async def test_a_deallocate_reaches_the_executor_even_when_its_instance_traps_in_the_same_batch(harness_factory) -> None:  # type: ignore[no-untyped-def]

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from l4m.scheduler.__main__ import parse_config
-from l4m.scheduler.validation import MAX_CONTINUATION_STEPS
 from l4m.wire.credentials import write_secret_file
+from l4m.wire.rules import MAX_CONTINUATION_STEPS
 
 
 def test_max_continuation_steps_defaults_to_what_an_executor_runs_and_can_be_turned_off() -> None:

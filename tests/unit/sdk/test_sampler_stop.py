@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from l4m import stop
@@ -22,10 +24,20 @@ def test_seeded_sampler_varies_per_step_and_carries_the_mask() -> None:
     assert list(Greedy().to_pb([0, 3, 2]).vocabulary_mask.run_lengths) == [0, 3, 2]
 
 
-@pytest.mark.parametrize("kwargs", [{"temperature": 0}, {"top_p": 1.5}, {"min_p": 1.0}, {"top_k": -1}])
-def test_bad_sampler_settings_say_what_is_wrong(kwargs: dict) -> None:
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(("kwargs", "reason"), [
+    ({"temperature": 0}, "temperature 0 is not a finite number > 0; use Greedy() for argmax"),
+    ({"temperature": float("nan")}, "temperature nan"),
+    ({"top_p": 1.5}, "top_p 1.5 is not in [0, 1]"),
+    ({"min_p": 1.0}, "min_p 1.0 is not in [0, 1)"),
+    ({"top_k": -1}, "top_k -1 is not in [0, vocab_size]"),
+    ({"seed": -1}, "seed -1 is not in [0, 2^64 - 1]"),
+])
+def test_bad_sampler_settings_say_what_is_wrong(kwargs: dict, reason: str) -> None:
+    """The SDK checks with the protocol's rulebook, so the message is the one the scheduler would trap with."""
+    with pytest.raises(ValueError, match=re.escape(f"Sample: {reason}")):
         Sample(**kwargs)
+    with pytest.raises(ValueError, match=re.escape("TopDistribution: distribution_top_k 0 is not in [1, vocab_size]")):
+        TopDistribution(0)
 
 
 def test_stop_conditions() -> None:

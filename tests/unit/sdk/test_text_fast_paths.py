@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from l4m import stop
-from l4m.context import Completion, Token
 from l4m.fake import FakeL4M
+from l4m.generation import Completion, Token
 from l4m.sampler import Sample
 from l4m.stop import Stop, StopCondition
 from l4m.tokenizer import StreamDecoder, Tokenizer
