@@ -92,15 +92,14 @@ async def run_in_process(strategy: str, num_instances: int, duration_s: float) -
         client.next(now)
     await asyncio.sleep(0.2)  # warm up
     latencies.clear()
-    commands_before = scheduler.metrics.counts()["commands"]
-    items_before = scheduler.metrics.counts()["items"].get("forward_text", 0)
-    batches_before = scheduler.stats["batches"].get("forward_text", 0)
+    before = scheduler.metrics.counts()
     started = time.perf_counter()
     await asyncio.sleep(duration_s)
     elapsed = time.perf_counter() - started
-    num_commands = scheduler.metrics.counts()["commands"] - commands_before
-    num_items = scheduler.metrics.counts()["items"].get("forward_text", 0) - items_before
-    num_batches = scheduler.stats["batches"].get("forward_text", 0) - batches_before
+    after = scheduler.metrics.counts()
+    num_commands = after["commands"] - before["commands"]
+    num_items = after["items"].get("forward_text", 0) - before["items"].get("forward_text", 0)
+    num_batches = after["batches"].get("forward_text", 0) - before["batches"].get("forward_text", 0)
     for client in clients:
         client.running = False
     await asyncio.sleep(0.05)

@@ -83,3 +83,15 @@ def test_bad_flags_are_refused_clearly(script: str, args: list[str], message: st
     done = run_bench(script, *args, timeout_s=60)
     assert done.returncode == 2
     assert message in done.stderr
+
+
+@pytest.mark.parametrize("mode", [(), ("--grpc",)], ids=["in-process", "grpc"])
+def test_scheduler_bench_prints_a_row_per_strategy(mode: tuple[str, ...]) -> None:
+    """bench/scheduler.py, tiny: every strategy ran commands through the scheduler (in-process core, or
+    scheduler and simulated executor processes over gRPC)."""
+    done = run_bench("scheduler.py", *mode, "--duration-s", "0.3", "--sizes", "2", timeout_s=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines()[2:] if line.strip()]
+    assert [row[0] for row in rows] == ["adaptive", "t-only:1", "k-only:2", "k-or-t:8:1"], done.stdout
+    for row in rows:
+        assert row[1] == "2" and float(row[2].replace(",", "")) > 0, done.stdout
