@@ -62,43 +62,53 @@ def _obeys(where: str = "") -> Iterator[None]:
 
 
 def check_forward_text(item: common_pb2.ForwardTextItem, limits: ModelLimits) -> None:
-    num_tokens = len(item.token_ids)
+    """The hot path (one per decode step): one try for every rule, fields read once."""
     samplers = item.samplers
-    with _obeys():
-        rules.check_continuation_steps(item.num_continuation_steps, limits.max_continuation_steps)
-        rules.check_forward_text(
-            kv_page_ids=item.kv_page_ids, kv_last_page_length=item.kv_last_page_length, token_ids=item.token_ids,
+    sampler_index = -1  # the sampler being checked, for the reason's prefix
+    try:
+        num_steps = item.num_continuation_steps
+        if num_steps:
+            rules.check_continuation_steps(num_steps, limits.max_continuation_steps)
+        token_ids = item.token_ids
+        num_tokens = len(token_ids)
+        vocab_size = limits.vocab_size
+        num_context = rules.check_forward_text(
+            kv_page_ids=item.kv_page_ids, kv_last_page_length=item.kv_last_page_length, token_ids=token_ids,
             position_ids=item.position_ids, attention_masks=(), output_indices=item.output_indices,
-            num_samplers=len(samplers), num_continuation_steps=item.num_continuation_steps,
-            vocab_size=limits.vocab_size, max_context=limits.max_context_tokens, page_size=limits.kv_page_size,
+            num_samplers=len(samplers), num_continuation_steps=num_steps, vocab_size=vocab_size,
+            max_context=limits.max_context_tokens, page_size=limits.kv_page_size,
             max_pages=limits.max_kv_pages_per_instance, max_batch_tokens=limits.max_batch_tokens)
         # Every mask's runs counted against the per-command bound before any row is summed.
         masks = item.attention_masks
-        rules.check_mask_runs(sum(len(row.run_lengths) for row in masks)
-                              + sum(len(s.vocabulary_mask.run_lengths) for s in samplers),
-                              limits.max_mask_runs_per_command)
+        num_runs = 0
+        for sampler in samplers:
+            num_runs += len(sampler.vocabulary_mask.run_lengths)
         if masks:
-            num_context = rules.context_slots(len(item.kv_page_ids), item.kv_last_page_length, limits.kv_page_size) \
-                - num_tokens - item.num_continuation_steps
+            num_runs += sum(len(row.run_lengths) for row in masks)
+        if num_runs:
+            rules.check_mask_runs(num_runs, limits.max_mask_runs_per_command)
+        if masks:
             rules.check_mask_rows([row.run_lengths for row in masks], num_context, num_tokens)
-    vocab_size = limits.vocab_size
-    for index, sampler in enumerate(samplers):
-        with _obeys(f"samplers[{index}]: "):
+        for sampler_index, sampler in enumerate(samplers):  # noqa: B007 (the except clause reads it)
             rules.check_sampler(
                 sampler.kind, distribution_top_k=sampler.distribution_top_k, temperature=sampler.temperature,
                 top_k=sampler.top_k, top_p=sampler.top_p, min_p=sampler.min_p, seed=None,
                 vocabulary_mask=sampler.vocabulary_mask.run_lengths, vocab_size=vocab_size)
-    with _obeys():
-        if item.num_continuation_steps or item.continuation_stop_token_ids:
-            first = samplers[0] if samplers else None
+        sampler_index = -1
+        if num_steps or item.continuation_stop_token_ids:
             rules.check_continuation(
-                num_steps=item.num_continuation_steps, stop_token_ids=item.continuation_stop_token_ids,
-                num_tokens=num_tokens, output_indices=item.output_indices, num_mask_rows=len(item.attention_masks),
-                sampler_kind=first.kind if first is not None else None,
-                has_vocabulary_mask=first is not None and len(first.vocabulary_mask.run_lengths) > 0,
+                num_steps=num_steps, stop_token_ids=item.continuation_stop_token_ids, num_tokens=num_tokens,
+                output_indices=item.output_indices, num_mask_rows=len(masks),
+                sampler_kind=samplers[0].kind if samplers else None,
+                has_vocabulary_mask=bool(samplers and samplers[0].vocabulary_mask.run_lengths),
                 last_position=item.position_ids[-1], vocab_size=vocab_size, max_context=limits.max_context_tokens,
                 max_steps=limits.max_continuation_steps)
-        _check_reply("forward_text", item, limits)
+        num_entries, num_bytes = bounds.reply_cost("forward_text", item)
+        rules.check_reply("forward_text", num_entries, num_bytes, limits.max_distribution_entries_per_command,
+                          limits.max_reply_bytes)
+    except rules.RuleViolation as violation:
+        where = f"samplers[{sampler_index}]: " if sampler_index >= 0 else ""
+        raise InvalidCommand(f"{where}{violation}") from None
 
 
 def _check_reply(kind: str, item: common_pb2.ForwardTextItem | common_pb2.SampleTopKItem, limits: ModelLimits) -> None:
