@@ -95,3 +95,28 @@ def test_scheduler_bench_prints_a_row_per_strategy(mode: tuple[str, ...]) -> Non
     assert [row[0] for row in rows] == ["adaptive", "t-only:1", "k-only:2", "k-or-t:8:1"], done.stdout
     for row in rows:
         assert row[1] == "2" and float(row[2].replace(",", "")) > 0, done.stdout
+
+
+def test_transport_bench_measures_both_transports(tmp_path: Path) -> None:
+    """bench/transport.py, tiny: round trips through an echo server on grpc.aio and on framed messages."""
+    out = tmp_path / "transport.json"
+    done = run_bench("transport.py", "--streams", "2", "--duration-s", "0.3", "--out", str(out), timeout_s=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {row["mode"] for row in rows} == {"grpc.aio", "framed"}
+    for row in rows:
+        assert row["streams"] == 2 and row["round_trips"] > 0
+        assert row["client_cpu_us_per_round_trip"] > 0 and row["server_cpu_us_per_round_trip"] > 0
+
+
+def test_sdk_bench_measures_stepwise_and_continuation(tmp_path: Path) -> None:
+    """bench/sdk.py, tiny: the decode loop's CPU per token, stepwise and with continuation."""
+    out = tmp_path / "sdk.json"
+    done = run_bench("sdk.py", "--tokens", "100", "--repeats", "1", "--out", str(out), timeout_s=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"stepwise", "continuation"}
+    for row in rows.values():
+        assert row["tokens"] == 100 and row["sdk_cpu_ms_per_token"] > 0
+    # 100 round trips: well over the 10 ms of CPU that /proc counts in (continuation's ~12 may show as 0).
+    assert rows["stepwise"]["scheduler_cpu_ms_per_token"] > 0
