@@ -65,7 +65,8 @@ ROLES = ("executor", "scheduler", "spawner", "controller")
 def stack_config(args: argparse.Namespace) -> ClusterConfig:
     return ClusterConfig(state_dir=Path(args.state_dir), spawner_port=args.spawner_port,
                          scheduler_port=args.scheduler_port, metrics_port_base=args.metrics_port_base,
-                         batching=args.batching, warm_pool_size=args.warm_pool_size, echo_logs=False)
+                         batching=args.batching, warm_pool_size=args.warm_pool_size,
+                         session_transport=args.session_transport, echo_logs=False)
 
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -428,6 +429,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--metrics-port-base", type=int, default=9510)
     parser.add_argument("--peer-timeout-s", type=float, default=1800.0)
     parser.add_argument("--batching", default="adaptive", help="the l4m scheduler's forward-batch strategy")
+    parser.add_argument("--session-transport", default="framed", choices=["framed", "grpc"],
+                        help="how the controllers speak L4M (`l4m up --session-transport`)")
     parser.add_argument("--warm-pool-size", type=int, default=None,
                         help="the spawner's warm sandboxes (default: the largest N); each l4m run starts once "
                         "the pool is full")

@@ -6,6 +6,7 @@ sent when the reply arrives (so commands in flight = instances).
 
     .venv/bin/python bench/scheduler.py                 # in-process: the scheduler core, no gRPC
     .venv/bin/python bench/scheduler.py --grpc          # scheduler and executor processes, clients over gRPC
+    .venv/bin/python bench/scheduler.py --grpc --framed # the same, clients over framed sessions (--listen-framed)
     taskset -c 0,1 .venv/bin/python bench/scheduler.py  # the 2-core target
 """
 
@@ -18,6 +19,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -136,10 +138,11 @@ async def switch_batching(stub: object, registry: GrpcProcesses, strategy: str) 
 async def run_grpc(processes: GrpcProcesses, strategy: str, num_instances: int, duration_s: float) -> dict[str, float]:
     import grpc
 
+    from l4m.framed import FramedStub
     from l4m.v1 import l4m_pb2_grpc
 
     async with grpc.aio.insecure_channel(processes.address) as channel:
-        stub = l4m_pb2_grpc.L4MServiceStub(channel)
+        stub = FramedStub(processes.framed_path) if processes.framed_path else l4m_pb2_grpc.L4MServiceStub(channel)
         await switch_batching(stub, processes, strategy)
         control = stub.Session()
         latencies: list[float] = []
@@ -188,12 +191,13 @@ class GrpcProcesses:
     address: str
     registry_address: str
     secret: str
+    framed_path: str | None = None  # the scheduler's --listen-framed socket: the clients use framed sessions
     num_controls: int = 0
 
 
-def start_processes() -> GrpcProcesses:
+def start_processes(framed_path: str | None = None) -> GrpcProcesses:
+    """The simulated executor and the scheduler (also serving framed sessions on `framed_path` when given)."""
     import socket
-    import tempfile
     from pathlib import Path
 
     from l4m.wire.credentials import write_secret_file
@@ -213,21 +217,28 @@ def start_processes() -> GrpcProcesses:
                                  "--num-kv-pages", "8192"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     scheduler = subprocess.Popen([sys.executable, "-m", "l4m.scheduler", "--listen", scheduler_address, "--executor",
                                   executor_address, "--allow-anonymous", "--log-level", "WARNING",
-                                  "--registry-listen", registry_address, "--cluster-secret-file", str(secret_file)],
+                                  "--registry-listen", registry_address, "--cluster-secret-file", str(secret_file),
+                                  *(["--listen-framed", framed_path] if framed_path else [])],
                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(2.0)
-    return GrpcProcesses([executor, scheduler], scheduler_address, registry_address, secret)
+    return GrpcProcesses([executor, scheduler], scheduler_address, registry_address, secret, framed_path)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--grpc", action="store_true", help="through gRPC: scheduler and executor as processes")
+    parser.add_argument("--framed", action="store_true", help="with --grpc: the clients use framed sessions")
     parser.add_argument("--duration-s", type=float, default=1.5)
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    grpc_processes = start_processes() if args.grpc else None
-    mode = "gRPC (scheduler + simulated executor processes)" if args.grpc else "in-process core + simulated executor"
+    if args.framed and not args.grpc:
+        parser.error("--framed goes with --grpc (the in-process mode has no transport)")
+    framed_path = f"{tempfile.mkdtemp(prefix='l4m-bench-framed-')}/scheduler.frames.sock" if args.framed else None
+    grpc_processes = start_processes(framed_path) if args.grpc else None
+    mode = "in-process core + simulated executor"
+    if args.grpc:
+        mode = f"scheduler + simulated executor processes, clients over {'framed sessions' if args.framed else 'gRPC'}"
     print(f"scheduler benchmark, {mode}, cpus={len(os.sched_getaffinity(0))}")
     print(f"{'strategy':<12} {'instances':>9} {'commands/s':>11} {'mean batch':>10} {'p50 ms':>8} {'p99 ms':>8}")
     try:

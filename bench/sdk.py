@@ -4,7 +4,8 @@ One controller (`Context.generate`, Greedy, stop after `--tokens` tokens) in thi
 scheduler and a simulated executor (`python -m l4m.scheduler.simulated`, which answers at once) as real
 processes over gRPC: what is left of a token's cost is the control plane's. Stepwise
 (`max_continuation_steps=0`, one round trip per token: what constraints, custom stops and tool parsing
-need) and with continuation (the SDK's default, up to 9 tokens per round trip).
+need) and with continuation (the SDK's default, up to 9 tokens per round trip), over gRPC and over framed
+sessions (`framed:PATH`, the scheduler's `--listen-framed`), interleaved.
 
     flock -x /tmp/l4m-bench.lock taskset -c 0,1 .venv/bin/python bench/sdk.py
 """
@@ -16,6 +17,7 @@ import asyncio
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,20 +50,23 @@ async def generate(address: str, num_tokens: int, max_continuation_steps: int | 
         await session.close()
 
 
-async def run_all(address: str, scheduler_pid: int, num_tokens: int, repeats: int,
+async def run_all(addresses: dict[str, str], scheduler_pid: int, num_tokens: int, repeats: int,
                   rows: list[dict[str, object]]) -> None:
-    await generate(address, 16, 0)  # warm-up: imports, first messages
+    for address in addresses.values():
+        await generate(address, 16, 0)  # warm-up: imports, first messages
     for _ in range(repeats):
         for mode, steps in (("stepwise", 0), ("continuation", None)):
-            scheduler_before = process_cpu_s(scheduler_pid)
-            num_generated, wall_s, cpu_s = await generate(address, num_tokens, steps)
-            scheduler_cpu_s = process_cpu_s(scheduler_pid) - scheduler_before
-            row = {"mode": mode, "tokens": num_generated, "wall_ms_per_token": wall_s / num_generated * 1e3,
-                   "sdk_cpu_ms_per_token": cpu_s / num_generated * 1e3,
-                   "scheduler_cpu_ms_per_token": scheduler_cpu_s / num_generated * 1e3}
-            rows.append(row)
-            print(f"{mode:<14} {num_generated:>7} {row['wall_ms_per_token']:>13.3f} {row['sdk_cpu_ms_per_token']:>16.3f} "
-                  f"{row['scheduler_cpu_ms_per_token']:>22.3f}", flush=True)
+            for transport, address in addresses.items():
+                scheduler_before = process_cpu_s(scheduler_pid)
+                num_generated, wall_s, cpu_s = await generate(address, num_tokens, steps)
+                scheduler_cpu_s = process_cpu_s(scheduler_pid) - scheduler_before
+                row = {"mode": mode, "transport": transport, "tokens": num_generated,
+                       "wall_ms_per_token": wall_s / num_generated * 1e3,
+                       "sdk_cpu_ms_per_token": cpu_s / num_generated * 1e3,
+                       "scheduler_cpu_ms_per_token": scheduler_cpu_s / num_generated * 1e3}
+                rows.append(row)
+                print(f"{mode:<14} {transport:<9} {num_generated:>7} {row['wall_ms_per_token']:>13.3f} "
+                      f"{row['sdk_cpu_ms_per_token']:>16.3f} {row['scheduler_cpu_ms_per_token']:>22.3f}", flush=True)
 
 
 def main() -> None:
@@ -69,15 +74,20 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
+    parser.add_argument("--transports", default="grpc,framed", help="grpc, framed or both (comma-separated)")
     args = parser.parse_args()
-    processes = start_processes()
+    state = Path(tempfile.mkdtemp(prefix="l4m-sdk-bench-"))
+    framed_socket = str(state / "scheduler.frames.sock")
+    processes = start_processes(framed_socket)
+    addresses = {"grpc": processes.address, "framed": f"framed:{framed_socket}"}
+    addresses = {name: addresses[name] for name in args.transports.split(",")}
     scheduler_pid = processes.processes[1].pid
     print(f"SDK decode loop against scheduler + simulated executor processes, cpus={len(os.sched_getaffinity(0))}")
-    print(f"{'mode':<14} {'tokens':>7} {'ms wall/token':>13} {'SDK CPU ms/token':>16} {'scheduler CPU ms/token':>22}")
+    print(f"{'mode':<14} {'transport':<9} {'tokens':>7} {'ms wall/token':>13} {'SDK CPU ms/token':>16} {'scheduler CPU ms/token':>22}")
     rows: list[dict[str, object]] = []
     try:
         # One event loop for every run: grpc.aio keeps the first loop it ran on.
-        asyncio.run(run_all(processes.address, scheduler_pid, args.tokens, args.repeats, rows))
+        asyncio.run(run_all(addresses, scheduler_pid, args.tokens, args.repeats, rows))
     finally:
         for process in processes.processes:
             process.terminate()

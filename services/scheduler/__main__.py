@@ -13,6 +13,7 @@ from l4m.common.metrics import start_metrics_server
 from l4m.common.serving import bound_address, serve_until_signal
 from l4m.scheduler.batcher import parse_strategy
 from l4m.scheduler.config import SchedulerConfig
+from l4m.scheduler.framed import FramedServer
 from l4m.scheduler.server import create_registry_server, create_server
 from l4m.telemetry import configure_tracing, shutdown_tracing
 from l4m.wire.credentials import CredentialError, read_secret_file, tls_files
@@ -23,6 +24,9 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, in
     parser = argparse.ArgumentParser(prog="python -m l4m.scheduler", description="The l4m scheduler (L4M service).")
     parser.add_argument("--listen", default="127.0.0.1:50051", help="host:port for gRPC (port 0 picks one)")
     parser.add_argument("--listen-unix", default=None, help="also listen on this Unix socket path")
+    parser.add_argument("--listen-framed", default=None,
+                        help="also serve L4M sessions over length-prefixed frames on this Unix socket path "
+                        "(clients connect to framed:PATH; ~10x less CPU per message than gRPC)")
     parser.add_argument("--registry-listen", default=None,
                         help="address of the InstanceRegistryService (the spawner's control plane), e.g. "
                         "unix:/state/internal/registry.sock; never the --listen addresses. Needs --cluster-secret-file")
@@ -71,7 +75,7 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, in
         parser.error(str(error))
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = SchedulerConfig(
-        listen=args.listen, listen_unix=args.listen_unix, executor_addresses=tuple(args.executor),
+        listen=args.listen, listen_unix=args.listen_unix, listen_framed=args.listen_framed, executor_addresses=tuple(args.executor),
         batching=args.batching, max_kv_pages_per_instance=args.page_budget,
         max_embed_slots_per_instance=args.slot_budget, allow_anonymous=args.allow_anonymous,
         max_continuation_steps=args.max_continuation_steps, registry_listen=args.registry_listen,
@@ -88,16 +92,22 @@ async def serve(config: SchedulerConfig, metrics_port: int = 0) -> None:
         # Controllers connect from sandboxes as their own unprivileged uids; the instance token, not the
         # file mode, is what authenticates them.
         os.chmod(config.listen_unix, 0o666)
+    framed = FramedServer(server.scheduler, config.listen_framed) if config.listen_framed else None
+    if framed is not None:
+        await framed.start()
     start_metrics_server(metrics_port, server.scheduler.metrics.registry)
 
     async def announce() -> None:
         print(f"l4m scheduler listening on {bound_address(config.listen, server.port)}"
-              + (f" and unix:{config.listen_unix}" if config.listen_unix else ""), flush=True)
+              + (f" and unix:{config.listen_unix}" if config.listen_unix else "")
+              + (f" and framed:{config.listen_framed}" if config.listen_framed else ""), flush=True)
         if registry is not None:
             print(f"l4m scheduler registry listening on {bound_address(config.registry_listen, registry.port)}",  # type: ignore[arg-type]
                   flush=True)
 
     async def stop() -> None:
+        if framed is not None:
+            await framed.stop()
         if registry is not None:
             await registry.stop(1.0)
         await server.stop(2.0)

@@ -20,6 +20,8 @@ class SchedulerConfig:
     # The data plane (L4MService, health, reflection): what controllers and sandboxes reach.
     listen: str = "127.0.0.1:0"
     listen_unix: str | None = None
+    # L4M sessions over length-prefixed frames on this Unix socket path (framed.py), beside gRPC.
+    listen_framed: str | None = None
     # The control plane (InstanceRegistryService): the spawner's alone, e.g. "unix:<state>/internal/
     # registry.sock". None: no registry is served (a scheduler of anonymous sessions only).
     registry_listen: str | None = None

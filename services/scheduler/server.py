@@ -34,6 +34,7 @@ from l4m.scheduler.errors import (
     TrapError,
     UnknownParent,
 )
+from l4m.scheduler.instances import Instance
 from l4m.scheduler.links import GrpcExecutorLink
 from l4m.v1 import l4m_pb2, l4m_pb2_grpc, registry_pb2, registry_pb2_grpc
 from l4m.wire import limits
@@ -78,6 +79,33 @@ class _QueueSink:
         self.queue.put_nowait(_END)
 
 
+class SessionRefused(Exception):
+    """A session the scheduler will not open, with the status that says why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def admit_session(scheduler: Scheduler, token: str | None) -> Instance:
+    """The instance a new session (gRPC or framed) speaks for: the one its token names, or a new anonymous
+    one where the scheduler allows them. Raises SessionRefused."""
+    if not scheduler.is_ready:
+        raise SessionRefused(grpc.StatusCode.UNAVAILABLE, "no executor is connected yet")
+    if token:
+        instance = scheduler.instances.by_token(token)
+        if instance is None:
+            raise SessionRefused(grpc.StatusCode.UNAUTHENTICATED, f"unknown {TOKEN_METADATA_KEY}")
+        return instance
+    if not scheduler.config.allow_anonymous:
+        raise SessionRefused(grpc.StatusCode.UNAUTHENTICATED, f"missing {TOKEN_METADATA_KEY} metadata")
+    try:
+        return scheduler.register_anonymous()
+    except RegistrationError as error:
+        raise SessionRefused(REGISTRATION_STATUS[type(error)], str(error)) from None
+
+
 class L4MServicer(l4m_pb2_grpc.L4MServiceServicer):
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -93,20 +121,10 @@ class L4MServicer(l4m_pb2_grpc.L4MServiceServicer):
                       context: grpc.aio.ServicerContext) -> AsyncIterator[l4m_pb2.SessionResponse]:
         scheduler = self.scheduler
         metadata = {key: value for key, value in context.invocation_metadata() or ()}
-        if not scheduler.is_ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no executor is connected yet")
-        token = metadata.get(TOKEN_METADATA_KEY)
-        if token:
-            instance = scheduler.instances.by_token(token)
-            if instance is None:
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"unknown {TOKEN_METADATA_KEY}")
-        elif scheduler.config.allow_anonymous:
-            try:
-                instance = scheduler.register_anonymous()
-            except RegistrationError as error:
-                await context.abort(REGISTRATION_STATUS[type(error)], str(error))
-        else:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"missing {TOKEN_METADATA_KEY} metadata")
+        try:
+            instance = admit_session(scheduler, metadata.get(TOKEN_METADATA_KEY))
+        except SessionRefused as refusal:
+            await context.abort(refusal.code, refusal.message)
         sink = _QueueSink()
         try:
             scheduler.open_session(instance, sink, metadata.get("traceparent"))

@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.scheduler_socket_name,
         help="the scheduler's socket file in --socket-dir",
     )
+    add(
+        "--scheduler-framed-socket-name",
+        default=defaults.scheduler_framed_socket_name,
+        help="the scheduler's framed-session socket (its --listen-framed) in --socket-dir: controllers speak L4M "
+        "over it instead of gRPC (default: none, gRPC)",
+    )
     add("--state-dir", type=Path, default=_default_state_dir(), help="programs are stored under it")
     add("--sandbox", choices=("process", "docker"), default=defaults.sandbox_kind)
     add("--docker-image", default="", help="controller image for --sandbox docker (default: build one)")
@@ -200,6 +206,7 @@ def parse_config(
         docker_image=args.docker_image,
         scheduler_registry_address=args.scheduler,
         scheduler_socket_name=args.scheduler_socket_name,
+        scheduler_framed_socket_name=args.scheduler_framed_socket_name,
         default_limits=limits,
         default_max_tokens=args.max_tokens,
         max_children_per_tree=args.max_children_per_tree,

@@ -487,11 +487,17 @@ class InstanceManager:
             if path.stat().st_mode & 0o777 != 0o666:
                 os.chmod(path, 0o666)
 
+    def _scheduler_address(self) -> str:
+        """Where a controller reaches the scheduler: its framed-session socket when there is one."""
+        if self.config.scheduler_framed_socket_name:
+            return f"framed://{SANDBOX_SOCKET_DIR}/{self.config.scheduler_framed_socket_name}"
+        return f"unix://{SANDBOX_SOCKET_DIR}/{self.config.scheduler_socket_name}"
+
     def _sandbox_env(self, instance_id: str, token: str, traceparent: str) -> dict[str, str]:
         env = {
             "L4M_INSTANCE_ID": instance_id,
             "L4M_INSTANCE_TOKEN": token,
-            "L4M_SCHEDULER_ADDR": f"unix://{SANDBOX_SOCKET_DIR}/{self.config.scheduler_socket_name}",
+            "L4M_SCHEDULER_ADDR": self._scheduler_address(),
             "L4M_RUNTIME_ADDR": f"unix://{SANDBOX_SOCKET_DIR}/{self.config.runtime_socket_name}",
         }
         if traceparent:

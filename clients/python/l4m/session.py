@@ -22,6 +22,7 @@ import grpc
 from l4m.errors import SessionClosed, Trapped
 from l4m.v1 import l4m_pb2, l4m_pb2_grpc
 from l4m.wire import limits
+from l4m.wire.frames import framed_path
 from l4m.wire.metadata import TOKEN_METADATA_KEY
 
 # A synchronous GetInfo: (request, timeout_s, metadata) -> GetInfoResponse.
@@ -109,7 +110,15 @@ class Session:
         traceparent: str | None = None,
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
     ) -> Session:
-        """Open a channel to the scheduler at `address` (e.g. `unix:///run/l4m/scheduler.sock`)."""
+        """Open a channel to the scheduler at `address` (e.g. `unix:///run/l4m/scheduler.sock`), or a
+        framed session where the address says `framed:PATH` (`l4m.framed`: the same session, a fraction
+        of gRPC's CPU per message)."""
+        path = framed_path(address)
+        if path is not None:
+            from l4m.framed import FramedStub
+
+            stub = FramedStub(path)
+            return cls(stub, call_metadata(token, traceparent), call_timeout_s, None, stub.get_info_blocking)
         # The scheduler's limits (l4m.wire.limits): it accepts commands of MAX_COMMAND_BYTES and answers each
         # within MAX_RESPONSE_BYTES.
         options = limits.grpc_options(limits.MAX_COMMAND_BYTES, limits.MAX_RESPONSE_BYTES)

@@ -56,6 +56,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "64; 0 turns continuation off: one round trip per token)",
     )
     parser.add_argument("--allow-anonymous", action="store_true", help="dev: L4M sessions without a token")
+    parser.add_argument("--session-transport", default="framed", choices=["framed", "grpc"],
+                        help="how controllers speak L4M: length-prefixed frames on a Unix socket (default; ~10x "
+                        "less CPU per message) or gRPC")
     security = parser.add_argument_group("users and TLS (docs/security.md)")
     security.add_argument(
         "--insecure-local", action="store_true",
@@ -92,6 +95,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         warm_pool_size=args.warm_pool_size,
         max_continuation_steps=args.max_continuation_steps,
         allow_anonymous=args.allow_anonymous,
+        session_transport=args.session_transport,
         insecure_local=args.insecure_local,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,

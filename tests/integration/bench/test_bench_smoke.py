@@ -85,10 +85,10 @@ def test_bad_flags_are_refused_clearly(script: str, args: list[str], message: st
     assert message in done.stderr
 
 
-@pytest.mark.parametrize("mode", [(), ("--grpc",)], ids=["in-process", "grpc"])
+@pytest.mark.parametrize("mode", [(), ("--grpc",), ("--grpc", "--framed")], ids=["in-process", "grpc", "framed"])
 def test_scheduler_bench_prints_a_row_per_strategy(mode: tuple[str, ...]) -> None:
     """bench/scheduler.py, tiny: every strategy ran commands through the scheduler (in-process core, or
-    scheduler and simulated executor processes over gRPC)."""
+    scheduler and simulated executor processes with clients over gRPC or framed sessions)."""
     done = run_bench("scheduler.py", *mode, "--duration-s", "0.3", "--sizes", "2", timeout_s=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [line.split() for line in done.stdout.splitlines()[2:] if line.strip()]
@@ -110,13 +110,14 @@ def test_transport_bench_measures_both_transports(tmp_path: Path) -> None:
 
 
 def test_sdk_bench_measures_stepwise_and_continuation(tmp_path: Path) -> None:
-    """bench/sdk.py, tiny: the decode loop's CPU per token, stepwise and with continuation."""
+    """bench/sdk.py, tiny: the decode loop's CPU per token, stepwise and with continuation, over gRPC and over
+    framed sessions."""
     out = tmp_path / "sdk.json"
     done = run_bench("sdk.py", "--tokens", "100", "--repeats", "1", "--out", str(out), timeout_s=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"stepwise", "continuation"}
-    for row in rows.values():
+    rows = {(row["mode"], row["transport"]): row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {(mode, transport) for mode in ("stepwise", "continuation") for transport in ("grpc", "framed")}
+    for (mode, _), row in rows.items():
         assert row["tokens"] == 100 and row["sdk_cpu_ms_per_token"] > 0
-    # 100 round trips: well over the 10 ms of CPU that /proc counts in (continuation's ~12 may show as 0).
-    assert rows["stepwise"]["scheduler_cpu_ms_per_token"] > 0
+        if mode == "stepwise":  # 100 round trips: well over the 10 ms of CPU that /proc counts in
+            assert row["scheduler_cpu_ms_per_token"] > 0

@@ -94,3 +94,11 @@ def test_a_token_budget_traps_with_advice_to_raise_it(l4m_run: Callable[..., Cli
     assert "TRAP_KIND_TOKEN_BUDGET" in run.stderr and "raise Limits.max_tokens (`l4m run --token-budget N`)" in run.stderr
     assert reason(run).startswith("l4m: the controller ended: EXIT_REASON_TRAPPED: ")
     assert reason(run).endswith("of the instance's budget of 20")
+
+
+def test_controllers_of_l4m_up_speak_l4m_over_framed_sessions(l4m_run: Callable[..., CliRun], tmp_path: Path) -> None:
+    """`l4m up` serves framed sessions (docs/protocol.md) and the spawner points its controllers at them."""
+    source = ("import os\nasync def main(ctx):\n    await ctx.send(os.environ['L4M_SCHEDULER_ADDR'])\n"
+              "    await ctx.send(await ctx.model.debug_query('ping'))\n")
+    run = l4m_run(program(tmp_path, source))
+    assert (run.returncode, run.stdout) == (0, "framed:///run/l4m/scheduler.frames.sock\npong\n"), run.stderr

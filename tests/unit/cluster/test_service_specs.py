@@ -89,15 +89,16 @@ def _flags(argv: tuple[str, ...], name: str) -> list[str]:
 
 
 def test_the_sandbox_directory_holds_only_the_data_plane(tmp_path: Path) -> None:
-    """Every path a service is given that lies in the sandboxes' directory is scheduler.sock or runtime.sock
-    (the spawner creates runtime.sock there itself); the registry, executors and secret are elsewhere."""
+    """Every path a service is given that lies in the sandboxes' directory is one of the data plane's sockets
+    (scheduler.sock, scheduler.frames.sock, runtime.sock, which the spawner creates there itself); the
+    registry, executors and secret are elsewhere."""
     config = _config(tmp_path)
     sandbox_dir = config.socket_dir
     for spec in service_specs(config):
         for word in spec.argv:
             path = Path(word.removeprefix("unix:"))
             if sandbox_dir in path.parents:
-                assert path.name in {"scheduler.sock", "runtime.sock"}, f"{spec.name}: {word}"
+                assert path.name in {"scheduler.sock", "scheduler.frames.sock", "runtime.sock"}, f"{spec.name}: {word}"
 
 
 def test_the_registry_has_its_own_socket_that_only_the_spawner_is_given(tmp_path: Path) -> None:
@@ -163,3 +164,24 @@ def test_l4m_up_flags_reach_the_config(tmp_path: Path) -> None:
         True, Path("c.pem"), Path("k.pem"), Path("ca.pem"))
     with pytest.raises(SystemExit, match="--tls-cert and --tls-key go together"):
         cluster_config(parser.parse_args(["--tls-cert", "c.pem"]))
+
+
+@pytest.mark.parametrize("transport", ["framed", "grpc"])
+def test_the_session_transport_decides_what_controllers_speak(tmp_path: Path, transport: str) -> None:
+    """framed (the default): the scheduler serves framed sessions in the sandboxes' directory and the spawner
+    points controllers at them; grpc: neither flag, controllers use scheduler.sock."""
+    parser = argparse.ArgumentParser()
+    add_cluster_arguments(parser)
+    flags = [] if transport == "framed" else ["--session-transport", "grpc"]
+    config = cluster_config(parser.parse_args(["--state-dir", str(tmp_path), *flags]))
+    assert config.session_transport == transport
+    specs = {spec.name: spec.argv for spec in service_specs(config)}
+    framed_socket = str(config.socket_dir / "scheduler.frames.sock")
+    if transport == "framed":
+        assert _flags(specs["scheduler"], "--listen-framed") == [framed_socket]
+        assert _flags(specs["spawner"], "--scheduler-framed-socket-name") == ["scheduler.frames.sock"]
+    else:
+        assert "--listen-framed" not in specs["scheduler"]
+        assert "--scheduler-framed-socket-name" not in specs["spawner"]
+    with pytest.raises(SystemExit):
+        cluster_config(parser.parse_args(["--session-transport", "carrier-pigeon"]))

@@ -249,3 +249,21 @@ class Trap(_message.Message):
     reason: str
     offending_request_id: int
     def __init__(self, kind: _Optional[_Union[TrapKind, str]] = ..., reason: _Optional[str] = ..., offending_request_id: _Optional[int] = ...) -> None: ...
+
+class FramedSessionOpen(_message.Message):
+    __slots__ = ("protocol_version", "instance_token", "traceparent")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: str
+    instance_token: str
+    traceparent: str
+    def __init__(self, protocol_version: _Optional[str] = ..., instance_token: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class FramedSessionStatus(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...

@@ -410,6 +410,24 @@ export interface Trap {
   offendingRequestId: number;
 }
 
+/** The first frame of a framed session. */
+export interface FramedSessionOpen {
+  /** "l4m.v1"; another version is refused (FAILED_PRECONDITION). */
+  protocolVersion: string;
+  /** The instance token (`l4m-instance-token` on gRPC); empty only where anonymous sessions are allowed. */
+  instanceToken: string;
+  /** W3C trace context of the controller's span (`traceparent` on gRPC); may be empty. */
+  traceparent: string;
+}
+
+/** A status frame: what a gRPC status would say. */
+export interface FramedSessionStatus {
+  /** A gRPC status code (0 OK, 3 INVALID_ARGUMENT, 16 UNAUTHENTICATED, ...). */
+  code: number;
+  /** Why, for a code other than OK. */
+  message: string;
+}
+
 function createBaseGetInfoRequest(): GetInfoRequest {
   return { omitTokenizerJson: false };
 }
@@ -2811,6 +2829,200 @@ export const Trap: MessageFns<Trap> = {
     message.kind = object.kind ?? 0;
     message.reason = object.reason ?? "";
     message.offendingRequestId = object.offendingRequestId ?? 0;
+    return message;
+  },
+};
+
+function createBaseFramedSessionOpen(): FramedSessionOpen {
+  return { protocolVersion: "", instanceToken: "", traceparent: "" };
+}
+
+export const FramedSessionOpen: MessageFns<FramedSessionOpen> = {
+  encode(message: FramedSessionOpen, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.protocolVersion !== "") {
+      writer.uint32(10).string(message.protocolVersion);
+    }
+    if (message.instanceToken !== "") {
+      writer.uint32(18).string(message.instanceToken);
+    }
+    if (message.traceparent !== "") {
+      writer.uint32(26).string(message.traceparent);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): FramedSessionOpen {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseFramedSessionOpen();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.protocolVersion = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.instanceToken = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.traceparent = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): FramedSessionOpen {
+    return {
+      protocolVersion: isSet(object.protocolVersion)
+        ? globalThis.String(object.protocolVersion)
+        : isSet(object.protocol_version)
+        ? globalThis.String(object.protocol_version)
+        : "",
+      instanceToken: isSet(object.instanceToken)
+        ? globalThis.String(object.instanceToken)
+        : isSet(object.instance_token)
+        ? globalThis.String(object.instance_token)
+        : "",
+      traceparent: isSet(object.traceparent) ? globalThis.String(object.traceparent) : "",
+    };
+  },
+
+  toJSON(message: FramedSessionOpen): unknown {
+    const obj: any = {};
+    if (message.protocolVersion !== "") {
+      obj.protocolVersion = message.protocolVersion;
+    }
+    if (message.instanceToken !== "") {
+      obj.instanceToken = message.instanceToken;
+    }
+    if (message.traceparent !== "") {
+      obj.traceparent = message.traceparent;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<FramedSessionOpen>, I>>(base?: I): FramedSessionOpen {
+    return FramedSessionOpen.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<FramedSessionOpen>, I>>(object: I): FramedSessionOpen {
+    const message = createBaseFramedSessionOpen();
+    message.protocolVersion = object.protocolVersion ?? "";
+    message.instanceToken = object.instanceToken ?? "";
+    message.traceparent = object.traceparent ?? "";
+    return message;
+  },
+};
+
+function createBaseFramedSessionStatus(): FramedSessionStatus {
+  return { code: 0, message: "" };
+}
+
+export const FramedSessionStatus: MessageFns<FramedSessionStatus> = {
+  encode(message: FramedSessionStatus, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.code !== 0) {
+      writer.uint32(8).int32(message.code);
+    }
+    if (message.message !== "") {
+      writer.uint32(18).string(message.message);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): FramedSessionStatus {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseFramedSessionStatus();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.code = reader.int32();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.message = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): FramedSessionStatus {
+    return {
+      code: isSet(object.code) ? globalThis.Number(object.code) : 0,
+      message: isSet(object.message) ? globalThis.String(object.message) : "",
+    };
+  },
+
+  toJSON(message: FramedSessionStatus): unknown {
+    const obj: any = {};
+    if (message.code !== 0) {
+      obj.code = Math.round(message.code);
+    }
+    if (message.message !== "") {
+      obj.message = message.message;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<FramedSessionStatus>, I>>(base?: I): FramedSessionStatus {
+    return FramedSessionStatus.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<FramedSessionStatus>, I>>(object: I): FramedSessionStatus {
+    const message = createBaseFramedSessionStatus();
+    message.code = object.code ?? 0;
+    message.message = object.message ?? "";
     return message;
   },
 };
