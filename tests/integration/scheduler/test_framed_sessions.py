@@ -50,9 +50,14 @@ def _exchange(path: str, *chunks: bytes, half_close: bool = True) -> list[tuple[
         sock.sendall(b"".join(chunks))
         if half_close:
             sock.shutdown(socket.SHUT_WR)
-        data = b""
-        while chunk := sock.recv(1 << 16):
-            data += chunk
+        return _read_to_end(sock)
+
+
+def _read_to_end(sock: socket.socket) -> list[tuple[int, bytes]]:
+    """Every frame until the scheduler closes the connection, as (kind, payload)."""
+    data = b""
+    while chunk := sock.recv(1 << 16):
+        data += chunk
     received = []
     while data:
         size, kind = frames.HEADER.unpack_from(data)
@@ -149,17 +154,9 @@ def test_a_bad_frame_traps_its_instance_alone_and_frees_it(cluster: Cluster, tmp
         # The good instance goes on: its forward_text is answered.
         good.sendall(_request(rq.forward_text([0], 2, [4, 5], outputs=[1], request_id=3)))
         good.shutdown(socket.SHUT_WR)
-        data = b""
-        while chunk := good.recv(1 << 16):
-            data += chunk
-    kinds = []
-    while data:
-        size, kind = frames.HEADER.unpack_from(data)
-        kinds.append(kind)
-        if kind == frames.RESPONSE:
-            assert l4m_pb2.SessionResponse.FromString(data[frames.HEADER.size:frames.HEADER.size + size]).request_id == 3
-        data = data[frames.HEADER.size + size:]
-    assert kinds == [frames.STATUS, frames.RESPONSE, frames.STATUS]
+        received = _read_to_end(good)
+    assert [kind for kind, _ in received] == [frames.STATUS, frames.RESPONSE, frames.STATUS]
+    assert l4m_pb2.SessionResponse.FromString(received[1][1]).request_id == 3
 
 
 async def _generate(address: str, token: str, num_tokens: int) -> list[int]:
