@@ -136,6 +136,8 @@ def main() -> None:
     parser.add_argument("--scheduler-port", type=int, default=7521)
     parser.add_argument("--metrics-port-base", type=int, default=9520)
     parser.add_argument("--batching", default="adaptive", help="the l4m scheduler's forward-batch strategy")
+    parser.add_argument("--session-transport", default="framed", choices=["framed", "grpc"],
+                        help="how the controllers speak L4M (`l4m up --session-transport`)")
     parser.add_argument("--warm-pool-size", type=int, default=None, help="the spawner's warm sandboxes (default: its own)")
     parser.add_argument("--out", default="bench/results/agentic.json")
     args = parser.parse_args()
