@@ -6,7 +6,8 @@ An echo server (a separate process: it answers every request with a fixed one-to
 with N concurrent streams, each a closed loop (the next request when the reply is in), on a Unix socket:
 
   grpc.aio   L4MService.Session, as the SDK and the scheduler speak it today (`l4m.common.serving`)
-  framed     the same messages, each behind a 4-byte little-endian length, on a plain asyncio Unix stream
+  framed     the same messages as framed sessions' frames (`l4m.wire.frames`: a 5-byte header), on a plain
+             asyncio Unix stream
 
 Each mode runs on the default asyncio loop and, when `uvloop` is installed, on uvloop too. CPU is the
 client's process time and the server's utime + stime from /proc, per round trip.
@@ -22,7 +23,6 @@ import asyncio
 import importlib.util
 import json
 import os
-import struct
 import subprocess
 import sys
 import tempfile
@@ -33,8 +33,8 @@ from pathlib import Path
 import grpc
 
 from l4m.v1 import common_pb2, l4m_pb2, l4m_pb2_grpc
+from l4m.wire import frames, limits
 
-HEADER = struct.Struct("<I")
 HAS_UVLOOP = importlib.util.find_spec("uvloop") is not None
 
 
@@ -74,14 +74,10 @@ async def serve_grpc(path: str) -> None:
 
 async def serve_framed(path: str) -> None:
     async def session(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-                request = l4m_pb2.SessionRequest.FromString(await reader.readexactly(size))
-                payload = reply_to(request).SerializeToString()
-                writer.write(HEADER.pack(len(payload)) + payload)
-        except asyncio.IncompleteReadError:
-            writer.close()
+        while (frame := await frames.read_frame(reader, limits.MAX_COMMAND_BYTES)) is not None:
+            request = l4m_pb2.SessionRequest.FromString(frame[1])
+            writer.write(frames.encode(frames.RESPONSE, reply_to(request)))
+        writer.close()
 
     server = await asyncio.start_unix_server(session, path)
     print("ready", flush=True)
@@ -130,10 +126,10 @@ async def framed_streams(path: str, num_streams: int, duration_s: float) -> int:
         request_id = 0
         while time.perf_counter() < stop_at:
             request_id += 1
-            payload = decode_step(request_id).SerializeToString()
-            writer.write(HEADER.pack(len(payload)) + payload)
-            (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-            l4m_pb2.SessionResponse.FromString(await reader.readexactly(size))
+            writer.write(frames.encode(frames.REQUEST, decode_step(request_id)))
+            frame = await frames.read_frame(reader, limits.MAX_RESPONSE_BYTES)
+            assert frame is not None, "the echo server closed the stream"
+            l4m_pb2.SessionResponse.FromString(frame[1])
         counts[index] = request_id
         writer.close()
 

@@ -12,6 +12,7 @@ single item is at fault.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -51,13 +52,8 @@ def blame_item(index: int) -> Iterator[None]:
         raise
 
 
-@contextlib.contextmanager
-def obey(where: str) -> Iterator[None]:
-    """A broken rule of the protocol (`l4m.wire.rules`) as an `InvalidCommand` naming `where`."""
-    try:
-        yield
-    except rules.RuleViolation as exc:
-        raise InvalidCommand(f"{where}: {exc}") from None
+# `with obey(where):` a broken rule of the protocol (`l4m.wire.rules`) as an `InvalidCommand` naming `where`.
+obey = functools.partial(rules.reported_as, InvalidCommand)
 
 
 @dataclass(frozen=True)
@@ -172,14 +168,12 @@ def check_forward_text_item(item: ForwardText, cache: KvCache, model: ModelConfi
 
 def check_sampler(spec: SamplerSpec, vocab_size: int, field: str) -> None:
     """One sampler's rules (`rules.check_sampler`); the message names `field` ("... samplers[0]")."""
-    try:
+    with obey(field):
         rules.check_sampler(
             spec.kind, distribution_top_k=spec.distribution_top_k, temperature=spec.temperature, top_k=spec.top_k,
             top_p=spec.top_p, min_p=spec.min_p, seed=spec.seed, vocabulary_mask=spec.vocab_mask or (),
             vocab_size=vocab_size,
         )
-    except rules.RuleViolation as exc:
-        raise InvalidCommand(f"{field}: {exc}") from None
 
 
 def _check_continuation_rules(item: ForwardText, model: ModelConfig, where: str) -> None:

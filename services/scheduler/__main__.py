@@ -26,7 +26,7 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, in
     parser.add_argument("--listen-unix", default=None, help="also listen on this Unix socket path")
     parser.add_argument("--listen-framed", default=None,
                         help="also serve L4M sessions over length-prefixed frames on this Unix socket path "
-                        "(clients connect to framed:PATH; ~10x less CPU per message than gRPC)")
+                        "(clients connect to framed:PATH; ~4x less CPU per message than gRPC)")
     parser.add_argument("--registry-listen", default=None,
                         help="address of the InstanceRegistryService (the spawner's control plane), e.g. "
                         "unix:/state/internal/registry.sock; never the --listen addresses. Needs --cluster-secret-file")

@@ -62,6 +62,7 @@ from l4m.scheduler.translate import claim_allocation
 from l4m.scheduler.validation import EMBED_SLOT, KV_PAGE, ModelLimits
 from l4m.v1 import common_pb2, executor_pb2, l4m_pb2
 from l4m.wire import limits as bounds
+from l4m.wire import rules
 from l4m.wire.rules import MAX_CONTINUATION_STEPS
 
 log = logging.getLogger(__name__)
@@ -828,7 +829,7 @@ def _written_ranges(command: Command, page_size: int) -> list[tuple[int, int, in
     item = command.item
     num_written = command.num_tokens  # forward_text: tokens and continuation steps; forward: inputs
     pages = item.kv_page_ids
-    total = page_size * (len(pages) - 1) + item.kv_last_page_length
+    total = rules.context_slots(len(pages), item.kv_last_page_length, page_size)
     first = max(0, total - num_written)
     ranges = []
     for index in range(first // page_size, min(len(pages), -(-total // page_size))):

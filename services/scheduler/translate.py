@@ -21,6 +21,7 @@ from l4m.scheduler.errors import InvalidCommand, NoExecutor, ResourceExhausted
 from l4m.scheduler.resources import RefCountedPool, ResourceTable
 from l4m.scheduler.validation import KV_PAGE, ModelLimits
 from l4m.v1 import common_pb2
+from l4m.wire import rules
 
 if TYPE_CHECKING:
     from l4m.scheduler.executors import Executor
@@ -60,7 +61,7 @@ def check_writable(executor: Executor | None, virtual_ids: Sequence[int], physic
         return
     first = 0
     if num_written:
-        num_slots = page_size * (len(physical_ids) - 1) + last_page_length
+        num_slots = rules.context_slots(len(physical_ids), last_page_length, page_size)
         first = (num_slots - num_written) // page_size
     for index in range(first, len(physical_ids)):
         if pool.is_frozen(physical_ids[index]):

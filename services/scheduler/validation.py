@@ -14,8 +14,7 @@ cheapest first: lengths before anything that iterates.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+import functools
 from dataclasses import dataclass
 
 from l4m.scheduler.batcher import parse_strategy
@@ -52,13 +51,8 @@ class ModelLimits:
     max_mask_runs_per_command: int = bounds.DEFAULT_MAX_MASK_RUNS_PER_COMMAND
 
 
-@contextlib.contextmanager
-def _obeys(where: str = "") -> Iterator[None]:
-    """A broken rule as an `InvalidCommand` trap (prefixed with `where`, e.g. "samplers[2]: ")."""
-    try:
-        yield
-    except rules.RuleViolation as violation:
-        raise InvalidCommand(f"{where}{violation}") from None
+# `with _obeys():` a broken rule as an `InvalidCommand` trap (the hot path, forward_text, has its own try).
+_obeys = functools.partial(rules.reported_as, InvalidCommand)
 
 
 def check_forward_text(item: common_pb2.ForwardTextItem, limits: ModelLimits) -> None:

@@ -24,7 +24,7 @@ class SpawnerConfig:
     scheduler_registry_address: str = ""
     scheduler_socket_name: str = "scheduler.sock"
     # The scheduler's framed-session socket (its --listen-framed) in socket_dir: when set, controllers
-    # speak L4M over it (`framed:` addresses, ~10x less CPU per message than gRPC); empty: over gRPC.
+    # speak L4M over it (`framed:` addresses, ~4x less CPU per message than gRPC); empty: over gRPC.
     scheduler_framed_socket_name: str = ""
     runtime_socket_name: str = "runtime.sock"
     max_program_bytes: int = 4 * MiB  # per upload; see validate_upload.py for what compiling costs

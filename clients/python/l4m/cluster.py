@@ -66,7 +66,7 @@ class ClusterConfig:
     warm_pool_size: int | None = None  # process sandboxes started ahead of demand; None: the spawner's default
     max_continuation_steps: int | None = None  # per forward_text (0: off); None: the scheduler's default
     allow_anonymous: bool = False
-    # How sandboxed controllers speak L4M: "framed" (length-prefixed frames on a Unix socket, ~10x less CPU
+    # How sandboxed controllers speak L4M: "framed" (length-prefixed frames on a Unix socket, ~4x less CPU
     # per message) or "grpc"; users' own sessions use the scheduler's gRPC listeners either way.
     session_transport: str = "framed"
     insecure_local: bool = False  # the spawner lets callers without a key in as an admin: one-person machines only

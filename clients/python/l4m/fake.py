@@ -17,10 +17,10 @@ cycle (an n-gram drafter then has something to find).
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import json
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,13 +74,9 @@ def _invalid(reason: str) -> FakeTrap:
     return FakeTrap(l4m_pb2.TRAP_KIND_INVALID_COMMAND, reason)
 
 
-@contextlib.contextmanager
-def _obeys(where: str) -> Iterator[None]:
-    """A broken rule of the protocol (`l4m.wire.rules`, the scheduler's own) as an INVALID_COMMAND trap."""
-    try:
-        yield
-    except rules.RuleViolation as violation:
-        raise _invalid(f"{where}: {violation}") from None
+# `with _obeys(where):` a broken rule of the protocol (`l4m.wire.rules`, the scheduler's own) as an
+# INVALID_COMMAND trap naming `where`.
+_obeys = functools.partial(rules.reported_as, _invalid)
 
 
 _MAX_CONTEXT_TOKENS = 8192

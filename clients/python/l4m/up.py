@@ -57,7 +57,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--allow-anonymous", action="store_true", help="dev: L4M sessions without a token")
     parser.add_argument("--session-transport", default="framed", choices=["framed", "grpc"],
-                        help="how controllers speak L4M: length-prefixed frames on a Unix socket (default; ~10x "
+                        help="how controllers speak L4M: length-prefixed frames on a Unix socket (default; ~4x "
                         "less CPU per message) or gRPC")
     security = parser.add_argument_group("users and TLS (docs/security.md)")
     security.add_argument(

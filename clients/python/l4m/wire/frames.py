@@ -2,7 +2,7 @@
 frames"; docs/protocol.md). A frame is a 4-byte little-endian payload length, a 1-byte kind, the payload.
 
 The same `SessionRequest` / `SessionResponse` messages as on gRPC, on a plain Unix stream socket: in
-Python a gRPC message costs ~190 us of CPU on each side, a frame ~17-35 (`bench/transport.py`).
+Python a gRPC message costs ~150-420 us of CPU on each side, a frame ~35-170 (`bench/transport.py`).
 """
 
 from __future__ import annotations

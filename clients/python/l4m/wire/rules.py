@@ -17,8 +17,9 @@ Sampler and resource kinds are named as the executor's `SamplerKind` / `Resource
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 from l4m.v1 import common_pb2, l4m_pb2
 from l4m.wire import limits
@@ -48,18 +49,22 @@ def _fail(reason: str) -> None:
     raise RuleViolation(reason)
 
 
+@contextlib.contextmanager
+def reported_as(error: Callable[[str], Exception], where: str = "") -> Iterator[None]:
+    """A rule broken in the body raised as the caller's own `error(reason)`, the reason after `where: `
+    when given (the scheduler's InvalidCommand trap, the executor's InvalidCommand, the fake's trap)."""
+    try:
+        yield
+    except RuleViolation as violation:
+        raise error(f"{where}: {violation}" if where else str(violation)) from None
+
+
 # ---- the arithmetic of the LENGTH RULE and of continuation ---------------------------------------
 
 
 def context_slots(num_pages: int, kv_last_page_length: int, page_size: int) -> int:
     """Token slots a page list spans: every page full but the last (LENGTH RULE)."""
     return page_size * (num_pages - 1) + kv_last_page_length
-
-
-def pages_for(num_slots: int, page_size: int) -> tuple[int, int]:
-    """(number of pages, kv_last_page_length) that hold `num_slots` slots (> 0)."""
-    num_pages = -(-num_slots // page_size)
-    return num_pages, num_slots - page_size * (num_pages - 1)
 
 
 def continuation_position(last_position: int, step: int) -> int:
