@@ -138,6 +138,8 @@ def main() -> None:
     parser.add_argument("--batching", default="adaptive", help="the l4m scheduler's forward-batch strategy")
     parser.add_argument("--session-transport", default="framed", choices=["framed", "grpc"],
                         help="how the controllers speak L4M (`l4m up --session-transport`)")
+    parser.add_argument("--executor-transport", default="framed", choices=["framed", "grpc"],
+                        help="how the scheduler sends batches (`l4m up --executor-transport`)")
     parser.add_argument("--warm-pool-size", type=int, default=None, help="the spawner's warm sandboxes (default: its own)")
     parser.add_argument("--out", default="bench/results/agentic.json")
     args = parser.parse_args()

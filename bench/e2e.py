@@ -66,7 +66,8 @@ def stack_config(args: argparse.Namespace) -> ClusterConfig:
     return ClusterConfig(state_dir=Path(args.state_dir), spawner_port=args.spawner_port,
                          scheduler_port=args.scheduler_port, metrics_port_base=args.metrics_port_base,
                          batching=args.batching, warm_pool_size=args.warm_pool_size,
-                         session_transport=args.session_transport, echo_logs=False)
+                         session_transport=args.session_transport, executor_transport=args.executor_transport,
+                         echo_logs=False)
 
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -431,6 +432,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batching", default="adaptive", help="the l4m scheduler's forward-batch strategy")
     parser.add_argument("--session-transport", default="framed", choices=["framed", "grpc"],
                         help="how the controllers speak L4M (`l4m up --session-transport`)")
+    parser.add_argument("--executor-transport", default="framed", choices=["framed", "grpc"],
+                        help="how the scheduler sends batches (`l4m up --executor-transport`)")
     parser.add_argument("--warm-pool-size", type=int, default=None,
                         help="the spawner's warm sandboxes (default: the largest N); each l4m run starts once "
                         "the pool is full")

@@ -7,6 +7,10 @@ sent when the reply arrives (so commands in flight = instances).
     .venv/bin/python bench/scheduler.py                 # in-process: the scheduler core, no gRPC
     .venv/bin/python bench/scheduler.py --grpc          # scheduler and executor processes, clients over gRPC
     .venv/bin/python bench/scheduler.py --grpc --framed # the same, clients over framed sessions (--listen-framed)
+    .venv/bin/python bench/scheduler.py --grpc --framed --sdk   # clients are the SDK's sessions (l4m.session)
+
+With --grpc the table has the scheduler's CPU per command (its process time over the commands answered):
+1e6 / that is what one scheduler core can take, whatever the clients beside it on this machine cost.
     taskset -c 0,1 .venv/bin/python bench/scheduler.py  # the 2-core target
 """
 
@@ -21,8 +25,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from transport import process_cpu_s  # bench/transport.py, beside this file
+
+from l4m import eventloop
 from l4m.scheduler import requests as rq
 from l4m.scheduler.config import SchedulerConfig
 from l4m.scheduler.core import Scheduler
@@ -135,10 +143,12 @@ async def switch_batching(stub: object, registry: GrpcProcesses, strategy: str) 
     await client.close()
 
 
-async def run_grpc(processes: GrpcProcesses, strategy: str, num_instances: int, duration_s: float) -> dict[str, float]:
+async def run_grpc(processes: GrpcProcesses, strategy: str, num_instances: int, duration_s: float,
+                   sdk: bool = False) -> dict[str, float]:
     import grpc
 
     from l4m.framed import FramedStub
+    from l4m.session import Session
     from l4m.v1 import l4m_pb2_grpc
 
     async with grpc.aio.insecure_channel(processes.address) as channel:
@@ -162,24 +172,45 @@ async def run_grpc(processes: GrpcProcesses, strategy: str, num_instances: int, 
                 counters["commands"] += 1
             await call.done_writing()
 
+        async def sdk_instance() -> None:
+            """The SDK's own session (l4m.session.Session: on framed sessions, no task per direction)."""
+            session = Session(stub)
+            allocate = rq.allocate(list(range(NUM_PAGES_PER_INSTANCE)))
+            session.send("allocate", allocate.allocate)
+            step = 0
+            while not stop.is_set():
+                step += 1
+                sent_at = time.perf_counter()
+                await session.request("forward_text", decode_step(step, step).forward_text)
+                latencies.append(time.perf_counter() - sent_at)
+                counters["commands"] += 1
+            await session.close()
+
         async def stats() -> dict:  # type: ignore[type-arg]
             await control.write(rq.debug_query("stats", request_id=2))
             return json.loads((await control.read()).debug_query.response)
 
-        tasks = [asyncio.create_task(instance()) for _ in range(num_instances)]
+        tasks = [asyncio.create_task(sdk_instance() if sdk else instance()) for _ in range(num_instances)]
         await asyncio.sleep(0.3)
         latencies.clear()
         before, commands_before = await stats(), counters["commands"]
+        scheduler_cpu_before, client_cpu_before = process_cpu_s(processes.scheduler_pid), time.process_time()
         started = time.perf_counter()
         await asyncio.sleep(duration_s)
         elapsed = time.perf_counter() - started
+        scheduler_cpu = process_cpu_s(processes.scheduler_pid) - scheduler_cpu_before
+        client_cpu = time.process_time() - client_cpu_before
         after, commands_after = await stats(), counters["commands"]
         stop.set()
         await asyncio.gather(*tasks)
         await control.done_writing()
     num_items = after["items"].get("forward_text", 0) - before["items"].get("forward_text", 0)
     num_batches = after["batches"].get("forward_text", 0) - before["batches"].get("forward_text", 0)
-    return summarize(commands_after - commands_before, elapsed, num_items, num_batches, latencies)
+    num_commands = commands_after - commands_before
+    row = summarize(num_commands, elapsed, num_items, num_batches, latencies)
+    row["scheduler_cpu_us"] = scheduler_cpu / max(num_commands, 1) * 1e6
+    row["client_cpu_us"] = client_cpu / max(num_commands, 1) * 1e6
+    return row
 
 
 @dataclass
@@ -194,9 +225,16 @@ class GrpcProcesses:
     framed_path: str | None = None  # the scheduler's --listen-framed socket: the clients use framed sessions
     num_controls: int = 0
 
+    @property
+    def scheduler_pid(self) -> int:
+        return self.processes[1].pid
 
-def start_processes(framed_path: str | None = None) -> GrpcProcesses:
-    """The simulated executor and the scheduler (also serving framed sessions on `framed_path` when given)."""
+
+def start_processes(framed_path: str | None = None, executor_transport: str = "framed",
+                    simulated_args: Sequence[str] = ()) -> GrpcProcesses:
+    """The simulated executor (with `simulated_args`) and the scheduler (also serving framed sessions on
+    `framed_path` when given); the scheduler sends its batches on the executor's framed Execute socket,
+    or on gRPC."""
     import socket
     from pathlib import Path
 
@@ -214,11 +252,14 @@ def start_processes(framed_path: str | None = None) -> GrpcProcesses:
     registry_address = f"unix:{state}/registry.sock"
     env = {**os.environ}
     executor = subprocess.Popen([sys.executable, "-m", "l4m.scheduler.simulated", "--listen", executor_address,
-                                 "--num-kv-pages", "8192"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                 "--num-kv-pages", "8192", "--listen-framed", str(state / "executor.frames.sock"),
+                                 *simulated_args],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     scheduler = subprocess.Popen([sys.executable, "-m", "l4m.scheduler", "--listen", scheduler_address, "--executor",
                                   executor_address, "--allow-anonymous", "--log-level", "WARNING",
                                   "--registry-listen", registry_address, "--cluster-secret-file", str(secret_file),
-                                  *(["--listen-framed", framed_path] if framed_path else [])],
+                                  *(["--listen-framed", framed_path] if framed_path else []),
+                                  "--executor-transport", "auto" if executor_transport == "framed" else "grpc"],
                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(2.0)
     return GrpcProcesses([executor, scheduler], scheduler_address, registry_address, secret, framed_path)
@@ -228,6 +269,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--grpc", action="store_true", help="through gRPC: scheduler and executor as processes")
     parser.add_argument("--framed", action="store_true", help="with --grpc: the clients use framed sessions")
+    parser.add_argument("--sdk", action="store_true",
+                        help="with --grpc: the clients are the SDK's sessions (l4m.session.Session), not raw calls")
+    parser.add_argument("--executor-transport", default="framed", choices=["framed", "grpc"],
+                        help="with --grpc: how the scheduler sends batches to the simulated executor")
     parser.add_argument("--duration-s", type=float, default=1.5)
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
     args = parser.parse_args()
@@ -235,22 +280,27 @@ def main() -> None:
     if args.framed and not args.grpc:
         parser.error("--framed goes with --grpc (the in-process mode has no transport)")
     framed_path = f"{tempfile.mkdtemp(prefix='l4m-bench-framed-')}/scheduler.frames.sock" if args.framed else None
-    grpc_processes = start_processes(framed_path) if args.grpc else None
+    grpc_processes = start_processes(framed_path, args.executor_transport) if args.grpc else None
     mode = "in-process core + simulated executor"
     if args.grpc:
-        mode = f"scheduler + simulated executor processes, clients over {'framed sessions' if args.framed else 'gRPC'}"
+        mode = (f"scheduler + simulated executor processes, {'SDK sessions' if args.sdk else 'raw calls'} over "
+                f"{'framed sessions' if args.framed else 'gRPC'}, batches over {args.executor_transport}")
     print(f"scheduler benchmark, {mode}, cpus={len(os.sched_getaffinity(0))}")
-    print(f"{'strategy':<12} {'instances':>9} {'commands/s':>11} {'mean batch':>10} {'p50 ms':>8} {'p99 ms':>8}")
+    cpu_columns = f" {'scheduler CPU us/cmd':>20} {'clients CPU us/cmd':>18}" if args.grpc else ""
+    print(f"{'strategy':<12} {'instances':>9} {'commands/s':>11} {'mean batch':>10} {'p50 ms':>8} {'p99 ms':>8}"
+          + cpu_columns)
     try:
         for template in STRATEGIES:
             for num_instances in sizes:
                 strategy = strategy_for(template, num_instances)
                 if grpc_processes is not None:
-                    row = asyncio.run(run_grpc(grpc_processes, strategy, num_instances, args.duration_s))
+                    row = eventloop.run(run_grpc(grpc_processes, strategy, num_instances, args.duration_s, args.sdk))
                 else:
                     row = asyncio.run(run_in_process(strategy, num_instances, args.duration_s))
                 print(f"{strategy:<12} {num_instances:>9} {row['commands_per_s']:>11,.0f} {row['mean_batch']:>10.1f} "
-                      f"{row['p50_ms']:>8.3f} {row['p99_ms']:>8.3f}", flush=True)
+                      f"{row['p50_ms']:>8.3f} {row['p99_ms']:>8.3f}"
+                      + (f" {row['scheduler_cpu_us']:>20.1f} {row['client_cpu_us']:>18.1f}" if args.grpc else ""),
+                      flush=True)
     finally:
         for process in grpc_processes.processes if grpc_processes is not None else []:
             process.terminate()

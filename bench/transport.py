@@ -6,8 +6,8 @@ An echo server (a separate process: it answers every request with a fixed one-to
 with N concurrent streams, each a closed loop (the next request when the reply is in), on a Unix socket:
 
   grpc.aio   L4MService.Session, as the SDK and the scheduler speak it today (`l4m.common.serving`)
-  framed     the same messages as framed sessions' frames (`l4m.wire.frames`: a 5-byte header), on a plain
-             asyncio Unix stream
+  framed     the same messages as framed sessions' frames (`l4m.wire.frames`: a 5-byte header), read by the
+             framed sessions' own `FrameProtocol` (an asyncio protocol) on a Unix stream
 
 Each mode runs on the default asyncio loop and, when `uvloop` is installed, on uvloop too. CPU is the
 client's process time and the server's utime + stime from /proc, per round trip.
@@ -72,14 +72,22 @@ async def serve_grpc(path: str) -> None:
     await server.server.wait_for_termination()
 
 
-async def serve_framed(path: str) -> None:
-    async def session(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while (frame := await frames.read_frame(reader, limits.MAX_COMMAND_BYTES)) is not None:
-            request = l4m_pb2.SessionRequest.FromString(frame[1])
-            writer.write(frames.encode(frames.RESPONSE, reply_to(request)))
-        writer.close()
+class EchoProtocol(frames.FrameProtocol):
+    """The framed echo server's connection: answers every request frame in the read that brought it."""
 
-    server = await asyncio.start_unix_server(session, path)
+    def __init__(self) -> None:
+        super().__init__(limits.MAX_COMMAND_BYTES)
+
+    def frame_received(self, kind: int, payload: bytes) -> None:
+        self.write(frames.encode(frames.RESPONSE, reply_to(l4m_pb2.SessionRequest.FromString(payload))))
+
+    def stream_ended(self, error: Exception | None) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+async def serve_framed(path: str) -> None:
+    server = await asyncio.get_running_loop().create_unix_server(EchoProtocol, path)
     print("ready", flush=True)
     async with server:
         await server.serve_forever()
@@ -117,21 +125,37 @@ async def grpc_streams(path: str, num_streams: int, duration_s: float) -> int:
     return sum(counts)
 
 
+class ClientProtocol(frames.FrameProtocol):
+    """One framed stream of the client: each reply wakes the stream's waiting future."""
+
+    def __init__(self) -> None:
+        super().__init__(limits.MAX_RESPONSE_BYTES)
+        self.reply: asyncio.Future[l4m_pb2.SessionResponse] | None = None
+
+    def frame_received(self, kind: int, payload: bytes) -> None:
+        assert self.reply is not None
+        self.reply.set_result(l4m_pb2.SessionResponse.FromString(payload))
+
+    def stream_ended(self, error: Exception | None) -> None:
+        if self.reply is not None and not self.reply.done():
+            self.reply.set_exception(ConnectionError(f"the echo server closed the stream ({error})"))
+
+
 async def framed_streams(path: str, num_streams: int, duration_s: float) -> int:
+    loop = asyncio.get_running_loop()
     stop_at = time.perf_counter() + duration_s
     counts = [0] * num_streams
 
     async def stream(index: int) -> None:
-        reader, writer = await asyncio.open_unix_connection(path)
+        transport, protocol = await loop.create_unix_connection(ClientProtocol, path)
         request_id = 0
         while time.perf_counter() < stop_at:
             request_id += 1
-            writer.write(frames.encode(frames.REQUEST, decode_step(request_id)))
-            frame = await frames.read_frame(reader, limits.MAX_RESPONSE_BYTES)
-            assert frame is not None, "the echo server closed the stream"
-            l4m_pb2.SessionResponse.FromString(frame[1])
+            protocol.reply = loop.create_future()
+            protocol.write(frames.encode(frames.REQUEST, decode_step(request_id)))
+            await protocol.reply
         counts[index] = request_id
-        writer.close()
+        transport.close()
 
     await asyncio.gather(*(stream(i) for i in range(num_streams)))
     return sum(counts)

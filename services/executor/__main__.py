@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import gc
 import logging
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from l4m import eventloop
 from l4m.common.metrics import start_metrics_server
 from l4m.common.serving import bound_address, serve_until_signal
 from l4m.executor.engine import EngineConfig
@@ -56,6 +56,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, int]:
     parser.add_argument("--cluster-secret-file", type=Path, default=None,
                         help="file (mode 0600) holding the cluster secret: Execute, GetInfo and Reset refuse calls "
                         "without it (UNAUTHENTICATED)")
+    parser.add_argument("--listen-framed", default="", metavar="PATH",
+                        help="also serve the Execute stream as frames on this Unix socket (mode 0600, the cluster "
+                        "secret in its first frame); GetInfo reports it and a scheduler on this host uses it")
     parser.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: TLS on a TCP --listen")
     parser.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
     args = parser.parse_args(argv)
@@ -78,7 +81,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, int]:
         decode_kernel=args.decode_kernel == "on",
     )
     config = ExecutorConfig(listen=args.listen, model_path=str(args.model or default_model_path()), engine=engine,
-                            cluster_secret=secret, tls=tls)
+                            cluster_secret=secret, tls=tls, listen_framed=args.listen_framed)
     return config, args.metrics_port
 
 
@@ -97,7 +100,8 @@ async def serve(config: ExecutorConfig, metrics_port: int = 0) -> None:
     start_metrics_server(metrics_port, executor_registry(engine))
 
     async def announce() -> None:
-        print(f"l4m executor listening on {bound_address(config.listen, server.port)}", flush=True)
+        framed = f" and framed:{server.framed_server.path}" if server.framed_server is not None else ""
+        print(f"l4m executor listening on {bound_address(config.listen, server.port)}{framed}", flush=True)
 
     # SIGTERM (how `l4m up` stops it) ends the process through `main`'s finally, flushing its spans.
     await serve_until_signal(announce, lambda: server.stop(1.0))
@@ -109,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     config, metrics_port = parse_config(argv)
     try:
         with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(serve(config, metrics_port))
+            eventloop.run(serve(config, metrics_port))
     finally:
         shutdown_tracing()
 

@@ -10,12 +10,17 @@ answer UNAUTHENTICATED to a call without it (health and reflection stay open, fo
 Reset (the scheduler calls it on every connect) frees every page and slot on the worker thread, after
 the batches already queued there, and retires every Execute stream opened before it: a batch of an
 older stream that has not run yet is dropped, so nothing an old stream sent lands after the reset.
+
+With `--listen-framed PATH` the executor also serves the Execute stream as frames on that Unix socket
+(`l4m.common.framed_execute`; GetInfo reports the path): the same batches, the same worker thread and
+Reset generations, a fraction of gRPC's CPU per batch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2
 
+from l4m.common.framed_execute import FramedExecuteServer
 from l4m.common.serving import GrpcServer, build_server
 from l4m.executor.convert import batch_from_pb, error_to_pb, info_to_pb, reply_to_pb
 from l4m.executor.engine import Engine, EngineConfig
@@ -47,6 +53,7 @@ class ExecutorConfig:
     # Execute, GetInfo and Reset need it as `authorization: Bearer` metadata; "" = open (a test or dev setup).
     cluster_secret: str = ""
     tls: TlsFiles | None = None  # TLS on a TCP listener
+    listen_framed: str = ""  # a Unix socket path for the framed Execute stream; "" = none
 
 
 def device_thread() -> ThreadPoolExecutor:
@@ -59,10 +66,12 @@ def device_thread() -> ThreadPoolExecutor:
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
-    def __init__(self, engine: Engine, worker: ThreadPoolExecutor | None = None, cluster_secret: str = "") -> None:
+    def __init__(self, engine: Engine, worker: ThreadPoolExecutor | None = None, cluster_secret: str = "",
+                 framed_execute_path: str = "") -> None:
         self.engine = engine
         self._worker = worker or device_thread()
         self._cluster_secret = cluster_secret
+        self.framed_execute_path = framed_execute_path  # reported by GetInfo
         # Bumped by each Reset; an Execute stream runs batches only while the generation it opened in is
         # current.
         self._generation = 0
@@ -99,7 +108,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
     ) -> executor_pb2.ExecutorServiceGetInfoResponse:
         await self._authenticate(context)
         info = await asyncio.get_running_loop().run_in_executor(self._worker, self.engine.get_info)
-        return info_to_pb(info)
+        response = info_to_pb(info)
+        response.framed_execute_path = self.framed_execute_path
+        return response
 
     async def Reset(
         self, request: executor_pb2.ExecutorServiceResetRequest, context: grpc.aio.ServicerContext
@@ -136,8 +147,29 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
         finally:
             reader.cancel()
 
+    def open_framed_stream(self) -> _FramedStream:
+        """The runner of a framed Execute stream accepted now (it runs in the current Reset generation)."""
+        return _FramedStream(self, asyncio.get_running_loop(), self._generation)
+
     def close(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=True)
+
+
+class _FramedStream:
+    """A framed Execute stream's batches: on the worker thread, in order, while its generation is current."""
+
+    __slots__ = ("servicer", "loop", "generation")
+
+    def __init__(self, servicer: ExecutorServicer, loop: asyncio.AbstractEventLoop, generation: int) -> None:
+        self.servicer, self.loop, self.generation = servicer, loop, generation
+
+    def run(self, request: executor_pb2.ExecuteRequest) -> asyncio.Future[executor_pb2.ExecuteResponse | None]:
+        servicer = self.servicer
+        return self.loop.run_in_executor(servicer._worker, servicer._run_batch, request, self.generation)
+
+    @property
+    def is_retired(self) -> bool:
+        return self.generation != self.servicer._generation
 
 
 @dataclass
@@ -146,6 +178,7 @@ class ExecutorServer:
 
     grpc_server: GrpcServer
     engine: Engine
+    framed_server: FramedExecuteServer | None = None
 
     @property
     def port(self) -> int:
@@ -153,6 +186,8 @@ class ExecutorServer:
         return self.grpc_server.port
 
     async def stop(self, grace_s: float | None) -> None:
+        if self.framed_server is not None:
+            await self.framed_server.stop()
         await self.grpc_server.stop(grace_s)
 
 
@@ -163,7 +198,8 @@ async def create_server(config: ExecutorConfig, engine: Engine | None = None) ->
         engine = await asyncio.get_running_loop().run_in_executor(
             worker, lambda: Engine(load_model(config.model_path), config.engine)
         )
-    servicer = ExecutorServicer(engine, worker, config.cluster_secret)
+    framed_path = os.path.abspath(config.listen_framed) if config.listen_framed else ""
+    servicer = ExecutorServicer(engine, worker, config.cluster_secret, framed_path)
     try:
         server = build_server(
             [(executor_pb2_grpc.add_ExecutorServiceServicer_to_server, servicer)],
@@ -175,5 +211,13 @@ async def create_server(config: ExecutorConfig, engine: Engine | None = None) ->
     except OSError as error:
         raise RuntimeError(f"could not bind {config.listen}") from error
     await server.start()
+    framed_server = None
+    if framed_path:
+        framed_server = FramedExecuteServer(framed_path, servicer.open_framed_stream, config.cluster_secret)
+        try:
+            await framed_server.start()
+        except OSError as error:
+            await server.stop(None)
+            raise RuntimeError(f"could not bind the framed socket {framed_path}: {error}") from error
     await server.set_health(health_pb2.HealthCheckResponse.SERVING)
-    return ExecutorServer(server, engine)
+    return ExecutorServer(server, engine, framed_server)

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from l4m import eventloop
 from l4m.common.metrics import start_metrics_server
 from l4m.common.serving import bound_address, serve_until_signal
 from l4m.scheduler.batcher import parse_strategy
 from l4m.scheduler.config import SchedulerConfig
 from l4m.scheduler.framed import FramedServer
+from l4m.scheduler.links import EXECUTOR_TRANSPORTS
 from l4m.scheduler.server import create_registry_server, create_server
 from l4m.telemetry import configure_tracing, shutdown_tracing
 from l4m.wire.credentials import CredentialError, read_secret_file, tls_files
@@ -40,6 +41,9 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, in
     parser.add_argument("--max-instances", type=int, default=1024,
                         help="registered instances at most; more registrations answer RESOURCE_EXHAUSTED")
     parser.add_argument("--executor", action="append", default=[], help="executor address host:port (repeatable)")
+    parser.add_argument("--executor-transport", default="auto", choices=list(EXECUTOR_TRANSPORTS),
+                        help="auto: send batches on an executor's framed Execute socket where it offers one on this "
+                        "host (GetInfo's framed_execute_path), else on gRPC; grpc: always gRPC")
     parser.add_argument("--batching", default="adaptive",
                         help="adaptive | t-only:<t_ms> | k-only:<k> | k-or-t:<k>:<t_ms> (forward batches)")
     parser.add_argument("--page-budget", type=int, default=0, help="max KV pages per instance (0: executor capacity)")
@@ -76,6 +80,7 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, in
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = SchedulerConfig(
         listen=args.listen, listen_unix=args.listen_unix, listen_framed=args.listen_framed, executor_addresses=tuple(args.executor),
+        executor_transport=args.executor_transport,
         batching=args.batching, max_kv_pages_per_instance=args.page_budget,
         max_embed_slots_per_instance=args.slot_budget, allow_anonymous=args.allow_anonymous,
         max_continuation_steps=args.max_continuation_steps, registry_listen=args.registry_listen,
@@ -121,7 +126,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_tracing("l4m.scheduler")
     config, metrics_port = parse_config(argv)
     try:
-        asyncio.run(serve(config, metrics_port))
+        eventloop.loop_name()
+    except ValueError as error:
+        raise SystemExit(f"l4m.scheduler: {error}") from None
+    try:
+        eventloop.run(serve(config, metrics_port))
     finally:
         shutdown_tracing()
 

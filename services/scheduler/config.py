@@ -34,6 +34,8 @@ class SchedulerConfig:
     # RESOURCE_EXHAUSTED, so a flood of registrations cannot grow the scheduler without bound.
     max_instances: int = 1024
     executor_addresses: tuple[str, ...] = ()
+    # "auto": the framed Execute stream where an executor on this host offers one (GetInfo); "grpc": never.
+    executor_transport: str = "auto"
     batching: str = "adaptive"
     # KV pages one instance may hold at most; 0 = one executor's whole capacity.
     max_kv_pages_per_instance: int = 0

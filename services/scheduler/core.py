@@ -759,7 +759,9 @@ class Scheduler:
             self._model_without_tokenizer.CopyFrom(info.model)
             self._model_without_tokenizer.ClearField("tokenizer_json")
         self._update_limits()
-        log.info("executor %d (%s) connected: %d pages", executor.index, executor.link.address, info.num_kv_pages)
+        log.info("executor %d (%s) connected%s: %d pages", executor.index, executor.link.address,
+                 f" over {transport}" if (transport := getattr(executor.link, "transport_in_use", "")) else "",
+                 info.num_kv_pages)
         self._schedule_step()
 
     def _on_executor_lost(self, executor: Executor, reason: str) -> None:

@@ -6,15 +6,18 @@ opens the session with the instance token (`admit_session`, the gRPC path's own 
 request frame goes to `Scheduler.submit` and every event is written as it is produced (`FramedSink`).
 The session ends with a status frame: OK when the controller closed it, the trap's status otherwise.
 
-Flow control: before reading the next request the session waits until what it wrote has drained below
-the transport's high-water mark, so a controller that does not read its replies stops being read, and
-holds no more than that in the scheduler. A frame larger than max_command_bytes is refused from its header.
+Each connection is a `FrameProtocol`: the frames one read brings in are submitted in order in that read's
+callback (a controller that writes a fork group's steps together costs one wake-up); a trap drops the rest
+of that instance's frames, no one else's.
+
+Flow control: while what the session wrote is above the transport's high-water mark (the controller does
+not read its replies), the connection is not read, so it holds no more than that plus one read's frames in
+the scheduler. A frame larger than max_command_bytes is refused from its header.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 
@@ -32,7 +35,11 @@ log = logging.getLogger(__name__)
 
 # How long a new connection may take to send its first frame.
 OPEN_TIMEOUT_S = 10.0
+# Connections the kernel queues before they are accepted (asyncio's default, 100, is less than the
+# controllers a spawner starts at once; the kernel caps it at net.core.somaxconn).
+LISTEN_BACKLOG = 4096
 _OK = grpc.StatusCode.OK
+_parse_request = l4m_pb2.SessionRequest.FromString
 
 
 def _status_frame(code: grpc.StatusCode, message: str = "") -> bytes:
@@ -42,86 +49,107 @@ def _status_frame(code: grpc.StatusCode, message: str = "") -> bytes:
 class FramedSink:
     """An instance's events, written to its connection as they come."""
 
-    __slots__ = ("writer", "ended")
+    __slots__ = ("transport",)
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
-        self.writer = writer
-        self.ended = asyncio.Event()
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
 
     def send(self, response: l4m_pb2.SessionResponse) -> None:
-        if not self.writer.is_closing():
-            self.writer.write(frames.encode(frames.RESPONSE, response))
+        if not self.transport.is_closing():
+            self.transport.write(frames.encode(frames.RESPONSE, response))
 
     def end(self, trap: l4m_pb2.Trap | None) -> None:
-        if not self.writer.is_closing():
+        if not self.transport.is_closing():
             if trap is None:
-                self.writer.write(_status_frame(_OK))
+                self.transport.write(_status_frame(_OK))
             else:
-                self.writer.write(_status_frame(TRAP_STATUS.get(trap.kind, grpc.StatusCode.ABORTED), trap.reason))
-            self.writer.close()  # what is buffered is still sent
-        self.ended.set()
+                self.transport.write(_status_frame(TRAP_STATUS.get(trap.kind, grpc.StatusCode.ABORTED), trap.reason))
+            self.transport.close()  # what is buffered is still sent
 
 
-class FramedServer:
-    """The framed listener of one scheduler (a Unix socket anyone may connect to: the instance token in
-    the first frame, not the file mode, is what admits a session, as on the gRPC Unix socket)."""
+class FramedConnection(frames.FrameProtocol):
+    """One connection: its first frame (GetInfo, or the session's opening), then the session's requests."""
 
-    def __init__(self, scheduler: Scheduler, path: str) -> None:
-        self.scheduler = scheduler
-        self.path = path
-        self._server: asyncio.AbstractServer | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
+    def __init__(self, server: FramedServer) -> None:
+        super().__init__(limits.MAX_COMMAND_BYTES)
+        self.server = server
+        self.scheduler = server.scheduler
+        self.instance: Instance | None = None
+        self._open_timer: asyncio.TimerHandle | None = None
 
-    async def start(self) -> None:
-        self._server = await asyncio.start_unix_server(self._serve, self.path)
-        os.chmod(self.path, 0o666)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.server.connections.add(self)
+        self._open_timer = asyncio.get_running_loop().call_later(self.server.open_timeout_s, self._open_timed_out)
 
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for writer in list(self._writers):
-            writer.close()
-        if self._server is not None:
-            await self._server.wait_closed()
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._cancel_open_timer()
+        self.server.connections.discard(self)
+        if self.instance is not None:
+            self.scheduler.close_session(self.instance)  # frees whatever the instance still holds
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.add(writer)
-        instance: Instance | None = None
+    # flow control: not read while the controller does not read what was written
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def frame_received(self, kind: int, payload: bytes) -> None:
+        instance = self.instance
+        if instance is None:
+            self._first_frame(kind, payload)
+            return
+        if not instance.is_alive:  # trapped or destroyed: what it sent after that is dropped
+            self.end_reading()
+            return
+        if kind != frames.REQUEST:
+            self.end_reading()
+            self.scheduler.trap(instance, InvalidCommand(
+                f"a frame of kind {kind} on an open session; only SessionRequest ({frames.REQUEST}) frames may follow"))
+            return
         try:
-            instance = await self._open(reader, writer)
-            if instance is not None:
-                await self._read_commands(reader, writer, instance)
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        except Exception:  # a bug here must not take the listener down
-            log.exception("framed session failed")
-        finally:
-            if instance is not None:
-                self.scheduler.close_session(instance)  # frees whatever the instance still holds
-            writer.close()
-            self._writers.discard(writer)
+            request = _parse_request(payload)
+        except DecodeError as error:
+            self.end_reading()
+            self.scheduler.trap(instance, InvalidCommand(
+                f"a message on the framed session does not parse as l4m.v1.SessionRequest ({error})"))
+            return
+        self.scheduler.submit(instance, request)
+        if not instance.is_alive:  # that request trapped it: the rest of what it sent is dropped
+            self.end_reading()
 
-    async def _open(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Instance | None:
-        """The first frame: GetInfo (answered, then closed) or a session to open; None when there is none."""
-        try:
-            frame = await asyncio.wait_for(frames.read_frame(reader, limits.MAX_COMMAND_BYTES), OPEN_TIMEOUT_S)
-        except TimeoutError:
-            writer.write(_status_frame(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                       f"no first frame within {OPEN_TIMEOUT_S:.0f} s"))
-            return None
-        except frames.FrameError as error:
-            writer.write(_status_frame(grpc.StatusCode.INVALID_ARGUMENT, str(error)))
-            return None
-        if frame is None:
-            return None
-        kind, payload = frame
+    def stream_ended(self, error: Exception | None) -> None:
+        instance = self.instance
+        if instance is None:
+            self._cancel_open_timer()
+            if isinstance(error, frames.FrameError):
+                self._refuse(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            else:
+                self._close()
+        elif isinstance(error, frames.FrameError):
+            self.scheduler.trap(instance, InvalidCommand(str(error)))
+        elif error is None:  # the controller closed its side: what it sent still runs, then the session ends
+            self.scheduler.finish_session(instance)
+        # a broken connection: connection_lost frees the instance
+
+    # -- the first frame ----------------------------------------------------------------------------------
+    def _first_frame(self, kind: int, payload: bytes) -> None:
+        self._cancel_open_timer()
+        self.end_reading()  # nothing more is read from a connection unless its session opens here
         try:
             if kind == frames.GET_INFO:
                 request = l4m_pb2.GetInfoRequest.FromString(payload)
                 if not self.scheduler.is_ready:
                     raise SessionRefused(grpc.StatusCode.UNAVAILABLE, "no executor is connected yet")
-                writer.write(frames.encode(frames.INFO, self.scheduler.get_info(request.omit_tokenizer_json)))
-                return None
+                self.write(frames.encode(frames.INFO, self.scheduler.get_info(request.omit_tokenizer_json)))
+                self._close()
+                return
             if kind != frames.OPEN:
                 raise SessionRefused(grpc.StatusCode.INVALID_ARGUMENT,
                                      f"the first frame is of kind {kind}, not FramedSessionOpen ({frames.OPEN}) "
@@ -132,47 +160,62 @@ class FramedServer:
                                      f"protocol_version {opening.protocol_version[:40]!r} is not "
                                      f"{frames.PROTOCOL_VERSION!r}")
             instance = admit_session(self.scheduler, opening.instance_token or None)
-            sink = FramedSink(writer)
+            assert self.transport is not None
             try:
-                self.scheduler.open_session(instance, sink, opening.traceparent or None)
+                self.scheduler.open_session(instance, FramedSink(self.transport), opening.traceparent or None)
             except ValueError as error:
                 raise SessionRefused(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from None
         except DecodeError as error:
-            writer.write(_status_frame(grpc.StatusCode.INVALID_ARGUMENT,
-                                       f"the first frame does not parse as {frames.KIND_NAMES[kind]} ({error})"))
-            return None
+            self._refuse(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"the first frame does not parse as {frames.KIND_NAMES[kind]} ({error})")
+            return
         except SessionRefused as refusal:
-            writer.write(_status_frame(refusal.code, refusal.message))
-            return None
-        writer.write(_status_frame(_OK))
-        return instance
+            self._refuse(refusal.code, refusal.message)
+            return
+        self.instance = instance
+        self.write(_status_frame(_OK))
+        self.resume_reading_frames()  # the session is open: its requests are read
 
-    async def _read_commands(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                             instance: Instance) -> None:
-        scheduler = self.scheduler
-        submit = scheduler.submit
-        sink: FramedSink = instance.sink  # type: ignore[assignment]
-        while instance.is_alive:
-            await writer.drain()  # waits only while the controller does not read what was written
-            try:
-                frame = await frames.read_frame(reader, limits.MAX_COMMAND_BYTES)
-            except frames.FrameError as error:
-                scheduler.trap(instance, InvalidCommand(str(error)))
-                return
-            if frame is None:  # the controller closed its side: what it sent still runs, then the session ends
-                scheduler.finish_session(instance)
-                with contextlib.suppress(asyncio.CancelledError):
-                    await sink.ended.wait()
-                return
-            kind, payload = frame
-            if kind != frames.REQUEST:
-                scheduler.trap(instance, InvalidCommand(
-                    f"a frame of kind {kind} on an open session; only SessionRequest ({frames.REQUEST}) frames may follow"))
-                return
-            try:
-                request = l4m_pb2.SessionRequest.FromString(payload)
-            except DecodeError as error:
-                scheduler.trap(instance, InvalidCommand(
-                    f"a message on the framed session does not parse as l4m.v1.SessionRequest ({error})"))
-                return
-            submit(instance, request)
+    def _open_timed_out(self) -> None:
+        self._open_timer = None
+        if self.instance is None:
+            self.end_reading()
+            self._refuse(grpc.StatusCode.DEADLINE_EXCEEDED, f"no first frame within {self.server.open_timeout_s:g} s")
+
+    def _cancel_open_timer(self) -> None:
+        if self._open_timer is not None:
+            self._open_timer.cancel()
+            self._open_timer = None
+
+    def _refuse(self, code: grpc.StatusCode, message: str) -> None:
+        self.write(_status_frame(code, message))
+        self._close()
+
+    def _close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()  # what is buffered is still sent
+
+
+class FramedServer:
+    """The framed listener of one scheduler (a Unix socket anyone may connect to: the instance token in
+    the first frame, not the file mode, is what admits a session, as on the gRPC Unix socket)."""
+
+    def __init__(self, scheduler: Scheduler, path: str, open_timeout_s: float = OPEN_TIMEOUT_S) -> None:
+        self.scheduler = scheduler
+        self.path = path
+        self.open_timeout_s = open_timeout_s
+        self.connections: set[FramedConnection] = set()
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(lambda: FramedConnection(self), self.path, backlog=LISTEN_BACKLOG)
+        os.chmod(self.path, 0o666)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for connection in list(self.connections):
+            connection._close()
+        if self._server is not None:
+            await self._server.wait_closed()

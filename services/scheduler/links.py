@@ -1,17 +1,24 @@
-"""`GrpcExecutorLink`: the scheduler's side of one executor's `Execute` stream, with reconnect."""
+"""`GrpcExecutorLink`: the scheduler's side of one executor's `Execute` stream, with reconnect.
+
+An executor on this host that serves the Execute stream as frames too (GetInfo's `framed_execute_path`,
+executor.proto "The Execute stream over length-prefixed frames") gets its batches there: the same
+stream, without gRPC's per-message cost. GetInfo and Reset stay on gRPC; a framed socket that cannot be
+opened falls back to the gRPC stream.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 from pathlib import Path
 
 import grpc
 
 from l4m.scheduler.executors import OnConnected, OnLost, OnResponse
-from l4m.v1 import executor_pb2, executor_pb2_grpc
-from l4m.wire import limits
+from l4m.v1 import executor_pb2, executor_pb2_grpc, l4m_pb2
+from l4m.wire import frames, limits
 from l4m.wire.credentials import bearer_metadata, open_channel
 
 log = logging.getLogger(__name__)
@@ -19,6 +26,83 @@ log = logging.getLogger(__name__)
 # The executor's limits (l4m.wire.limits, advertised in its GetInfo): the batcher keeps batches and their
 # replies within them.
 _CHANNEL_OPTIONS = limits.grpc_options(limits.EXECUTOR_MAX_REQUEST_BYTES, limits.EXECUTOR_MAX_REPLY_BYTES)
+
+
+EXECUTOR_TRANSPORTS = ("auto", "grpc")
+
+
+def is_on_this_host(address: str) -> bool:
+    """Whether a gRPC executor address is on this host (a Unix socket or a loopback address): only then
+    may the framed socket path its GetInfo reports name the same executor."""
+    if address.startswith("unix:"):
+        return True
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class FramedOpenError(Exception):
+    """The executor refused or did not answer a framed Execute stream's opening."""
+
+
+class FramedExecuteStream(frames.FrameProtocol):
+    """The scheduler's end of a framed Execute stream: replies go to `on_response` in the callback that read
+    them; `ended` resolves with the reason once the stream is over."""
+
+    def __init__(self, on_response: OnResponse) -> None:
+        super().__init__(limits.EXECUTOR_MAX_REPLY_BYTES)
+        loop = asyncio.get_running_loop()
+        self.on_response = on_response
+        self.opened: asyncio.Future[None] = loop.create_future()
+        self.ended: asyncio.Future[str] = loop.create_future()
+
+    @classmethod
+    async def open(cls, path: str, secret: str, on_response: OnResponse, timeout_s: float) -> FramedExecuteStream:
+        loop = asyncio.get_running_loop()
+        _, stream = await loop.create_unix_connection(lambda: cls(on_response), path)
+        stream.write(frames.encode(frames.EXECUTE_OPEN, executor_pb2.FramedExecuteOpen(
+            protocol_version=frames.PROTOCOL_VERSION, cluster_secret=secret)))
+        try:
+            await asyncio.wait_for(asyncio.shield(stream.opened), timeout_s)
+        except BaseException:
+            stream.close()
+            raise
+        return stream
+
+    def send(self, request: executor_pb2.ExecuteRequest) -> None:
+        self.write(frames.encode(frames.EXECUTE, request))
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def frame_received(self, kind: int, payload: bytes) -> None:
+        if kind == frames.EXECUTED and self.opened.done():
+            self.on_response(executor_pb2.ExecuteResponse.FromString(payload))
+        elif kind == frames.STATUS:
+            status = l4m_pb2.FramedSessionStatus.FromString(payload)
+            code = frames.STATUS_CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+            if code == grpc.StatusCode.OK and not self.opened.done():
+                self.opened.set_result(None)
+                return
+            self._stop(f"{code.name}: {status.message}")
+        else:
+            self._stop(f"the executor sent a frame of kind {kind}")
+
+    def stream_ended(self, error: Exception | None) -> None:
+        self._stop(f"the executor closed the framed stream{f' ({error})' if error else ''}")
+
+    def _stop(self, reason: str) -> None:
+        self.end_reading()
+        if not self.opened.done():
+            self.opened.set_exception(FramedOpenError(reason))
+        if not self.ended.done():
+            self.ended.set_result(reason)
+        self.close()
 
 
 class GrpcExecutorLink:
@@ -34,8 +118,16 @@ class GrpcExecutorLink:
     instances that were already trapped, for nothing: every instance on a lost stream is trapped.)"""
 
     def __init__(self, address: str, *, initial_backoff_s: float = 0.1, max_backoff_s: float = 5.0,
-                 rpc_timeout_s: float = 10.0, secret: str = "", tls_ca: Path | None = None) -> None:
+                 rpc_timeout_s: float = 10.0, secret: str = "", tls_ca: Path | None = None,
+                 transport: str = "auto") -> None:
+        if transport not in EXECUTOR_TRANSPORTS:
+            raise ValueError(f"executor transport {transport!r} is not one of {', '.join(EXECUTOR_TRANSPORTS)}")
         self.address = address
+        self._secret = secret
+        # Frames where the executor offers them on this host (`auto`), or always the gRPC stream.
+        self._may_use_frames = transport == "auto" and is_on_this_host(address)
+        self.transport_in_use = ""  # "grpc" or "framed" while connected
+        self._framed: FramedExecuteStream | None = None
         self._metadata = bearer_metadata(secret) if secret else ()
         self._tls_ca = tls_ca
         self._initial_backoff_s = initial_backoff_s
@@ -48,7 +140,9 @@ class GrpcExecutorLink:
         self._task = asyncio.get_running_loop().create_task(self._run(on_connected, on_response, on_lost))
 
     def send(self, request: executor_pb2.ExecuteRequest) -> None:
-        if self._outbox is not None:
+        if self._framed is not None:
+            self._framed.send(request)
+        elif self._outbox is not None:
             self._outbox.put_nowait(request)
 
     async def close(self) -> None:
@@ -60,6 +154,17 @@ class GrpcExecutorLink:
     async def _requests(self, outbox: asyncio.Queue[executor_pb2.ExecuteRequest | None]):  # type: ignore[no-untyped-def]
         while (request := await outbox.get()) is not None:
             yield request
+
+    async def _open_framed(self, path: str, on_response: OnResponse) -> FramedExecuteStream | None:
+        """The framed Execute stream where the executor offers one on this host; None: use gRPC's."""
+        if not path or not self._may_use_frames:
+            return None
+        try:
+            return await FramedExecuteStream.open(path, self._secret, on_response, self._rpc_timeout_s)
+        except (OSError, FramedOpenError, TimeoutError) as error:
+            log.warning("executor %s: its framed Execute stream at %s cannot be opened (%s); using gRPC's",
+                        self.address, path, error or type(error).__name__)
+            return None
 
     async def _run(self, on_connected: OnConnected, on_response: OnResponse, on_lost: OnLost) -> None:
         backoff_s = self._initial_backoff_s
@@ -80,18 +185,29 @@ class GrpcExecutorLink:
                         log.warning("executor %s still held %d kv pages and %d embed slots of an earlier connection; "
                                     "reset freed them", self.address, freed.num_kv_pages_freed,
                                     freed.num_embed_slots_freed)
-                    outbox: asyncio.Queue[executor_pb2.ExecuteRequest | None] = asyncio.Queue()
-                    call = stub.Execute(self._requests(outbox), metadata=self._metadata)
-                    self._outbox = outbox
-                    is_connected = True
-                    backoff_s = self._initial_backoff_s
-                    on_connected(info)
-                    async for response in call:
-                        on_response(response)
+                    framed = await self._open_framed(info.framed_execute_path, on_response)
+                    if framed is not None:
+                        self._framed, self.transport_in_use = framed, "framed"
+                        is_connected = True
+                        backoff_s = self._initial_backoff_s
+                        on_connected(info)
+                        try:
+                            reason = await framed.ended
+                        finally:
+                            framed.close()
+                    else:
+                        outbox: asyncio.Queue[executor_pb2.ExecuteRequest | None] = asyncio.Queue()
+                        call = stub.Execute(self._requests(outbox), metadata=self._metadata)
+                        self._outbox, self.transport_in_use = outbox, "grpc"
+                        is_connected = True
+                        backoff_s = self._initial_backoff_s
+                        on_connected(info)
+                        async for response in call:
+                            on_response(response)
                 except grpc.aio.AioRpcError as error:
                     reason = f"{error.code().name}: {error.details()}"
                 finally:
-                    self._outbox = None
+                    self._outbox, self._framed, self.transport_in_use = None, None, ""
             if is_connected:
                 on_lost(reason)
             else:

@@ -85,6 +85,8 @@ def stats(view: SchedulerView) -> dict[str, Any]:
             {
                 "address": e.link.address,
                 "connected": e.is_connected,
+                # "framed" or "grpc" (a link to a process), "" for an in-process one
+                "transport": getattr(e.link, "transport_in_use", ""),
                 "kv_pages_free": e.resources.kv_pages.num_free if e.resources else 0,
                 "kv_pages_total": e.resources.kv_pages.capacity if e.resources else 0,
                 "embed_slots_free": e.resources.embed_slots.num_free if e.resources else 0,

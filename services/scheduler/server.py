@@ -218,7 +218,7 @@ def build_scheduler(config: SchedulerConfig) -> Scheduler:
     links = [
         GrpcExecutorLink(address, initial_backoff_s=config.reconnect_initial_s, max_backoff_s=config.reconnect_max_s,
                          rpc_timeout_s=config.executor_rpc_timeout_s, secret=config.cluster_secret,
-                         tls_ca=config.executor_tls_ca)
+                         tls_ca=config.executor_tls_ca, transport=config.executor_transport)
         for address in config.executor_addresses
     ]
     return Scheduler(config, links)  # type: ignore[arg-type]

@@ -16,11 +16,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from grpc_health.v1 import health_pb2
 
+from l4m import eventloop
+from l4m.common.framed_execute import FramedExecuteServer
 from l4m.common.serving import bound_address, build_server, serve_until_signal
 from l4m.scheduler.executors import OnConnected, OnLost, OnResponse
 from l4m.v1 import common_pb2, executor_pb2, executor_pb2_grpc
@@ -272,13 +276,17 @@ class SimulatedLink:
 
 
 class SimulatedExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
-    """ExecutorService over gRPC, backed by one `SimulatedExecutor` per Execute stream."""
+    """ExecutorService over gRPC, backed by one `SimulatedExecutor` per Execute stream (framed ones too:
+    `open_framed_stream`)."""
 
-    def __init__(self, config: SimulatedExecutorConfig) -> None:
+    def __init__(self, config: SimulatedExecutorConfig, framed_execute_path: str = "") -> None:
         self.config = config
+        self.framed_execute_path = framed_execute_path
 
     async def GetInfo(self, request, context):  # type: ignore[no-untyped-def]
-        return SimulatedExecutor(self.config).info()
+        info = SimulatedExecutor(self.config).info()
+        info.framed_execute_path = self.framed_execute_path
+        return info
 
     async def Reset(self, request, context):  # type: ignore[no-untyped-def]
         # Each Execute stream has a state of its own, fresh when it opens: nothing outlives a stream.
@@ -294,18 +302,54 @@ class SimulatedExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
             if response is not None:
                 yield response
 
+    def open_framed_stream(self) -> SimulatedFramedStream:
+        return SimulatedFramedStream(SimulatedExecutor(self.config))
 
-async def serve(listen: str, config: SimulatedExecutorConfig) -> None:
-    """Serves until SIGINT or SIGTERM, on the services' one front door (health and reflection included)."""
-    server = build_server([(executor_pb2_grpc.add_ExecutorServiceServicer_to_server, SimulatedExecutorServicer(config))],
+
+class SimulatedFramedStream:
+    """A framed Execute stream's batches on a fresh `SimulatedExecutor`, each reply after its latency
+    (one batch at a time, as on the gRPC stream)."""
+
+    is_retired = False  # each stream has a state of its own: Reset retires nothing
+
+    def __init__(self, executor: SimulatedExecutor) -> None:
+        self.executor = executor
+        self._busy_until = 0.0
+
+    def run(self, request: executor_pb2.ExecuteRequest) -> asyncio.Future[executor_pb2.ExecuteResponse | None]:
+        loop = asyncio.get_running_loop()
+        reply: asyncio.Future[executor_pb2.ExecuteResponse | None] = loop.create_future()
+        latency = self.executor.latency_s(request)
+        response = self.executor.execute(request)
+        if latency <= 0:
+            reply.set_result(response)
+        else:
+            self._busy_until = max(loop.time(), self._busy_until) + latency
+            loop.call_at(self._busy_until, reply.set_result, response)
+        return reply
+
+
+async def serve(listen: str, config: SimulatedExecutorConfig, listen_framed: str = "") -> None:
+    """Serves until SIGINT or SIGTERM, on the services' one front door (health and reflection included),
+    and the framed Execute stream on `listen_framed` when given."""
+    servicer = SimulatedExecutorServicer(config, os.path.abspath(listen_framed) if listen_framed else "")
+    server = build_server([(executor_pb2_grpc.add_ExecutorServiceServicer_to_server, servicer)],
                           [(listen, None)], health_names=[executor_pb2.DESCRIPTOR.services_by_name["ExecutorService"].full_name])
+    framed = FramedExecuteServer(servicer.framed_execute_path, servicer.open_framed_stream) if listen_framed else None
 
     async def start() -> None:
         await server.start()
+        if framed is not None:
+            await framed.start()
         await server.set_health(health_pb2.HealthCheckResponse.SERVING)
         print(f"simulated executor listening on {bound_address(listen, server.port)}", flush=True)
 
-    await serve_until_signal(start, lambda: server.stop(1.0))
+    async def stop() -> None:
+        if framed is not None:
+            await framed.stop()
+        await server.stop(1.0)
+
+    await serve_until_signal(start, stop)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -317,15 +361,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--vocab-size", type=int, default=1000)
     parser.add_argument("--forward-latency-ms", type=float, default=0.0, help="base latency of a forward batch")
     parser.add_argument("--per-token-latency-us", type=float, default=0.0)
+    parser.add_argument("--listen-framed", default="", metavar="PATH", help="also serve Execute as frames here")
+    parser.add_argument("--tokenizer-json", type=Path, default=None,
+                        help="a `tokenizers` JSON file that GetInfo hands out (with a matching --vocab-size)")
     args = parser.parse_args(argv)
     config = SimulatedExecutorConfig(
         num_kv_pages=args.num_kv_pages, num_embed_slots=args.num_embed_slots, kv_page_size=args.kv_page_size,
         vocab_size=args.vocab_size,
         latency_s={"forward_text": args.forward_latency_ms / 1000, "forward": args.forward_latency_ms / 1000},
         per_token_latency_s=args.per_token_latency_us / 1e6,
+        tokenizer_json=args.tokenizer_json.read_text() if args.tokenizer_json else "",
     )
     logging.basicConfig(level=logging.INFO)
-    asyncio.run(serve(args.listen, config))
+    eventloop.run(serve(args.listen, config, args.listen_framed))
 
 
 if __name__ == "__main__":

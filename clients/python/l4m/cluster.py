@@ -69,6 +69,9 @@ class ClusterConfig:
     # How sandboxed controllers speak L4M: "framed" (length-prefixed frames on a Unix socket, ~4x less CPU
     # per message) or "grpc"; users' own sessions use the scheduler's gRPC listeners either way.
     session_transport: str = "framed"
+    # How the scheduler sends batches to the executors: "framed" (each executor also serves its Execute
+    # stream as frames on a socket beside its gRPC one) or "grpc".
+    executor_transport: str = "framed"
     insecure_local: bool = False  # the spawner lets callers without a key in as an admin: one-person machines only
     tls_cert: Path | None = None  # TLS on the spawner's and scheduler's TCP listeners (with tls_key)
     tls_key: Path | None = None
@@ -107,6 +110,10 @@ class ClusterConfig:
 
     def executor_socket(self, index: int) -> Path:
         return self.internal_socket_dir / f"executor-{index}.sock"
+
+    def executor_framed_socket(self, index: int) -> Path:
+        """The executor's framed Execute socket (`--listen-framed`), beside its gRPC one (mode 0600)."""
+        return self.internal_socket_dir / f"executor-{index}.frames.sock"
 
     @property
     def scheduler_socket(self) -> Path:
@@ -179,6 +186,8 @@ def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
         argv = [python, "-m", "l4m.executor", "--listen", address, "--device", device, "--dtype", config.dtype]
         argv += ["--cluster-secret-file", str(config.cluster_secret_file)]
         argv += ["--metrics-port", str(config.metrics_port(10 + index))]
+        if config.executor_transport == "framed":
+            argv += ["--listen-framed", str(config.executor_framed_socket(index))]
         if config.model:
             argv += ["--model", config.model]
         specs.append(ServiceSpec(f"executor-{index}", tuple(argv), address, config.metrics_port(10 + index)))
@@ -195,6 +204,8 @@ def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
         argv += ["--executor", address]
     if config.allow_anonymous:
         argv.append("--allow-anonymous")
+    if config.executor_transport == "grpc":
+        argv += ["--executor-transport", "grpc"]
     if config.max_continuation_steps is not None:
         argv += ["--max-continuation-steps", str(config.max_continuation_steps)]
     # Its health is checked on the L4M socket: plain (a Unix socket), whatever the TCP listener's TLS.

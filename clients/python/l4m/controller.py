@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from l4m import eventloop
 from l4m.errors import ProgramError, SessionClosed, Trapped
 from l4m.instance import Instance
 from l4m.model import Model
@@ -174,10 +175,14 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
 def _run(program: str, args: Sequence[str], environ: Mapping[str, str], is_tracing: bool = True) -> int:
     try:
         config = ControllerConfig.from_env(environ)
+        try:
+            eventloop.loop_name(environ)
+        except ValueError as error:
+            raise ProgramError(str(error)) from None
         # Untraced, the span would be the no-op one and leave `config` as it is: skip it, and its import.
         span = run_span(config, program) if is_tracing else contextlib.nullcontext(config)
         with span as traced_config:
-            result = asyncio.run(run_program(program, args, traced_config))
+            result = eventloop.run(run_program(program, args, traced_config), environ)
     except ProgramError as error:
         print(f"l4m.controller: {error}", file=sys.stderr)
         return EXIT_LOAD_ERROR

@@ -3,15 +3,16 @@ sessions over length-prefixed frames").
 
 `FramedStub` has the two methods `Session` needs of an `L4MServiceStub` (`GetInfo`, `Session`), and
 `FramedCall` the grpc.aio stream-call interface (`initial_metadata`, `write`, `read`, `done_writing`,
-`cancel`), so the session code is the same on both transports; a refusal or a trap's status is raised as
-a `grpc.aio.AioRpcError` carrying the status the scheduler sent, as on gRPC.
+`cancel`) plus a direct one without tasks (`attach`, `send_nowait`) that `Session` uses; a refusal or a
+trap's status is a `grpc.aio.AioRpcError` carrying the status the scheduler sent, as on gRPC.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -33,80 +34,179 @@ def _status_error(payload: bytes) -> grpc.aio.AioRpcError | None:
     return _rpc_error(frames.STATUS_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message)
 
 
+# A Unix socket whose accept queue is full refuses a connect with EAGAIN at once (where TCP would wait):
+# many controllers starting together retry for up to this long.
+CONNECT_RETRY_S = 5.0
+
+
+async def _connect_unix(loop: asyncio.AbstractEventLoop, factory: Callable[[], _Connection], path: str) -> _Connection:
+    deadline, delay_s = loop.time() + CONNECT_RETRY_S, 0.001
+    while True:
+        try:
+            _, protocol = await loop.create_unix_connection(factory, path)
+            return protocol
+        except BlockingIOError:
+            if loop.time() + delay_s > deadline:
+                raise
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, 0.1)
+
+
+class _Connection(frames.FrameProtocol):
+    """The framed connection of one call; hands frames and the stream's end to it."""
+
+    def __init__(self, call: FramedCall) -> None:
+        super().__init__(limits.MAX_RESPONSE_BYTES)
+        self.call = call
+
+    def frame_received(self, kind: int, payload: bytes) -> None:
+        self.call._frame_received(kind, payload)
+
+    def stream_ended(self, error: Exception | None) -> None:
+        detail = f": {error}" if error is not None else ""
+        self.call._end(_rpc_error(grpc.StatusCode.UNAVAILABLE,
+                                  f"the scheduler closed the framed session without a status{detail}"))
+
+
 class FramedCall:
-    """One framed session; connects (and opens the session) on first use."""
+    """One framed session; connects on creation and opens the session with its first frame.
+
+    Two ways to use it. The grpc.aio stream-call interface (`write`, `read`, ...) for code written for
+    both transports; and the direct one `Session` uses on this transport, without a task per direction:
+    `attach(on_response, on_end)` has every event handed over in the callback that read it, and
+    `send_nowait` queues a request. The requests queued within one turn of the event loop are written
+    together, one system call, so a fork group's steps reach the scheduler as one read.
+    """
 
     def __init__(self, path: str, metadata: Sequence[tuple[str, str]]) -> None:
         values = dict(metadata)
-        self._opening = l4m_pb2.FramedSessionOpen(protocol_version=frames.PROTOCOL_VERSION,
-                                                  instance_token=values.get(TOKEN_METADATA_KEY, ""),
-                                                  traceparent=values.get("traceparent", ""))
+        opening = l4m_pb2.FramedSessionOpen(protocol_version=frames.PROTOCOL_VERSION,
+                                            instance_token=values.get(TOKEN_METADATA_KEY, ""),
+                                            traceparent=values.get("traceparent", ""))
         self._path = path
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
+        self._loop = asyncio.get_running_loop()
+        # The opening goes first; the requests queued before the connection is up follow it at once (the
+        # scheduler drops them if it refuses the session, and says why in the status frame).
+        self._outbox: list[bytes] = [frames.encode(frames.OPEN, opening)]
+        self._flush_scheduled = False
+        self._connection: _Connection | None = None
+        self._opened = False  # the scheduler's OK to the opening came
+        self._ended: Any = None  # grpc.aio.EOF or the AioRpcError the session ended with
+        self._responses: deque[l4m_pb2.SessionResponse] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._on_response: Callable[[l4m_pb2.SessionResponse], None] | None = None
+        self._on_end: Callable[[Any], None] | None = None
         self._connected = asyncio.ensure_future(self._connect())
-        self._ended = False
 
     async def _connect(self) -> None:
         try:
-            self._reader, self._writer = await asyncio.open_unix_connection(self._path)
+            self._connection = await _connect_unix(self._loop, lambda: _Connection(self), self._path)
         except OSError as error:
-            raise _rpc_error(grpc.StatusCode.UNAVAILABLE, f"cannot connect to framed:{self._path}: {error}") from None
-        self._writer.write(frames.encode(frames.OPEN, self._opening))
-        frame = await self._read_frame()
-        if frame is None or frame[0] != frames.STATUS:
-            raise _rpc_error(grpc.StatusCode.UNAVAILABLE, "the scheduler did not answer the framed session's opening")
-        error = _status_error(frame[1])
-        if error is not None:
-            raise error
+            self._end(_rpc_error(grpc.StatusCode.UNAVAILABLE, f"cannot connect to framed:{self._path}: {error}"))
+            return
+        self._flush()
 
-    async def _read_frame(self) -> tuple[int, bytes] | None:
-        assert self._reader is not None
-        try:
-            return await frames.read_frame(self._reader, limits.MAX_RESPONSE_BYTES)
-        except (frames.FrameError, ConnectionError) as error:
-            raise _rpc_error(grpc.StatusCode.UNAVAILABLE, f"the framed session broke: {error}") from None
+    # -- the direct interface ----------------------------------------------------------------------------
+    def attach(self, on_response: Callable[[l4m_pb2.SessionResponse], None], on_end: Callable[[Any], None]) -> None:
+        """Every event from now on goes to `on_response`, and the end (grpc.aio.EOF or the AioRpcError)
+        to `on_end`, each called once, from the callback that read it."""
+        self._on_response, self._on_end = on_response, on_end
+        while self._responses:
+            on_response(self._responses.popleft())
+        if self._ended is not None:
+            on_end(self._ended)
 
+    def send_nowait(self, request: l4m_pb2.SessionRequest) -> None:
+        if self._ended is not None:
+            return  # the end is reported to the reader
+        self._outbox.append(frames.encode(frames.REQUEST, request))
+        if not self._flush_scheduled and self._connection is not None:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        outbox = self._outbox
+        if outbox and self._connection is not None:
+            self._connection.write(outbox[0] if len(outbox) == 1 else b"".join(outbox))
+            outbox.clear()
+
+    # -- what the connection hands over ------------------------------------------------------------------
+    def _frame_received(self, kind: int, payload: bytes) -> None:
+        if kind == frames.RESPONSE and self._opened:
+            response = l4m_pb2.SessionResponse.FromString(payload)
+            if self._on_response is not None:
+                self._on_response(response)
+            else:
+                self._responses.append(response)
+                self._wake()
+        elif kind == frames.STATUS:
+            error = _status_error(payload)
+            if error is None and not self._opened:
+                self._opened = True  # the session is open
+                self._wake()
+            else:
+                self._end(grpc.aio.EOF if error is None else error)
+        else:
+            self._end(_rpc_error(grpc.StatusCode.INTERNAL if self._opened else grpc.StatusCode.UNAVAILABLE,
+                                 f"the scheduler sent a frame of kind {kind} "
+                                 + ("on an open session" if self._opened else "before answering the opening")))
+
+    def _end(self, result: Any) -> None:
+        if self._ended is not None:
+            return
+        self._ended = result
+        if self._connection is not None:
+            self._connection.end_reading()
+            if self._connection.transport is not None:
+                self._connection.transport.close()
+        if self._on_end is not None:
+            self._on_end(result)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        self._waiter = self._loop.create_future()
+        await self._waiter
+
+    # -- the grpc.aio stream-call interface ----------------------------------------------------------------
     async def initial_metadata(self) -> tuple[tuple[str, str], ...]:
-        await self._connected
+        while not self._opened and self._ended is None:
+            await self._wait()
+        if not self._opened and self._ended is not grpc.aio.EOF:
+            raise self._ended
         return ()
 
     async def write(self, request: l4m_pb2.SessionRequest) -> None:
-        await self._connected
-        assert self._writer is not None
-        self._writer.write(frames.encode(frames.REQUEST, request))
-        await self._writer.drain()
+        self.send_nowait(request)
+        if self._connection is not None:
+            await self._connection.drain()
 
     async def read(self) -> Any:
         """The next event; `grpc.aio.EOF` once the scheduler ended the session with OK."""
-        await self._connected
-        if self._ended:
+        while not self._responses and self._ended is None:
+            await self._wait()
+        if self._responses:
+            return self._responses.popleft()
+        if self._ended is grpc.aio.EOF:
             return grpc.aio.EOF
-        frame = await self._read_frame()
-        if frame is None:
-            self._ended = True
-            raise _rpc_error(grpc.StatusCode.UNAVAILABLE, "the scheduler closed the framed session without a status")
-        kind, payload = frame
-        if kind == frames.RESPONSE:
-            return l4m_pb2.SessionResponse.FromString(payload)
-        if kind == frames.STATUS:
-            self._ended = True
-            error = _status_error(payload)
-            if error is not None:
-                raise error
-            return grpc.aio.EOF
-        raise _rpc_error(grpc.StatusCode.INTERNAL, f"the scheduler sent a frame of kind {kind} on an open session")
+        raise self._ended
 
     async def done_writing(self) -> None:
         await self._connected
-        assert self._writer is not None
-        if self._writer.can_write_eof():
-            self._writer.write_eof()
+        self._flush()
+        connection = self._connection
+        if connection is not None and connection.transport is not None and connection.transport.can_write_eof() \
+                and not connection.transport.is_closing():
+            connection.transport.write_eof()
 
     def cancel(self) -> bool:
         self._connected.cancel()
-        if self._writer is not None:
-            self._writer.close()
+        if self._connection is not None and self._connection.transport is not None:
+            self._connection.transport.close()
         return True
 
 

@@ -9,6 +9,7 @@ and checks the stop condition; the text is decoded as it goes, or lazily when no
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Generator
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,15 @@ if TYPE_CHECKING:
 # Continuation steps a generation asks for when its stop condition reads token ids only (see
 # `Context.step_many`): one round trip per up to 9 tokens, streamed in bursts of as many.
 DEFAULT_CONTINUATION_STEPS = 8
+
+
+# A constraint mask that took less than this is computed on the event loop's thread next time.
+MASK_INLINE_BELOW_S = 0.002
+
+
+def _timed_mask(constraint: Constraint) -> tuple[list[int], float]:
+    started = time.perf_counter()
+    return constraint.mask(), time.perf_counter() - started
 
 
 class Token:
@@ -132,6 +142,10 @@ class Generation:
             else None
         )
         self._max_continuation_steps = max_continuation_steps
+        # How long the constraint's last mask took (None: none yet). A quick one is computed inline: handing
+        # it to a thread and back costs more CPU than it does (bench/sdk.py, json-schema); a slow one goes to
+        # a thread, so the controller's other work goes on meanwhile.
+        self._mask_s: float | None = None
         self._is_text_lazy = not needs_text(stop)
         self._decoder: StreamDecoder | None = None
         self._num_emitted_chars = 0
@@ -177,12 +191,23 @@ class Generation:
                         context.rollback(len(tokens) - 1 - index)
                         return
                 continue
-            mask = await asyncio.to_thread(constraint.mask) if constraint is not None else None
+            mask = await self._next_mask(constraint) if constraint is not None else None
             token = (await context.step(sampler, mask, step_index)).token
             step_index += 1
             token_id = token.token_id
             context.fill((token_id,))
             yield self._accept(token_id, token.logprob)
+
+    async def _next_mask(self, constraint: Constraint) -> list[int]:
+        """The constraint's mask for the next step: inline when the last one was quick (under
+        MASK_INLINE_BELOW_S), on a thread otherwise (the first one too: it overlaps the prompt's feed)."""
+        if self._mask_s is not None and self._mask_s < MASK_INLINE_BELOW_S:
+            started = time.perf_counter()
+            mask = constraint.mask()
+            self._mask_s = time.perf_counter() - started
+            return mask
+        mask, self._mask_s = await asyncio.to_thread(_timed_mask, constraint)
+        return mask
 
     def _num_continuation_steps(self) -> int:
         """Steps the executor may decode on by itself now; 0: one step, here. The first token comes alone:

@@ -1,8 +1,10 @@
-"""One L4M session: a bidirectional command stream to the scheduler, over `grpc.aio`.
+"""One L4M session: a bidirectional command stream to the scheduler, over `grpc.aio` or framed sessions.
 
-Commands go through one send queue (grpc.aio allows one writer at a time, and a queue lets
-synchronous code such as `Context.fork()` send fire-and-forget commands); a reader task answers the
-futures of replied commands by `request_id`. A `Trap` fails every pending future, and every later
+On gRPC, commands go through one send queue (grpc.aio allows one writer at a time, and a queue lets
+synchronous code such as `Context.fork()` send fire-and-forget commands) and a reader task answers the
+futures of replied commands by `request_id`. On a framed session (`l4m.framed`) there are no such tasks:
+`send` queues the frame on the connection (the commands of one event-loop turn are written together) and
+the connection's read callback answers the futures. A `Trap` fails every pending future, and every later
 command, with `Trapped`.
 
 The session only needs an object with the `L4MServiceStub` methods (`GetInfo`, `Session`), so the
@@ -91,6 +93,7 @@ class Session:
         self._call_timeout_s = call_timeout_s
         self._channel = channel
         self._call: Any = None
+        self._direct = False  # a framed call: no writer and reader tasks (see the module's docstring)
         self._send_queue: asyncio.Queue[l4m_pb2.SessionRequest | None] = asyncio.Queue()
         self._pending: dict[int, asyncio.Future[l4m_pb2.SessionResponse]] = {}
         self._request_ids = itertools.count(1)
@@ -162,6 +165,11 @@ class Session:
         if self._call is not None:
             return
         self._call = self._stub.Session(metadata=self._metadata)
+        attach = getattr(self._call, "attach", None)
+        if attach is not None:
+            self._direct = True
+            attach(self._dispatch, self._stream_ended)
+            return
         self._tasks = [asyncio.create_task(self._write_loop()), asyncio.create_task(self._read_loop())]
 
     def send(self, command: str, message: Any, stream_id: int = 0) -> asyncio.Future[l4m_pb2.SessionResponse] | None:
@@ -178,7 +186,10 @@ class Session:
             self._pending[request_id] = future
         else:
             self._unsynced_streams[stream_id] = request_id
-        self._send_queue.put_nowait(request)
+        if self._direct:
+            self._call.send_nowait(request)
+        else:
+            self._send_queue.put_nowait(request)
         self.num_commands_sent += 1
         return future
 
@@ -211,9 +222,13 @@ class Session:
     async def close(self) -> None:
         """End the stream (the scheduler frees what the instance held) and the channel."""
         if self._call is not None and self._failure is None:
-            self._send_queue.put_nowait(None)
-            with contextlib.suppress(Exception):  # a writer that cannot finish is cancelled below
-                await asyncio.wait_for(asyncio.shield(self._tasks[0]), timeout=5)
+            if self._direct:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._call.done_writing(), timeout=5)
+            else:
+                self._send_queue.put_nowait(None)
+                with contextlib.suppress(Exception):  # a writer that cannot finish is cancelled below
+                    await asyncio.wait_for(asyncio.shield(self._tasks[0]), timeout=5)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -250,17 +265,24 @@ class Session:
             while True:
                 response = await self._call.read()
                 if response is grpc.aio.EOF:
-                    detail = f" (sending failed: {self._write_error})" if self._write_error else ""
-                    self._fail(SessionClosed(f"the scheduler ended the L4M stream{detail}"))
+                    self._stream_ended(response)
                     return
                 self._dispatch(response)
         except grpc.aio.AioRpcError as error:
-            self._fail(SessionClosed(f"the L4M stream ended ({error.code().name}): {error.details()}"
-                                     f"{_STREAM_END_HINTS.get(error.code(), '')}"))
+            self._stream_ended(error)
         except asyncio.CancelledError:
             raise
         except Exception as error:
             self._fail(SessionClosed(f"the L4M stream failed: {type(error).__name__}: {error}"))
+
+    def _stream_ended(self, end: Any) -> None:
+        """The stream's end: grpc.aio.EOF (the scheduler closed it with OK) or the AioRpcError of its status."""
+        if end is grpc.aio.EOF:
+            detail = f" (sending failed: {self._write_error})" if self._write_error else ""
+            self._fail(SessionClosed(f"the scheduler ended the L4M stream{detail}"))
+        else:
+            self._fail(SessionClosed(f"the L4M stream ended ({end.code().name}): {end.details()}"
+                                     f"{_STREAM_END_HINTS.get(end.code(), '')}"))
 
     def _dispatch(self, response: l4m_pb2.SessionResponse) -> None:
         if response.WhichOneof("event") == "trap":

@@ -59,6 +59,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--session-transport", default="framed", choices=["framed", "grpc"],
                         help="how controllers speak L4M: length-prefixed frames on a Unix socket (default; ~4x "
                         "less CPU per message) or gRPC")
+    parser.add_argument("--executor-transport", default="framed", choices=["framed", "grpc"],
+                        help="how the scheduler sends batches to the executors: their Execute stream as frames on "
+                        "a Unix socket (default) or gRPC")
     security = parser.add_argument_group("users and TLS (docs/security.md)")
     security.add_argument(
         "--insecure-local", action="store_true",
@@ -96,6 +99,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         max_continuation_steps=args.max_continuation_steps,
         allow_anonymous=args.allow_anonymous,
         session_transport=args.session_transport,
+        executor_transport=args.executor_transport,
         insecure_local=args.insecure_local,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,

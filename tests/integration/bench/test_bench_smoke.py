@@ -109,15 +109,17 @@ def test_transport_bench_measures_both_transports(tmp_path: Path) -> None:
         assert row["client_cpu_us_per_round_trip"] > 0 and row["server_cpu_us_per_round_trip"] > 0
 
 
-def test_sdk_bench_measures_stepwise_and_continuation(tmp_path: Path) -> None:
-    """bench/sdk.py, tiny: the decode loop's CPU per token, stepwise and with continuation, over gRPC and over
-    framed sessions."""
+def test_sdk_bench_measures_every_mode_on_both_transports(tmp_path: Path) -> None:
+    """bench/sdk.py, tiny: the decode loop's CPU per token (stepwise, with continuation, with a stop string,
+    under a JSON schema), over gRPC and over framed sessions; llguidance's own time apart."""
     out = tmp_path / "sdk.json"
-    done = run_bench("sdk.py", "--tokens", "100", "--repeats", "1", "--out", str(out), timeout_s=120)
+    done = run_bench("sdk.py", "--tokens", "100", "--repeats", "1", "--out", str(out), timeout_s=180)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {(row["mode"], row["transport"]): row for row in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {(mode, transport) for mode in ("stepwise", "continuation") for transport in ("grpc", "framed")}
+    modes = ("stepwise", "continuation", "stop-string", "json-schema")
+    assert set(rows) == {(mode, transport) for mode in modes for transport in ("grpc", "framed")}
     for (mode, _), row in rows.items():
         assert row["tokens"] == 100 and row["sdk_cpu_ms_per_token"] > 0
-        if mode == "stepwise":  # 100 round trips: well over the 10 ms of CPU that /proc counts in
+        assert (row["llguidance_cpu_ms_per_token"] > 0) == (mode == "json-schema")
+        if mode != "continuation":  # 100 round trips: well over the 10 ms of CPU that /proc counts in
             assert row["scheduler_cpu_ms_per_token"] > 0

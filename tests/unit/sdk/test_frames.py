@@ -53,3 +53,26 @@ def test_an_oversized_or_cut_frame_is_a_frame_error(data: bytes, reason: str) ->
 
     with pytest.raises(frames.FrameError, match=re.escape(reason)):
         asyncio.run(read())
+
+
+def test_the_decoder_gives_the_same_frames_however_the_bytes_are_cut() -> None:
+    sent = [(frames.REQUEST, rq.forward_text([0], 1, [7 + i], outputs=[0], request_id=i).SerializeToString())
+            for i in range(3)] + [(frames.STATUS, b"")]
+    data = b"".join(frames.HEADER.pack(len(payload), kind) + payload for kind, payload in sent)
+    for cut in (1, 2, 5, 7, len(data)):
+        decoder = frames.FrameDecoder(1 << 20)
+        received = []
+        for start in range(0, len(data), cut):
+            received += decoder.feed(data[start:start + cut])
+        assert received == sent and not decoder.inside_a_frame, cut
+    decoder = frames.FrameDecoder(1 << 20)
+    assert decoder.feed(data[:3]) == [] and decoder.inside_a_frame  # a stream ending here was cut
+
+
+def test_an_oversized_frame_keeps_what_came_before_it_and_nothing_after() -> None:
+    good = frames.encode(frames.REQUEST, rq.allocate([0]))
+    decoder = frames.FrameDecoder(64)
+    received = decoder.feed(good + frames.HEADER.pack(65, frames.REQUEST) + b"x" * 65 + good)
+    assert received == [(frames.REQUEST, rq.allocate([0]).SerializeToString())]
+    assert str(decoder.error) == "a SessionRequest frame of 65 bytes is larger than the 64 allowed"
+    assert decoder.feed(good) == []

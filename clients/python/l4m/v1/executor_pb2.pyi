@@ -24,7 +24,7 @@ class ExecutorServiceGetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorServiceGetInfoResponse(_message.Message):
-    __slots__ = ("model", "device", "dtype", "kv_page_size", "num_kv_pages", "num_embed_slots", "max_batch_tokens", "max_request_bytes", "max_reply_bytes", "max_distribution_entries_per_batch")
+    __slots__ = ("model", "device", "dtype", "kv_page_size", "num_kv_pages", "num_embed_slots", "max_batch_tokens", "max_request_bytes", "max_reply_bytes", "max_distribution_entries_per_batch", "framed_execute_path")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class ExecutorServiceGetInfoResponse(_message.Message):
     MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_DISTRIBUTION_ENTRIES_PER_BATCH_FIELD_NUMBER: _ClassVar[int]
+    FRAMED_EXECUTE_PATH_FIELD_NUMBER: _ClassVar[int]
     model: _common_pb2.ModelInfo
     device: str
     dtype: str
@@ -45,7 +46,8 @@ class ExecutorServiceGetInfoResponse(_message.Message):
     max_request_bytes: int
     max_reply_bytes: int
     max_distribution_entries_per_batch: int
-    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_page_size: _Optional[int] = ..., num_kv_pages: _Optional[int] = ..., num_embed_slots: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_reply_bytes: _Optional[int] = ..., max_distribution_entries_per_batch: _Optional[int] = ...) -> None: ...
+    framed_execute_path: str
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_page_size: _Optional[int] = ..., num_kv_pages: _Optional[int] = ..., num_embed_slots: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_reply_bytes: _Optional[int] = ..., max_distribution_entries_per_batch: _Optional[int] = ..., framed_execute_path: _Optional[str] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
     __slots__ = ("correlation_id", "trace_context", "allocate", "deallocate", "embed_text", "forward", "forward_text", "sample_top_k", "copy_kv_page", "mask_kv_page", "embed_image", "debug_query")
@@ -186,3 +188,11 @@ class BatchDebugQueryResult(_message.Message):
     RESPONSES_FIELD_NUMBER: _ClassVar[int]
     responses: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, responses: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class FramedExecuteOpen(_message.Message):
+    __slots__ = ("protocol_version", "cluster_secret")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_SECRET_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: str
+    cluster_secret: str
+    def __init__(self, protocol_version: _Optional[str] = ..., cluster_secret: _Optional[str] = ...) -> None: ...
