@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Protocol
@@ -21,14 +20,13 @@ from typing import Protocol
 import grpc
 from google.protobuf.message import DecodeError
 
+from l4m.common.framed import OPEN_TIMEOUT_S, FramedListener, FramedServerConnection
 from l4m.v1 import executor_pb2
 from l4m.wire import frames, limits
 from l4m.wire.credentials import secrets_equal
 
 log = logging.getLogger(__name__)
 
-# How long a new connection may take to send its opening.
-OPEN_TIMEOUT_S = 10.0
 _parse_request = executor_pb2.ExecuteRequest.FromString
 
 
@@ -45,36 +43,15 @@ class BatchRunner(Protocol):
         ...
 
 
-class FramedExecuteConnection(frames.FrameProtocol):
+class FramedExecuteConnection(FramedServerConnection):
     """One scheduler's framed Execute stream."""
 
     def __init__(self, server: FramedExecuteServer) -> None:
-        super().__init__(limits.EXECUTOR_MAX_REQUEST_BYTES)
+        super().__init__(server, limits.EXECUTOR_MAX_REQUEST_BYTES)
         self.server = server
         self.runner: BatchRunner | None = None
         self._replies: deque[asyncio.Future[executor_pb2.ExecuteResponse | None]] = deque()
         self._finishing = False  # no more batches: close once the last reply is written
-        self._open_timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        self.server.connections.add(self)
-        self._open_timer = asyncio.get_running_loop().call_later(self.server.open_timeout_s, self._open_timed_out)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        super().connection_lost(exc)
-        self._cancel_open_timer()
-        self.server.connections.discard(self)
-
-    def pause_writing(self) -> None:
-        super().pause_writing()
-        if self.transport is not None:
-            self.transport.pause_reading()
-
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.resume_reading()
 
     def frame_received(self, kind: int, payload: bytes) -> None:
         runner = self.runner
@@ -85,14 +62,14 @@ class FramedExecuteConnection(frames.FrameProtocol):
             self._finish()
             return
         if kind != frames.EXECUTE:
-            self._refuse(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"a frame of kind {kind} on an Execute stream; only ExecuteRequest ({frames.EXECUTE}) "
-                         "frames may follow the opening")
+            self.refuse(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"a frame of kind {kind} on an Execute stream; only ExecuteRequest ({frames.EXECUTE}) "
+                        "frames may follow the opening")
             return
         try:
             request = _parse_request(payload)
         except DecodeError as error:
-            self._refuse(grpc.StatusCode.INVALID_ARGUMENT, f"a frame does not parse as l4m.v1.ExecuteRequest ({error})")
+            self.refuse(grpc.StatusCode.INVALID_ARGUMENT, f"a frame does not parse as l4m.v1.ExecuteRequest ({error})")
             return
         reply = asyncio.ensure_future(runner.run(request))
         self._replies.append(reply)
@@ -100,7 +77,7 @@ class FramedExecuteConnection(frames.FrameProtocol):
 
     def stream_ended(self, error: Exception | None) -> None:
         if isinstance(error, frames.FrameError):
-            self._refuse(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            self.refuse(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         else:
             self._finish()
 
@@ -113,85 +90,48 @@ class FramedExecuteConnection(frames.FrameProtocol):
                 continue
             if reply.exception() is not None:  # a runner reports failures as BatchErrors: this is a bug
                 log.error("a batch failed outside its runner", exc_info=reply.exception())
-                self._refuse(grpc.StatusCode.INTERNAL, f"a batch failed: {reply.exception()}")
+                self.refuse(grpc.StatusCode.INTERNAL, f"a batch failed: {reply.exception()}")
                 return
             response = reply.result()
             if response is not None:
                 self.write(frames.encode(frames.EXECUTED, response))
         if self._finishing and not replies:
-            self._close()
+            self.close()
 
     def _finish(self) -> None:
         self.end_reading()
         self._finishing = True
         self._write_replies()
 
-    # -- the opening --------------------------------------------------------------------------------------
     def _open(self, kind: int, payload: bytes) -> None:
-        self._cancel_open_timer()
+        self.opened()
         if kind != frames.EXECUTE_OPEN:
-            self._refuse(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"the first frame is of kind {kind}, not FramedExecuteOpen ({frames.EXECUTE_OPEN})")
+            self.refuse(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"the first frame is of kind {kind}, not FramedExecuteOpen ({frames.EXECUTE_OPEN})")
             return
         try:
             opening = executor_pb2.FramedExecuteOpen.FromString(payload)
         except DecodeError as error:
-            self._refuse(grpc.StatusCode.INVALID_ARGUMENT, f"the first frame does not parse as FramedExecuteOpen ({error})")
+            self.refuse(grpc.StatusCode.INVALID_ARGUMENT, f"the first frame does not parse as FramedExecuteOpen ({error})")
             return
         if opening.protocol_version != frames.PROTOCOL_VERSION:
-            self._refuse(grpc.StatusCode.FAILED_PRECONDITION,
-                         f"protocol_version {opening.protocol_version[:40]!r} is not {frames.PROTOCOL_VERSION!r}")
+            self.refuse(grpc.StatusCode.FAILED_PRECONDITION,
+                        f"protocol_version {opening.protocol_version[:40]!r} is not {frames.PROTOCOL_VERSION!r}")
             return
         secret = self.server.cluster_secret
         if secret and not secrets_equal(opening.cluster_secret, secret):
-            self._refuse(grpc.StatusCode.UNAUTHENTICATED, "the executor needs the cluster secret in FramedExecuteOpen")
+            self.refuse(grpc.StatusCode.UNAUTHENTICATED, "the executor needs the cluster secret in FramedExecuteOpen")
             return
         self.runner = self.server.open_stream()
         self.write(frames.status_frame(grpc.StatusCode.OK))
 
-    def _open_timed_out(self) -> None:
-        self._open_timer = None
-        if self.runner is None:
-            self._refuse(grpc.StatusCode.DEADLINE_EXCEEDED, f"no opening within {self.server.open_timeout_s:g} s")
 
-    def _cancel_open_timer(self) -> None:
-        if self._open_timer is not None:
-            self._open_timer.cancel()
-            self._open_timer = None
-
-    def _refuse(self, code: grpc.StatusCode, message: str) -> None:
-        self.end_reading()
-        self.write(frames.status_frame(code, message))
-        self._close()
-
-    def _close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()  # what is buffered is still sent
-
-
-class FramedExecuteServer:
-    """An executor's framed Execute listener on the Unix socket `path` (mode 0600)."""
+class FramedExecuteServer(FramedListener):
+    """An executor's framed Execute listener on the Unix socket `path`: mode 0600, and the cluster secret
+    checked anyway (a connection before the chmod gains nothing)."""
 
     def __init__(self, path: str, open_stream: Callable[[], BatchRunner], cluster_secret: str = "",
                  open_timeout_s: float = OPEN_TIMEOUT_S) -> None:
-        self.path = os.path.abspath(path)
+        super().__init__(path, lambda _: FramedExecuteConnection(self), 0o600, open_timeout_s)
         self.open_stream = open_stream
         self.cluster_secret = cluster_secret
-        self.open_timeout_s = open_timeout_s
-        self.connections: set[FramedExecuteConnection] = set()
-        self._server: asyncio.AbstractServer | None = None
-
-    async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        if os.path.exists(self.path):
-            os.unlink(self.path)  # a socket left by an executor that did not stop cleanly
-        self._server = await loop.create_unix_server(lambda: FramedExecuteConnection(self), self.path)
-        os.chmod(self.path, 0o600)  # (the secret is checked too: a connection in between gains nothing)
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for connection in list(self.connections):
-            connection._close()
-        if self._server is not None:
-            await self._server.wait_closed()

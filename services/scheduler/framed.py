@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 
 import grpc
 from google.protobuf.message import DecodeError
 
+from l4m.common.framed import OPEN_TIMEOUT_S, FramedListener, FramedServerConnection
 from l4m.scheduler.core import Scheduler
 from l4m.scheduler.errors import InvalidCommand
 from l4m.scheduler.instances import Instance
@@ -33,17 +33,8 @@ from l4m.wire import frames, limits
 
 log = logging.getLogger(__name__)
 
-# How long a new connection may take to send its first frame.
-OPEN_TIMEOUT_S = 10.0
-# Connections the kernel queues before they are accepted (asyncio's default, 100, is less than the
-# controllers a spawner starts at once; the kernel caps it at net.core.somaxconn).
-LISTEN_BACKLOG = 4096
 _OK = grpc.StatusCode.OK
 _parse_request = l4m_pb2.SessionRequest.FromString
-
-
-def _status_frame(code: grpc.StatusCode, message: str = "") -> bytes:
-    return frames.encode(frames.STATUS, l4m_pb2.FramedSessionStatus(code=code.value[0], message=message))
 
 
 class FramedSink:
@@ -61,44 +52,25 @@ class FramedSink:
     def end(self, trap: l4m_pb2.Trap | None) -> None:
         if not self.transport.is_closing():
             if trap is None:
-                self.transport.write(_status_frame(_OK))
+                self.transport.write(frames.status_frame(_OK))
             else:
-                self.transport.write(_status_frame(TRAP_STATUS.get(trap.kind, grpc.StatusCode.ABORTED), trap.reason))
+                self.transport.write(frames.status_frame(TRAP_STATUS.get(trap.kind, grpc.StatusCode.ABORTED),
+                                                         trap.reason))
             self.transport.close()  # what is buffered is still sent
 
 
-class FramedConnection(frames.FrameProtocol):
+class FramedConnection(FramedServerConnection):
     """One connection: its first frame (GetInfo, or the session's opening), then the session's requests."""
 
     def __init__(self, server: FramedServer) -> None:
-        super().__init__(limits.MAX_COMMAND_BYTES)
-        self.server = server
+        super().__init__(server, limits.MAX_COMMAND_BYTES)
         self.scheduler = server.scheduler
         self.instance: Instance | None = None
-        self._open_timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        self.server.connections.add(self)
-        self._open_timer = asyncio.get_running_loop().call_later(self.server.open_timeout_s, self._open_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
-        self._cancel_open_timer()
-        self.server.connections.discard(self)
         if self.instance is not None:
             self.scheduler.close_session(self.instance)  # frees whatever the instance still holds
-
-    # flow control: not read while the controller does not read what was written
-    def pause_writing(self) -> None:
-        super().pause_writing()
-        if self.transport is not None:
-            self.transport.pause_reading()
-
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.resume_reading()
 
     def frame_received(self, kind: int, payload: bytes) -> None:
         instance = self.instance
@@ -127,20 +99,18 @@ class FramedConnection(frames.FrameProtocol):
     def stream_ended(self, error: Exception | None) -> None:
         instance = self.instance
         if instance is None:
-            self._cancel_open_timer()
             if isinstance(error, frames.FrameError):
-                self._refuse(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+                self.refuse(grpc.StatusCode.INVALID_ARGUMENT, str(error))
             else:
-                self._close()
+                self.close()
         elif isinstance(error, frames.FrameError):
             self.scheduler.trap(instance, InvalidCommand(str(error)))
         elif error is None:  # the controller closed its side: what it sent still runs, then the session ends
             self.scheduler.finish_session(instance)
         # a broken connection: connection_lost frees the instance
 
-    # -- the first frame ----------------------------------------------------------------------------------
     def _first_frame(self, kind: int, payload: bytes) -> None:
-        self._cancel_open_timer()
+        self.opened()
         self.end_reading()  # nothing more is read from a connection unless its session opens here
         try:
             if kind == frames.GET_INFO:
@@ -148,7 +118,7 @@ class FramedConnection(frames.FrameProtocol):
                 if not self.scheduler.is_ready:
                     raise SessionRefused(grpc.StatusCode.UNAVAILABLE, "no executor is connected yet")
                 self.write(frames.encode(frames.INFO, self.scheduler.get_info(request.omit_tokenizer_json)))
-                self._close()
+                self.close()
                 return
             if kind != frames.OPEN:
                 raise SessionRefused(grpc.StatusCode.INVALID_ARGUMENT,
@@ -166,56 +136,21 @@ class FramedConnection(frames.FrameProtocol):
             except ValueError as error:
                 raise SessionRefused(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from None
         except DecodeError as error:
-            self._refuse(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"the first frame does not parse as {frames.KIND_NAMES[kind]} ({error})")
+            self.refuse(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"the first frame does not parse as {frames.KIND_NAMES[kind]} ({error})")
             return
         except SessionRefused as refusal:
-            self._refuse(refusal.code, refusal.message)
+            self.refuse(refusal.code, refusal.message)
             return
         self.instance = instance
-        self.write(_status_frame(_OK))
+        self.write(frames.status_frame(_OK))
         self.resume_reading_frames()  # the session is open: its requests are read
 
-    def _open_timed_out(self) -> None:
-        self._open_timer = None
-        if self.instance is None:
-            self.end_reading()
-            self._refuse(grpc.StatusCode.DEADLINE_EXCEEDED, f"no first frame within {self.server.open_timeout_s:g} s")
 
-    def _cancel_open_timer(self) -> None:
-        if self._open_timer is not None:
-            self._open_timer.cancel()
-            self._open_timer = None
-
-    def _refuse(self, code: grpc.StatusCode, message: str) -> None:
-        self.write(_status_frame(code, message))
-        self._close()
-
-    def _close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()  # what is buffered is still sent
-
-
-class FramedServer:
-    """The framed listener of one scheduler (a Unix socket anyone may connect to: the instance token in
-    the first frame, not the file mode, is what admits a session, as on the gRPC Unix socket)."""
+class FramedServer(FramedListener):
+    """The framed listener of one scheduler (a Unix socket anyone may connect to, mode 0666: the instance
+    token in the first frame, not the file mode, is what admits a session, as on the gRPC Unix socket)."""
 
     def __init__(self, scheduler: Scheduler, path: str, open_timeout_s: float = OPEN_TIMEOUT_S) -> None:
+        super().__init__(path, lambda _: FramedConnection(self), 0o666, open_timeout_s)
         self.scheduler = scheduler
-        self.path = path
-        self.open_timeout_s = open_timeout_s
-        self.connections: set[FramedConnection] = set()
-        self._server: asyncio.AbstractServer | None = None
-
-    async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_unix_server(lambda: FramedConnection(self), self.path, backlog=LISTEN_BACKLOG)
-        os.chmod(self.path, 0o666)
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for connection in list(self.connections):
-            connection._close()
-        if self._server is not None:
-            await self._server.wait_closed()

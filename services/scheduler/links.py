@@ -69,6 +69,7 @@ class FramedExecuteStream(frames.FrameProtocol):
         try:
             await asyncio.wait_for(asyncio.shield(stream.opened), timeout_s)
         except BaseException:
+            stream.opened.cancel()  # (its end, when the close comes, has no one to tell)
             stream.close()
             raise
         return stream

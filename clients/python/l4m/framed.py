@@ -169,8 +169,11 @@ class FramedCall:
             self._waiter.set_result(None)
 
     async def _wait(self) -> None:
-        self._waiter = self._loop.create_future()
-        await self._waiter
+        """Until the next frame or the end (one future for every waiter: `read` and `initial_metadata` may
+        wait at once)."""
+        if self._waiter is None or self._waiter.done():
+            self._waiter = self._loop.create_future()
+        await asyncio.shield(self._waiter)
 
     # -- the grpc.aio stream-call interface ----------------------------------------------------------------
     async def initial_metadata(self) -> tuple[tuple[str, str], ...]:
