@@ -68,9 +68,24 @@ def test_agentic_variants_agree(tmp_path: Path) -> None:
         assert row["stateful_tokens_fed"] < row["baseline_tokens_fed"]  # the point of keeping KV
 
 
+def test_relay_counts_every_message_and_prices_it_by_role(tmp_path: Path) -> None:
+    """bench/relay.py, tiny: every message a controller sends reaches the attached user; CPU per message by role."""
+    out = tmp_path / "relay.json"
+    spawner, scheduler = free_ports(2)
+    done = run_bench("relay.py", "--streams", "2", "--messages", "50", "--out", str(out), "--state-dir",
+                     str(tmp_path / "state"), "--spawner-port", str(spawner), "--scheduler-port", str(scheduler))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["streams"] == 2 and row["messages"] == 100 and row["messages_per_s"] > 0
+    assert row["controller_cpu_us_per_message"] > 0 and row["user_cpu_us_per_message"] > 0
+    assert row["spawner_launch_cpu_ms"] > 0
+
+
 @pytest.mark.parametrize(
     ("script", "args", "message"),
     [
+        ("relay.py", ["--streams", "1,x"], "--streams must be comma-separated integers"),
+        ("relay.py", ["--messages", "0"], "must be at least 1"),
         ("e2e.py", ["--engines", "l4m,vllm"], "unknown engines ['vllm']"),
         ("e2e.py", ["--n", "1,x"], "--n must be comma-separated integers"),
         ("e2e.py", ["--new-tokens", "0"], "must be at least 1"),
