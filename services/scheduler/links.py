@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 
 from l4m.scheduler.executors import OnConnected, OnLost, OnResponse
-from l4m.v1 import executor_pb2, executor_pb2_grpc, l4m_pb2
+from l4m.v1 import executor_pb2, executor_pb2_grpc
 from l4m.wire import frames, limits
 from l4m.wire.credentials import bearer_metadata, open_channel
 
@@ -85,12 +85,11 @@ class FramedExecuteStream(frames.FrameProtocol):
         if kind == frames.EXECUTED and self.opened.done():
             self.on_response(executor_pb2.ExecuteResponse.FromString(payload))
         elif kind == frames.STATUS:
-            status = l4m_pb2.FramedSessionStatus.FromString(payload)
-            code = frames.STATUS_CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+            code, message = frames.parse_status(payload)
             if code == grpc.StatusCode.OK and not self.opened.done():
                 self.opened.set_result(None)
                 return
-            self._stop(f"{code.name}: {status.message}")
+            self._stop(f"{code.name}: {message}")
         else:
             self._stop(f"the executor sent a frame of kind {kind}")
 

@@ -17,7 +17,7 @@ import argparse
 import asyncio
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -222,6 +222,22 @@ class SimulatedExecutor:
         return None  # copy, mask, embed_image: nothing to compute
 
 
+class Pacer:
+    """Replies of a simulated executor that runs one batch at a time: each `latency` after the later of
+    now and the previous one's (at once, in the next turn of the loop, without latency)."""
+
+    def __init__(self) -> None:
+        self._busy_until = 0.0
+
+    def call_after(self, latency: float, callback: Callable[..., object], *args: object) -> None:
+        loop = asyncio.get_running_loop()
+        if latency <= 0:
+            loop.call_soon(callback, *args)
+            return
+        self._busy_until = max(loop.time(), self._busy_until) + latency
+        loop.call_at(self._busy_until, callback, *args)
+
+
 class SimulatedLink:
     """In-process link to a `SimulatedExecutor`: same interface as `GrpcExecutorLink`. Batches run in
     order, each finishing `latency_s` after the previous one (or at once, latency 0)."""
@@ -232,7 +248,7 @@ class SimulatedLink:
         self._on_response: OnResponse | None = None
         self._on_lost: OnLost | None = None
         self._on_connected: OnConnected | None = None
-        self._busy_until = 0.0
+        self._pacer = Pacer()
         self.is_connected = False
         self.sent: list[executor_pb2.ExecuteRequest] = []
         self.keep_sent = False
@@ -259,13 +275,7 @@ class SimulatedLink:
         response = self.executor.execute(request)
         if response is None:
             return
-        loop = asyncio.get_running_loop()
-        latency = self.executor.latency_s(request)
-        if latency <= 0:
-            loop.call_soon(self._deliver, response)
-        else:
-            self._busy_until = max(loop.time(), self._busy_until) + latency
-            loop.call_at(self._busy_until, self._deliver, response)
+        self._pacer.call_after(self.executor.latency_s(request), self._deliver, response)
 
     def _deliver(self, response: executor_pb2.ExecuteResponse) -> None:
         if self.is_connected:
@@ -314,18 +324,12 @@ class SimulatedFramedStream:
 
     def __init__(self, executor: SimulatedExecutor) -> None:
         self.executor = executor
-        self._busy_until = 0.0
+        self._pacer = Pacer()
 
     def run(self, request: executor_pb2.ExecuteRequest) -> asyncio.Future[executor_pb2.ExecuteResponse | None]:
-        loop = asyncio.get_running_loop()
-        reply: asyncio.Future[executor_pb2.ExecuteResponse | None] = loop.create_future()
+        reply: asyncio.Future[executor_pb2.ExecuteResponse | None] = asyncio.get_running_loop().create_future()
         latency = self.executor.latency_s(request)
-        response = self.executor.execute(request)
-        if latency <= 0:
-            reply.set_result(response)
-        else:
-            self._busy_until = max(loop.time(), self._busy_until) + latency
-            loop.call_at(self._busy_until, reply.set_result, response)
+        self._pacer.call_after(latency, reply.set_result, self.executor.execute(request))
         return reply
 
 

@@ -28,10 +28,8 @@ def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 def _status_error(payload: bytes) -> grpc.aio.AioRpcError | None:
     """The error a status frame says, None for OK."""
-    status = l4m_pb2.FramedSessionStatus.FromString(payload)
-    if status.code == 0:
-        return None
-    return _rpc_error(frames.STATUS_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message)
+    code, message = frames.parse_status(payload)
+    return None if code == grpc.StatusCode.OK else _rpc_error(code, message)
 
 
 # A Unix socket whose accept queue is full refuses a connect with EAGAIN at once (where TCP would wait):

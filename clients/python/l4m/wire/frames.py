@@ -52,6 +52,12 @@ def status_frame(code: grpc.StatusCode, message: str = "") -> bytes:
     return encode(STATUS, l4m_pb2.FramedSessionStatus(code=code.value[0], message=message))
 
 
+def parse_status(payload: bytes) -> tuple[grpc.StatusCode, str]:
+    """What a status frame says: (code, message); a number gRPC does not know is UNKNOWN."""
+    status = l4m_pb2.FramedSessionStatus.FromString(payload)
+    return STATUS_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message
+
+
 def encode(kind: int, message: Message) -> bytes:
     payload = message.SerializeToString()
     return HEADER.pack(len(payload), kind) + payload
