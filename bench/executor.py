@@ -15,6 +15,7 @@ medians. Prints one table, the load average, and writes JSON (--out).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -36,6 +37,9 @@ L4M_ENGINES = {  # name -> (dtype, weights, decode kernel: single-token batches 
     "l4m-q4-torch": ("float32", "quantized", False),  # the same weights on the per-op torch path (A/B)
     "l4m-fp32": ("float32", "dequantized", False),
     "l4m-bf16": ("bfloat16", "dequantized", False),
+    # On CUDA l4m-fp32 / l4m-bf16 decode through CUDA graphs; these keep the per-op path (A/B).
+    "l4m-fp32-eager": ("float32", "dequantized", False),
+    "l4m-bf16-eager": ("bfloat16", "dequantized", False),
 }
 
 
@@ -45,7 +49,8 @@ def _sync(device: str) -> None:
 
 
 def bench_l4m(
-    loaded, name: str, batch: int, prompt_len: int, new_tokens: int, device: str = "cpu"
+    loaded, name: str, batch: int, prompt_len: int, new_tokens: int, device: str = "cpu",
+    decode: str = "steps",
 ) -> tuple[float, float]:
     dtype, weights, decode_kernel = L4M_ENGINES[name]
     if weights == "quantized" and device != "cpu":
@@ -60,6 +65,8 @@ def bench_l4m(
         num_embed_slots=0,
         weights=weights,
         decode_kernel=decode_kernel,
+        decode_graphs=not name.endswith("-eager"),
+        graph_max_batch=max(64, batch),
     )
     engine = Engine(loaded, config)
     engine.allocate([Allocate(ResourceKind.KV_PAGE, tuple(range(batch * pages_per_seq)))])
@@ -81,6 +88,23 @@ def bench_l4m(
     results = engine.forward_text([item(b, prompts[b], 0) for b in range(batch)])
     prefill_s = time.perf_counter() - t0
     last = [r.outputs[0].token_id for r in results]
+    if decode == "continuation":  # one forward_text: the executor feeds each token back itself
+        warm = engine.forward_text([item(b, [last[b]], prompt_len) for b in range(batch)])  # captures, warms
+        _sync(device)
+        t0 = time.perf_counter()
+        steps_each = new_tokens - 2
+        items = [
+            dataclasses.replace(item(b, [last[b]], prompt_len), num_continuation_steps=steps_each)
+            for b in range(batch)
+        ]
+        items = [  # the pages must hold every fed token
+            dataclasses.replace(it, **_pages_for(b, prompt_len + 1 + steps_each, pages_per_seq, page_size))
+            for b, it in enumerate(items)
+        ]
+        results = engine.forward_text(items)
+        elapsed = time.perf_counter() - t0
+        assert all(len(r.outputs) == steps_each + 1 for r in results) and warm
+        return batch * prompt_len / prefill_s, batch * (steps_each + 1) / elapsed
     steps = []
     for step in range(new_tokens - 1):
         t0 = time.perf_counter()
@@ -88,6 +112,11 @@ def bench_l4m(
         steps.append(time.perf_counter() - t0)
         last = [r.outputs[0].token_id for r in results]
     return batch * prompt_len / prefill_s, batch / statistics.median(steps)
+
+
+def _pages_for(b: int, total: int, pages_per_seq: int, page_size: int) -> dict:
+    pages = tuple(range(b * pages_per_seq, b * pages_per_seq + -(-total // page_size)))
+    return {"kv_page_ids": pages, "kv_last_page_length": total - page_size * (len(pages) - 1)}
 
 
 def bench_hf(dtype: str, batch: int, prompt_len: int, new_tokens: int, device: str = "cpu") -> tuple[float, float]:
@@ -146,6 +175,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs per (engine, batch); medians shown")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0 = default")
     parser.add_argument("--device", default="cpu", help="cpu or cuda:N (the CPU-only engines are skipped on CUDA)")
+    parser.add_argument(
+        "--decode", default="steps", choices=["steps", "continuation"],
+        help="steps: one forward_text per generated token (median step); continuation: one forward_text "
+        "whose items decode on by themselves (the l4m engines only; total time)",
+    )
     parser.add_argument("--out", default="bench/results/executor.json")
     args = parser.parse_args()
     if args.threads > 0:
@@ -160,7 +194,9 @@ def main() -> None:
             for engine in engines:
                 try:
                     if engine.startswith("l4m"):
-                        result = bench_l4m(loaded, engine, batch, args.prompt_tokens, args.new_tokens, args.device)
+                        result = bench_l4m(
+                            loaded, engine, batch, args.prompt_tokens, args.new_tokens, args.device, args.decode
+                        )
                     elif engine.startswith("llama-cpp-"):
                         precision = engine.rsplit("-", 1)[1]
                         result = bench_llama_cpp(precision, batch, args.prompt_tokens, args.new_tokens, args.device)

@@ -48,6 +48,13 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, int]:
         help="on: batches where every item feeds one token run all layers in one C++ call on the 4-bit "
         "weights (CPU, quantized weights); off: always the torch path",
     )
+    parser.add_argument(
+        "--decode-graphs", default="on", choices=["on", "off"],
+        help="on: on CUDA, batches of single-token items (up to --graph-max-batch) replay a CUDA graph of a "
+        "fixed-shape decode step with Triton kernels, one graph per batch/page bucket, captured on first use; "
+        "off: the per-op torch path",
+    )
+    parser.add_argument("--graph-max-batch", type=int, default=64, help="the largest decode batch run as a CUDA graph")
     parser.add_argument("--page-size", type=int, default=16, help="token slots per KV page")
     parser.add_argument("--num-pages", type=int, default=0, help="KV pages; 0 = size from free memory")
     parser.add_argument("--num-embed-slots", type=int, default=1024)
@@ -79,6 +86,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, int]:
         max_batch_tokens=args.max_batch_tokens,
         weights=args.weights,
         decode_kernel=args.decode_kernel == "on",
+        decode_graphs=args.decode_graphs == "on",
+        graph_max_batch=args.graph_max_batch,
     )
     config = ExecutorConfig(listen=args.listen, model_path=str(args.model or default_model_path()), engine=engine,
                             cluster_secret=secret, tls=tls, listen_framed=args.listen_framed)
@@ -91,7 +100,8 @@ async def serve(config: ExecutorConfig, metrics_port: int = 0) -> None:
     server = await create_server(config)
     engine = server.engine
     print(f"l4m executor: model ready in {time.monotonic() - started:.1f} s ({engine.weights} weights, "
-          f"decode kernel {'on' if engine.model.has_decode_kernel and config.engine.decode_kernel else 'off'})",
+          f"decode kernel {'on' if engine.model.has_decode_kernel and config.engine.decode_kernel else 'off'}, "
+          f"decode graphs {'off: ' + engine.graphs_off_reason if engine.graphs_off_reason else 'on'})",
           flush=True)
     # The model's Python objects live as long as the process: keep the cyclic GC from rescanning them on
     # every full collection (a batch allocates many short-lived objects, which trigger collections).

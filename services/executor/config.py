@@ -30,6 +30,10 @@ class EngineConfig:
     # With quantized weights, run batches of single-token items (decode steps) through the whole layer
     # stack in one C++ call (`cpu_kernels.decode_layers`); False keeps them on the torch path.
     decode_kernel: bool = True
+    # On CUDA, run batches of single-token items of up to `graph_max_batch` items as CUDA graphs of
+    # the static decode step (`decode_graphs.py`); False keeps them on the per-op torch path.
+    decode_graphs: bool = True
+    graph_max_batch: int = 64
 
 
 def resolve_weights(config: EngineConfig, loaded: LoadedModel) -> str:

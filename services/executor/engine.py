@@ -56,6 +56,8 @@ from l4m.executor.commands import (
 )
 from l4m.executor.config import EngineConfig, resolve_weights
 from l4m.executor.continuation import plan_continuations, run_continuations
+from l4m.executor.decode_graphs import StaticDecoder
+from l4m.executor.decode_ops import TritonOps, supports, triton_available
 from l4m.executor.errors import CapabilityError, InvalidCommand
 from l4m.executor.kv_cache import KvCache
 from l4m.executor.model import LlamaModel
@@ -88,6 +90,7 @@ class Engine:
             loaded, self.dtype, self.device, self.weights == "quantized", config.max_quantized_rows
         )
         cfg = loaded.config
+        self.graphs_off_reason = self._graphs_off_reason(config, cfg)
         num_pages = config.num_pages
         if num_pages == 0:
             per_page = KvCache.bytes_per_page(
@@ -109,6 +112,12 @@ class Engine:
             cfg.hidden_size,
             self.dtype,
             self.device,
+            scratch_pages=0 if self.graphs_off_reason else 1,
+        )
+        self.static_decoder = (
+            None
+            if self.graphs_off_reason
+            else StaticDecoder(self.model, self.cache, TritonOps, config.graph_max_batch, graphs=True)
         )
         self._handlers: dict[type, Callable[[Sequence], object]] = {
             Allocate: self.allocate,
@@ -125,8 +134,19 @@ class Engine:
         self._num_batches = 0
         self._num_forward_tokens = 0
         self._num_decode_kernel_batches = 0
+        self._num_graph_batches = 0
         # Seconds each batch took in `execute`, by command kind (its class name); read by the metrics.
         self.batch_seconds = DurationsByKind()
+
+    def _graphs_off_reason(self, config: EngineConfig, cfg) -> str | None:
+        """Why decode steps do not run as CUDA graphs here, or None when they do."""
+        if self.device.type != "cuda":
+            return f"device {self.device} is not CUDA"
+        if not config.decode_graphs:
+            return "decode_graphs is off"
+        if not triton_available():
+            return "Triton is not installed"
+        return supports(config.page_size, cfg.head_dim)
 
     # ---- dispatch -------------------------------------------------------------------------------
 
@@ -179,6 +199,14 @@ class Engine:
         layouts = [p.layout for p in prepared]
         self._num_forward_tokens += hidden.shape[0]
         rows = torch.tensor(list(output_rows), dtype=torch.long, device=self.device)
+        if (
+            self.static_decoder is not None
+            and is_decode_batch(layouts)
+            and self.static_decoder.bucket(layouts) is not None
+        ):
+            self._num_graph_batches += 1
+            return self.static_decoder.run(layouts, hidden, positions, rows)
+        positions = positions.to(self.device)
         if self._takes_decode_kernel(layouts):
             self._num_decode_kernel_batches += 1
             plan = build_decode_plan(layouts, self.cache.page_size, self.cache.page_visible)
@@ -224,9 +252,8 @@ class Engine:
                 tokens = torch.tensor(
                     [t for it in items for t in it.token_ids], dtype=torch.long, device=self.device
                 )
-                positions = torch.tensor(
-                    [p for it in items for p in it.position_ids], dtype=torch.long, device=self.device
-                )
+                # On the host: the static decoder reads them there, the per-op path moves them.
+                positions = torch.tensor([p for it in items for p in it.position_ids], dtype=torch.long)
             with _tracer.start_as_current_span("forward"):
                 normed = self._run_model(prepared, self.model.embed_tokens(tokens), positions, output_rows)
                 logits = self.model.logits(normed) if specs else None
@@ -320,6 +347,9 @@ class Engine:
                     "num_batches": self._num_batches,
                     "num_forward_tokens": self._num_forward_tokens,
                     "num_decode_kernel_batches": self._num_decode_kernel_batches,
+                    "num_graph_batches": self._num_graph_batches,
+                    "num_decode_graphs": self.static_decoder.num_graphs if self.static_decoder else 0,
+                    "decode_graphs_off": self.graphs_off_reason,
                     "num_kv_pages_allocated": self.cache.num_pages - self.cache.num_free_pages,
                     "num_embed_slots_allocated": self.cache.num_embed_slots - self.cache.num_free_slots,
                     "device": str(self.device),

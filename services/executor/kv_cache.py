@@ -12,6 +12,8 @@ Invariants:
   allocated twice (the scheduler retains them), so they keep their content. Zeroing is one
   `index_fill_` per layer (no host sync on CUDA): ~0.2-0.6 ms per 720 KiB page of SmolLM2-135M
   (float32, page_size 16) on a busy 2-core CPU, under 1% of a decode step that needs a new page.
+- `scratch_pages` extra pages sit past `num_pages` (ids no command can name): the static decoder's
+  padding rows write and read there (`decode_graphs.py`).
 - The executor keeps its own allocation flags (`is_page_allocated`, `is_slot_allocated`) to reject
   unknown ids; the scheduler owns the real tables. `free_all` (the executor's Reset RPC) clears them
   when the scheduler reconnects with empty tables, so the two never disagree.
@@ -35,13 +37,15 @@ class KvCache:
         hidden_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        scratch_pages: int = 0,
     ) -> None:
         self.num_pages = num_pages
+        self.num_scratch_pages = scratch_pages
         self.page_size = page_size
         self.num_embed_slots = num_embed_slots
-        shape = (num_pages, 2, page_size, num_kv_heads, head_dim)
+        shape = (num_pages + scratch_pages, 2, page_size, num_kv_heads, head_dim)
         self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.page_visible = torch.ones((num_pages, page_size), dtype=torch.bool, device=device)
+        self.page_visible = torch.ones((num_pages + scratch_pages, page_size), dtype=torch.bool, device=device)
         self.embeds = torch.zeros(
             (num_embed_slots, hidden_size), dtype=dtype, device=device
         )  # [slots, hidden]

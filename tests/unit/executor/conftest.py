@@ -19,6 +19,8 @@ from l4m.executor.weights import LoadedModel, default_model_path, load_model
 
 TEST_DEVICE = os.environ.get("L4M_TEST_DEVICE", "cpu")
 ON_CPU = torch.device(TEST_DEVICE).type == "cpu"
+if ON_CPU:  # the CUDA decode kernels run in Triton's interpreter (read when triton is first imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 cpu_only = pytest.mark.skipif(not ON_CPU, reason=f"a CPU-only path (L4M_TEST_DEVICE={TEST_DEVICE})")
 
 PROMPTS = [

