@@ -89,18 +89,17 @@ def bench_l4m(
     prefill_s = time.perf_counter() - t0
     last = [r.outputs[0].token_id for r in results]
     if decode == "continuation":  # one forward_text: the executor feeds each token back itself
-        warm = engine.forward_text([item(b, [last[b]], prompt_len) for b in range(batch)])  # captures, warms
-        _sync(device)
-        t0 = time.perf_counter()
         steps_each = new_tokens - 2
         items = [
-            dataclasses.replace(item(b, [last[b]], prompt_len), num_continuation_steps=steps_each)
+            dataclasses.replace(
+                item(b, [last[b]], prompt_len), num_continuation_steps=steps_each,
+                **_pages_for(b, prompt_len + 1 + steps_each, pages_per_seq, page_size),  # every fed token's slot
+            )
             for b in range(batch)
         ]
-        items = [  # the pages must hold every fed token
-            dataclasses.replace(it, **_pages_for(b, prompt_len + 1 + steps_each, pages_per_seq, page_size))
-            for b, it in enumerate(items)
-        ]
+        warm = engine.forward_text(items)  # the same run once untimed: captures its graphs, warms up
+        _sync(device)
+        t0 = time.perf_counter()
         results = engine.forward_text(items)
         elapsed = time.perf_counter() - t0
         assert all(len(r.outputs) == steps_each + 1 for r in results) and warm
@@ -111,7 +110,29 @@ def bench_l4m(
         results = engine.forward_text([item(b, [last[b]], prompt_len + step) for b in range(batch)])
         steps.append(time.perf_counter() - t0)
         last = [r.outputs[0].token_id for r in results]
+    _print_replay_time(engine, batch)
     return batch * prompt_len / prefill_s, batch / statistics.median(steps)
+
+
+def _print_replay_time(engine: Engine, batch: int) -> None:
+    """On CUDA: the GPU time of one decode step alone (its graph replayed back to back), against which
+    the step times above show what the host adds."""
+    decoder = engine.static_decoder
+    if decoder is None or not decoder.graphs:
+        return
+    for (b, pages), step in sorted(decoder._steps.items()):  # noqa: SLF001 (a measurement, read only)
+        if b != decoder.bucket([_Probe()] * batch)[0] or step.graph is None:
+            continue
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            step.graph.replay()
+        torch.cuda.synchronize()
+        print(f"    graph replay, batch bucket {b} x {pages} pages: {(time.perf_counter() - t0) / 50 * 1e3:.3f} ms/step")
+
+
+class _Probe:  # a layout with one page, for looking up a batch bucket
+    page_ids = (0,)
 
 
 def _pages_for(b: int, total: int, pages_per_seq: int, page_size: int) -> dict:

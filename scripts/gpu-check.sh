@@ -41,7 +41,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$python" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))'
 
-export L4M_TEST_DEVICE=cuda:0
+export L4M_TEST_DEVICE=cuda:0 TQDM_DISABLE=1
 tests=(tests/unit/executor/test_decode_graphs.py)
 if [ "$what" = kernels ]; then
   "$python" -m pytest -q -p no:cacheprovider -k "kernels or buckets" "${tests[@]}" 2>&1 | tee "$out/kernels.log"
@@ -53,5 +53,5 @@ tests+=(tests/unit/executor/test_forward.py tests/unit/executor/test_paths.py te
 bench() { "$python" bench/executor.py --device cuda:0 --prompt-tokens 100 --new-tokens 128 "$@"; }
 bench --batches 1,16,64 --engines l4m-fp32,l4m-bf16,l4m-fp32-eager,l4m-bf16-eager,hf-fp32,hf-bf16 \
   --out "$out/executor-steps.json" 2>&1 | tee "$out/executor-steps.log"
-bench --batches 1,16,64 --engines l4m-fp32,l4m-bf16,l4m-bf16-eager --decode continuation --new-tokens 66 \
+bench --batches 1,16,64 --engines l4m-fp32,l4m-bf16,l4m-bf16-eager --decode continuation --new-tokens 66 --repeats 2 \
   --out "$out/executor-continuation.json" 2>&1 | tee "$out/executor-continuation.log"

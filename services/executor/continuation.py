@@ -4,7 +4,9 @@ A batch with continuation runs as a first pass (every item as if it had no conti
 one batched single-token step at a time over the items still going, until each has run its steps or
 sampled one of its stop tokens. This module plans the items (`plan_continuations`) and drives the
 steps (`run_continuations`) through a callback that runs one plain forward_text batch, so it never
-touches tensors itself.
+touches tensors itself. Where every continuing item samples greedily, the engine may instead hand
+all the steps to one callback that runs them on the device (`run_continuations_on_device`, with
+`decode_graphs.StaticDecoder.continue_greedy`): the outputs are the same.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from l4m.executor.checks import PreparedItem, blame_item, check_continuation, check_no_write_collision
-from l4m.executor.commands import ForwardText, ForwardTextResult
+from l4m.executor.commands import ForwardText, ForwardTextResult, SampledToken, SamplerKind
 from l4m.wire import rules
 
 if TYPE_CHECKING:
@@ -22,6 +24,8 @@ if TYPE_CHECKING:
     from l4m.executor.weights import ModelConfig
 
 ForwardOnce = Callable[[Sequence[ForwardText]], list[ForwardTextResult]]
+# (the continuing plans, the token each feeds first) -> per plan, (token, logprob) of every step run
+ContinueGreedy = Callable[[Sequence["Continuation"], Sequence[int]], list[list[tuple[int, float]]]]
 
 
 class Continuation:
@@ -47,6 +51,17 @@ class Continuation:
         num_pages = -(-total // self._page_size)
         return {"kv_page_ids": self.item.kv_page_ids[:num_pages],
                 "kv_last_page_length": total - self._page_size * (num_pages - 1)}
+
+    @property
+    def first_total(self) -> int:
+        """Tokens in the item's pages after its first pass: step 1 writes the slot of this index."""
+        return self._first_total
+
+    @property
+    def greedy(self) -> bool:
+        """Every step samples greedily with no vocabulary mask (what the device loop runs)."""
+        (sampler,) = self.item.samplers
+        return sampler.kind is SamplerKind.GREEDY and not sampler.vocab_mask
 
     def stops(self, output: object) -> bool:
         return getattr(output, "token_id", None) in self.item.continuation_stop_token_ids
@@ -95,4 +110,19 @@ def run_continuations(plans: Sequence[Continuation], forward_once: ForwardOnce) 
         for n, answer in zip(active, answers, strict=True):
             outputs[n].append(answer.outputs[0])
         active = [n for n in active if plans[n].num_steps > step and not plans[n].stops(outputs[n][-1])]
+    return [ForwardTextResult(tuple(o)) for o in outputs]
+
+
+def run_continuations_on_device(
+    plans: Sequence[Continuation], forward_once: ForwardOnce, continue_greedy: ContinueGreedy
+) -> list[ForwardTextResult]:
+    """`run_continuations` with the steps after the first pass handed to `continue_greedy` in one call
+    (every continuing plan must be `greedy`)."""
+    results = forward_once([plan.first_pass for plan in plans])
+    outputs = [list(result.outputs) for result in results]
+    active = [n for n, plan in enumerate(plans) if plan.num_steps and not plan.stops(outputs[n][-1])]
+    if active:
+        steps = continue_greedy([plans[n] for n in active], [outputs[n][-1].token_id for n in active])
+        for n, got in zip(active, steps, strict=True):
+            outputs[n].extend(SampledToken(token, logprob) for token, logprob in got)
     return [ForwardTextResult(tuple(o)) for o in outputs]

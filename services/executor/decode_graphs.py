@@ -20,6 +20,13 @@ output, as on the per-op path. A bucket's graph is captured the first time a bat
 eager warm-up run, which compiles the Triton kernels, then the capture); all graphs share one memory
 pool, which is safe because steps run one at a time and the output is copied out before the next.
 
+**Continuation on the device** (`StaticDecoder.continue_greedy`): items that decode on greedily feed each
+sampled token back without the host. A second graph per bucket holds a whole step: embedding of the
+token buffer, the layers, the LM head, argmax and its logprob, recording the token, the stop check
+(a per-row table over the vocabulary), and advancing each still-active row's position, length and
+write slot (a stopped or finished row writes the scratch page from then on). The host replays it once
+per step, looks at "is any row still going" every `SYNC_EVERY` steps, and copies the tokens back once.
+
 Off CUDA (or with `graphs=False`) the same static step runs eagerly, with `decode_ops.TorchOps` on the
 CPU: that is how the tests check the padding and the buffers against the per-op path without a GPU.
 """
@@ -40,6 +47,7 @@ from l4m.wire.brle import decode_rows
 
 log = logging.getLogger("l4m.executor")
 
+SYNC_EVERY = 4  # continuation steps between two looks at "is any row still going" (one host sync each)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
@@ -94,6 +102,7 @@ class _Step:
         self.act = torch.zeros((batch, cfg.intermediate_size), dtype=dtype, device=device)
         self.copied = torch.cuda.Event() if device.type == "cuda" else None
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.loop: _Loop | None = None
 
     def fill_padding_only(self) -> None:
         """Every row a padding row: what the warm-up and the capture run on (they touch only scratch)."""
@@ -173,6 +182,66 @@ class _Step:
             self.graph.replay()
 
 
+class _Loop:
+    """The device-side continuation state of one `_Step` and, on CUDA, its graph (a whole greedy step)."""
+
+    def __init__(self, step: _Step, max_steps: int) -> None:
+        batch, device = step.batch, step.decoder.device
+        vocab = step.decoder.model.config.vocab_size
+        self.step = step
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
+        self.active = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.steps_left = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.num_out = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.stop_table = torch.zeros((batch, vocab), dtype=torch.bool, device=device)
+        self.out_tokens = torch.zeros((max_steps + 1, batch), dtype=torch.long, device=device)
+        self.out_logprobs = torch.zeros((max_steps + 1, batch), dtype=torch.float32, device=device)
+        self.index = torch.zeros(1, dtype=torch.long, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def body(self) -> None:
+        step, model = self.step, self.step.decoder.model
+        page_size, scratch = step.decoder.cache.page_size, step.decoder.scratch_page
+        step.hidden.copy_(model.embed_tokens(self.tokens))
+        step.body()
+        logits = model.logits(step.out)  # [B, V] float32
+        tokens = logits.argmax(-1)
+        logprobs = logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, -1)
+        self.out_tokens.index_copy_(0, self.index, tokens[None])
+        self.out_logprobs.index_copy_(0, self.index, logprobs[None])
+        self.index.add_(1)
+        was_active = self.active
+        self.num_out.add_(was_active.int())
+        self.steps_left.sub_(was_active.int())
+        stopped = self.stop_table.gather(1, tokens[:, None])[:, 0]
+        self.active.copy_(was_active & ~stopped & (self.steps_left > 0))
+        self.tokens.copy_(tokens)
+        # The next step of a row still going: one position and one slot on; the others write scratch.
+        going = self.active.int()
+        step.positions.add_(going)
+        step.ctx_len.add_(going)
+        slot = (step.ctx_len - 1).long()
+        page = step.page_table.gather(1, (slot // page_size)[:, None])[:, 0]
+        step.write_page.copy_(torch.where(self.active, page, torch.full_like(page, scratch)))
+        step.write_offset.copy_(torch.where(self.active, slot % page_size, torch.zeros_like(slot)).int())
+
+    def capture(self, pool: object) -> None:
+        self.step.fill_padding_only()
+        self.active.zero_()
+        self.body()  # warm-up; every row inactive: only the scratch page is written
+        torch.cuda.synchronize(self.step.decoder.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.body()
+        self.graph = graph
+
+    def run(self) -> None:
+        if self.graph is None:
+            self.body()
+        else:
+            self.graph.replay()
+
+
 class StaticDecoder:
     """Runs batches of single-token items through `_Step`s; see the module docstring."""
 
@@ -193,7 +262,23 @@ class StaticDecoder:
 
     @property
     def num_graphs(self) -> int:
-        return sum(1 for step in self._steps.values() if step.graph is not None)
+        return sum(
+            (step.graph is not None) + (step.loop is not None and step.loop.graph is not None)
+            for step in self._steps.values()
+        )
+
+    def _step(self, key: tuple[int, int]) -> _Step:
+        step = self._steps.get(key)
+        if step is None:
+            step = self._steps[key] = _Step(self, *key)
+        return step
+
+    def _timed_capture(self, what: str, key: tuple[int, int], capture) -> None:
+        started = time.perf_counter()
+        capture(self._pool)
+        took = time.perf_counter() - started
+        self.capture_seconds += took
+        log.info("captured the %s graph of batch %d x %d pages in %.2f s", what, *key, took)
 
     def bucket(self, layouts: Sequence[ItemLayout]) -> tuple[int, int] | None:
         """The (batch, pages) bucket of a decode batch, or None when it is bigger than every bucket."""
@@ -215,15 +300,58 @@ class StaticDecoder:
         key = self.bucket(layouts)
         if key is None:
             raise ValueError(f"a decode batch of {len(layouts)} items is bigger than every bucket")
-        step = self._steps.get(key)
-        if step is None:
-            step = self._steps[key] = _Step(self, *key)
-            if self.graphs:
-                started = time.perf_counter()
-                step.capture(self._pool)
-                took = time.perf_counter() - started
-                self.capture_seconds += took
-                log.info("captured the decode graph of batch %d x %d pages in %.2f s", *key, took)
+        step = self._step(key)
+        if self.graphs and step.graph is None:
+            self._timed_capture("decode", key, step.capture)
         step.load(layouts, hidden, positions)
         step.run()
         return step.out.index_select(0, output_rows)
+
+    def continue_greedy(
+        self,
+        layouts: Sequence[ItemLayout],
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        num_steps: Sequence[int],
+        stop_token_ids: Sequence[frozenset[int]],
+        max_steps: int,
+    ) -> list[list[tuple[int, float]]]:
+        """Greedy continuation of items on the device: item i feeds `tokens[i]` at `positions[i]` into
+        the slot its layout's `num_ctx` names (its pages hold every later step too), then feeds back what
+        it samples, for `num_steps[i]` steps or until it samples one of `stop_token_ids[i]`. Returns each
+        item's (token, logprob) per step run, as the host loop (`continuation.run_continuations`) would."""
+        key = self.bucket(layouts)
+        if key is None:
+            raise ValueError(f"a decode batch of {len(layouts)} items is bigger than every bucket")
+        step = self._step(key)
+        if step.loop is None:
+            step.loop = _Loop(step, max_steps)
+            if self.graphs:
+                self._timed_capture("continuation", key, step.loop.capture)
+        loop = step.loop
+        n = len(layouts)
+        step.load(layouts, torch.zeros(0, step.hidden.shape[1]), torch.tensor(list(positions)))
+        loop.tokens[:n].copy_(torch.tensor(list(tokens)))
+        active = torch.zeros(step.batch, dtype=torch.bool)
+        active[:n] = torch.tensor([k > 0 for k in num_steps])
+        loop.active.copy_(active)
+        left = torch.zeros(step.batch, dtype=torch.int32)
+        left[:n] = torch.tensor(list(num_steps), dtype=torch.int32)
+        loop.steps_left.copy_(left)
+        loop.num_out.zero_()
+        loop.index.zero_()
+        loop.stop_table.zero_()
+        rows = [r for r, stops in enumerate(stop_token_ids) for _ in stops]
+        if rows:
+            cols = [t for stops in stop_token_ids for t in stops]
+            loop.stop_table[torch.tensor(rows), torch.tensor(cols)] = True
+        ran = 0
+        while ran < max(num_steps, default=0):
+            loop.run()
+            ran += 1
+            if ran % SYNC_EVERY == 0 and not bool(loop.active.any()):
+                break
+        counts = loop.num_out[:n].tolist()
+        got_tokens = loop.out_tokens[:ran, :n].T.tolist()
+        got_logprobs = loop.out_logprobs[:ran, :n].T.tolist()
+        return [list(zip(got_tokens[i][: counts[i]], got_logprobs[i][: counts[i]], strict=True)) for i in range(n)]

@@ -14,7 +14,8 @@ device memory, so a CUDA graph that captured one launch replays it for any step 
 - `silu_mul(gate_up, out)`: `silu(gate) * up` of the fused `[B, 2F]` projection.
 
 The Triton kernels accumulate in float32 whatever the storage dtype; the attention is an online
-softmax over one page per iteration (so `page_size` must be a power of two). With
+softmax over `DECODE_BLOCK_SLOTS` slots (whole pages) per iteration, so `page_size` and the page table's
+width must be powers of two. With
 `TRITON_INTERPRET=1` they run on CPU tensors, which is how the tests check them without a GPU.
 """
 
@@ -166,16 +167,19 @@ def _build_kernels(interpret: bool):  # Triton picks the interpreter at decorati
     @triton.jit
     def decode_attention_kernel(
         q_ptr, kv_ptr, table_ptr, ctx_ptr, page_vis_ptr, row_vis_ptr, out_ptr, scale,
-        NUM_PAGES: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
-        BLOCK_G: tl.constexpr,
+        NUM_PAGES: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
+        G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_PAGES: tl.constexpr,
     ):
-        # program (b, kvh): the G query heads sharing key head kvh, over the item's pages one at a time.
+        # program (b, kvh): the G query heads sharing key head kvh, over the item's pages, BLOCK_PAGES
+        # pages (BLOCK_PAGES * S slots) per iteration.
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         heads = tl.arange(0, BLOCK_G)
         head_ok = heads < G
         dims = tl.arange(0, D)
-        slots = tl.arange(0, S)
+        cols = tl.arange(0, BLOCK_PAGES * S)  # slot of the block
+        col_page = cols // S
+        col_slot = cols % S
         q = tl.load(
             q_ptr + (b * H + kvh * G + heads)[:, None] * D + dims[None, :], mask=head_ok[:, None], other=0.0
         ).to(tl.float32) * scale
@@ -183,15 +187,16 @@ def _build_kernels(interpret: bool):  # Triton picks the interpreter at decorati
         m = tl.full([BLOCK_G], -1.0e30, tl.float32)
         total = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
-        for i in range(0, NUM_PAGES):
-            page = tl.load(table_ptr + b * NUM_PAGES + i).to(tl.int64)
-            slot = i * S + slots
-            seen = (slot < ctx_len) & (tl.load(page_vis_ptr + page * S + slots) != 0)
-            seen &= tl.load(row_vis_ptr + b * NUM_PAGES * S + slot) != 0
-            k_rows = kv_ptr + ((page * 2 * S + slots) * KVH + kvh)[:, None] * D + dims[None, :]
+        for i in range(0, NUM_PAGES // BLOCK_PAGES):
+            slot = i * BLOCK_PAGES * S + cols
+            page = tl.load(table_ptr + b * NUM_PAGES + i * BLOCK_PAGES + col_page).to(tl.int64)
+            seen = slot < ctx_len
+            seen &= tl.load(page_vis_ptr + page * S + col_slot, mask=seen, other=0) != 0
+            seen &= tl.load(row_vis_ptr + b * NUM_PAGES * S + slot, mask=seen, other=0) != 0
+            k_rows = kv_ptr + ((page * 2 * S + col_slot) * KVH + kvh)[:, None] * D + dims[None, :]
             k = tl.load(k_rows, mask=seen[:, None], other=0.0).to(tl.float32)
             v = tl.load(k_rows + S * KVH * D, mask=seen[:, None], other=0.0).to(tl.float32)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_G, S]
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_G, BLOCK_PAGES * S]
             scores = tl.where(seen[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             p = tl.exp(scores - m_new[:, None])
@@ -217,6 +222,10 @@ def _build_kernels(interpret: bool):  # Triton picks the interpreter at decorati
         tl.store(out_ptr + row * F_ + cols, y.to(out_ptr.dtype.element_ty), mask=keep)
 
     return add_rms_norm_kernel, rope_write_kv_kernel, decode_attention_kernel, silu_mul_kernel
+
+
+# Slots the decode attention reads per iteration (whole pages): more loads in flight per program.
+DECODE_BLOCK_SLOTS = 64
 
 
 def _next_pow2(n: int) -> int:
@@ -251,9 +260,11 @@ class TritonOps:
         batch, num_heads, head_dim = q.shape
         num_kv_heads, page_size = kv.shape[-2], kv.shape[2]
         group = num_heads // num_kv_heads
+        num_pages = page_table.shape[1]  # a power of two (a page bucket), as is page_size
         kernel[(batch, num_kv_heads)](
             q, kv, page_table, ctx_len, page_visible, row_visible, out, 1.0 / math.sqrt(head_dim),
-            NUM_PAGES=page_table.shape[1], H=num_heads, KVH=num_kv_heads, D=head_dim, S=page_size, G=group, BLOCK_G=_next_pow2(group),
+            NUM_PAGES=num_pages, BLOCK_PAGES=max(1, min(num_pages, DECODE_BLOCK_SLOTS // page_size)),
+            H=num_heads, KVH=num_kv_heads, D=head_dim, S=page_size, G=group, BLOCK_G=_next_pow2(group),
         )
 
     @staticmethod

@@ -55,7 +55,12 @@ from l4m.executor.commands import (
     SampleTopK,
 )
 from l4m.executor.config import EngineConfig, resolve_weights
-from l4m.executor.continuation import plan_continuations, run_continuations
+from l4m.executor.continuation import (
+    Continuation,
+    plan_continuations,
+    run_continuations,
+    run_continuations_on_device,
+)
 from l4m.executor.decode_graphs import StaticDecoder
 from l4m.executor.decode_ops import TritonOps, supports, triton_available
 from l4m.executor.errors import CapabilityError, InvalidCommand
@@ -63,6 +68,7 @@ from l4m.executor.kv_cache import KvCache
 from l4m.executor.model import LlamaModel
 from l4m.executor.sampler import apply_samplers
 from l4m.executor.weights import LoadedModel
+from l4m.wire import rules
 
 _tracer = trace.get_tracer("l4m.executor")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -76,7 +82,10 @@ def _free_memory_bytes(device: torch.device) -> int:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, static_ops: type | None = None) -> None:
+        """`static_ops` runs decode batches through the static step with those ops on any device,
+        eagerly off CUDA (the CPU tests pass `decode_ops.TorchOps`); by default that path is CUDA's,
+        with `decode_ops.TritonOps` and graphs."""
         if config.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {config.dtype!r}")
         if config.page_size < 1 or config.num_embed_slots < 0 or config.num_pages < 0:
@@ -90,7 +99,7 @@ class Engine:
             loaded, self.dtype, self.device, self.weights == "quantized", config.max_quantized_rows
         )
         cfg = loaded.config
-        self.graphs_off_reason = self._graphs_off_reason(config, cfg)
+        self.graphs_off_reason = None if static_ops else self._graphs_off_reason(config, cfg)
         num_pages = config.num_pages
         if num_pages == 0:
             per_page = KvCache.bytes_per_page(
@@ -117,7 +126,7 @@ class Engine:
         self.static_decoder = (
             None
             if self.graphs_off_reason
-            else StaticDecoder(self.model, self.cache, TritonOps, config.graph_max_batch, graphs=True)
+            else StaticDecoder(self.model, self.cache, static_ops or TritonOps, config.graph_max_batch, graphs=True)
         )
         self._handlers: dict[type, Callable[[Sequence], object]] = {
             Allocate: self.allocate,
@@ -135,6 +144,7 @@ class Engine:
         self._num_forward_tokens = 0
         self._num_decode_kernel_batches = 0
         self._num_graph_batches = 0
+        self._num_device_continuation_steps = 0
         # Seconds each batch took in `execute`, by command kind (its class name); read by the metrics.
         self.batch_seconds = DurationsByKind()
 
@@ -229,7 +239,37 @@ class Engine:
         if not any(item.num_continuation_steps for item in items):
             return self._forward_text_once(items)
         plans = plan_continuations(items, self.cache, self.loaded.config)
+        if self._continues_on_device(plans):
+            return run_continuations_on_device(plans, self._forward_text_once, self._continue_greedy)
         return run_continuations(plans, self._forward_text_once)
+
+    def _continuation_layouts(self, plans: Sequence[Continuation]) -> list[ItemLayout]:
+        return [ItemLayout(plan.item.kv_page_ids, plan.first_total, 1, ()) for plan in plans]
+
+    def _continues_on_device(self, plans: Sequence[Continuation]) -> bool:
+        """Greedy continuation of a batch that fits the decode graphs' buckets runs on the device."""
+        going = [plan for plan in plans if plan.num_steps]
+        return (
+            self.static_decoder is not None
+            and all(plan.greedy for plan in going)
+            and self.static_decoder.bucket(self._continuation_layouts(going)) is not None
+        )
+
+    def _continue_greedy(self, plans: Sequence[Continuation], tokens: Sequence[int]) -> list[list[tuple[int, float]]]:
+        assert self.static_decoder is not None
+        with torch.inference_mode():
+            steps = self.static_decoder.continue_greedy(
+                self._continuation_layouts(plans),
+                tokens,
+                [rules.continuation_position(plan.item.position_ids[-1], 1) for plan in plans],
+                [plan.num_steps for plan in plans],
+                [plan.item.continuation_stop_token_ids for plan in plans],
+                rules.MAX_CONTINUATION_STEPS,
+            )
+        ran = sum(len(s) for s in steps)
+        self._num_device_continuation_steps += ran
+        self._num_forward_tokens += ran
+        return steps
 
     def _forward_text_once(self, items: Sequence[ForwardText]) -> list[ForwardTextResult]:
         with torch.inference_mode():
@@ -348,6 +388,7 @@ class Engine:
                     "num_forward_tokens": self._num_forward_tokens,
                     "num_decode_kernel_batches": self._num_decode_kernel_batches,
                     "num_graph_batches": self._num_graph_batches,
+                    "num_device_continuation_steps": self._num_device_continuation_steps,
                     "num_decode_graphs": self.static_decoder.num_graphs if self.static_decoder else 0,
                     "decode_graphs_off": self.graphs_off_reason,
                     "num_kv_pages_allocated": self.cache.num_pages - self.cache.num_free_pages,

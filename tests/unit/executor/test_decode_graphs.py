@@ -9,17 +9,21 @@ engine tests in test_forward.py go through it (it is the default on CUDA).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from l4m.executor import decode_ops
 from l4m.executor.attention import ItemLayout, build_plan
+from l4m.executor.commands import ForwardText, SamplerKind, SamplerSpec
 from l4m.executor.decode_graphs import StaticDecoder, batch_buckets, bucket_for, page_buckets
 from l4m.executor.decode_ops import TorchOps, TritonOps
+from l4m.executor.engine import Engine, EngineConfig
 from l4m.executor.kv_cache import KvCache
 from l4m.executor.model import LlamaModel
-from tests.unit.executor.conftest import ON_CPU, TEST_DEVICE
+from tests.unit.executor.conftest import ON_CPU, TEST_DEVICE, PageTables, engine_stats
 
 
 @pytest.fixture
@@ -59,8 +63,10 @@ def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
     torch.testing.assert_close(a.float().cpu(), b.float().cpu(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("block_slots", [4, 64], ids=["a page per iteration", "every page at once"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernels_match_the_torch_reference(triton_ops, dtype) -> None:
+def test_kernels_match_the_torch_reference(triton_ops, dtype, block_slots, monkeypatch) -> None:
+    monkeypatch.setattr(decode_ops, "DECODE_BLOCK_SLOTS", block_slots)
     device = torch.device(TEST_DEVICE)
     gen = torch.Generator().manual_seed(0)
     B, H, KVH, D, S, P, C, F = 3, 9, 3, 64, 4, 10, 40, 24
@@ -225,3 +231,81 @@ def test_a_batch_past_the_buckets_is_refused_by_name(loaded) -> None:
     with pytest.raises(ValueError, match="3 items is bigger than every bucket"):
         decoder.run(layouts, torch.zeros(3, 1), torch.zeros(3, dtype=torch.long), torch.arange(3))
     np.testing.assert_array_equal(decoder.batch_buckets, (1, 2))
+
+
+# ---- the engine: decode batches and greedy continuation through the static step -------------------
+
+
+def _engine(loaded, static: bool) -> Engine:
+    config = EngineConfig(device=TEST_DEVICE, dtype="float32", page_size=PAGE, num_pages=64,
+                          num_embed_slots=0, weights="dequantized", decode_graphs=static)
+    if ON_CPU:
+        return Engine(loaded, config, static_ops=TorchOps if static else None)
+    return Engine(loaded, config)
+
+
+def _continuation_batch(engine: Engine, prompts: list[list[int]], steps: list[int], stops: list[frozenset[int]],
+                        sampler: SamplerSpec) -> list[ForwardText]:
+    tables = PageTables(engine)
+    items = []
+    for n, (prompt, k, stop) in enumerate(zip(prompts, steps, stops, strict=True)):
+        item = tables.item(f"s{n}", prompt, outputs=(len(prompt) - 1,), sampler=sampler)
+        pages, last = tables.grow(f"s{n}", k)
+        items.append(dataclasses.replace(item, kv_page_ids=pages, kv_last_page_length=last,
+                                         num_continuation_steps=k, continuation_stop_token_ids=stop))
+    return items
+
+
+def test_greedy_continuation_on_the_device_matches_the_host_loop(loaded, prompts) -> None:
+    """Items of different step counts, one with no steps, one that stops on a token it samples: the
+    same tokens (and logprobs) as the host's loop of forward_text steps, and the same K/V."""
+    texts = [prompts[0], prompts[1][:7], prompts[3], prompts[5]]
+    host, device = _engine(loaded, static=False), _engine(loaded, static=True)
+    assert host.static_decoder is None and device.static_decoder is not None
+    greedy = SamplerSpec(SamplerKind.GREEDY)
+    probe = host.forward_text(_continuation_batch(host, texts[3:], [6], [frozenset()], greedy))[0]
+    stop_at = probe.outputs[3].token_id  # item 3 will sample it at its step 3 and stop there
+    host.reset()
+    steps = [9, 5, 0, 6]
+    stops = [frozenset({2}), frozenset(), frozenset(), frozenset({stop_at, 7})]
+    want = host.forward_text(_continuation_batch(host, texts, steps, stops, greedy))
+    got = device.forward_text(_continuation_batch(device, texts, steps, stops, greedy))
+    assert [len(r.outputs) for r in got] == [len(r.outputs) for r in want]
+    assert len(got[3].outputs) == 4 and len(got[2].outputs) == 1  # stopped at step 3; no steps
+    for w, g in zip(want, got, strict=True):
+        assert [o.token_id for o in g.outputs] == [o.token_id for o in w.outputs]
+        np.testing.assert_allclose([o.logprob for o in g.outputs], [o.logprob for o in w.outputs], atol=1e-3)
+    stats = engine_stats(device)
+    assert stats["num_device_continuation_steps"] == sum(len(r.outputs) - 1 for r in got)
+    assert engine_stats(host)["num_device_continuation_steps"] == 0
+    for a, b in zip(host.cache.layers, device.cache.layers, strict=True):
+        torch.testing.assert_close(b[: host.cache.num_pages].cpu(), a.cpu(), atol=1e-4, rtol=1e-4)
+
+
+def test_sampled_continuation_stays_on_the_host_loop(loaded, prompts) -> None:
+    engine = _engine(loaded, static=True)
+    seeded = SamplerSpec(SamplerKind.SAMPLE, temperature=0.8, seed=5)
+    results = engine.forward_text(_continuation_batch(engine, [prompts[0]], [4], [frozenset()], seeded))
+    assert len(results[0].outputs) == 5
+    stats = engine_stats(engine)
+    assert stats["num_device_continuation_steps"] == 0
+    assert stats["num_graph_batches"] == 4  # its steps still take the static step, one batch each
+
+
+def test_decode_batches_take_the_static_step_and_match(loaded, prompts) -> None:
+    """Stepwise greedy decoding through the engine: the static step's tokens are the per-op path's."""
+    host, device = _engine(loaded, static=False), _engine(loaded, static=True)
+    outs = []
+    for engine in (host, device):
+        tables = PageTables(engine)
+        tokens = [r.outputs[-1].token_id for r in engine.forward_text(
+            [tables.item(f"s{n}", p, outputs=(len(p) - 1,)) for n, p in enumerate(prompts[:3])])]
+        seq = [tokens]
+        for _ in range(5):
+            tokens = [r.outputs[0].token_id for r in engine.forward_text(
+                [tables.item(f"s{n}", [t]) for n, t in enumerate(tokens)])]
+            seq.append(tokens)
+        outs.append(seq)
+    assert outs[0] == outs[1]
+    assert engine_stats(device)["num_graph_batches"] == 5
+    assert engine_stats(host)["num_graph_batches"] == 0
