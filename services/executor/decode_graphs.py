@@ -74,7 +74,36 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int | None:
     return None
 
 
-class _Step:
+class _Graphed:
+    """A fixed-shape `body` that runs eagerly until `capture` records it as a CUDA graph, then replays."""
+
+    graph: torch.cuda.CUDAGraph | None = None
+    device: torch.device
+
+    def body(self) -> None:
+        raise NotImplementedError
+
+    def prepare_capture(self) -> None:
+        """Leave the buffers so that the warm-up run writes only the scratch page."""
+        raise NotImplementedError
+
+    def capture(self, pool: object) -> None:
+        self.prepare_capture()
+        self.body()  # warm-up: compiles the kernels, sizes cuBLAS's workspace
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.body()
+        self.graph = graph
+
+    def run(self) -> None:
+        if self.graph is None:
+            self.body()
+        else:
+            self.graph.replay()
+
+
+class _Step(_Graphed):
     """The static buffers of one (batch bucket, page bucket) and, on CUDA, its graph."""
 
     def __init__(self, decoder: StaticDecoder, batch: int, pages: int) -> None:
@@ -82,6 +111,7 @@ class _Step:
         model, cache, device = decoder.model, decoder.cache, decoder.device
         cfg = model.config
         self.decoder = decoder
+        self.device = device
         # One int32 block, copied in with one transfer: positions, write pages, write offsets,
         # context lengths (each [batch]), then the page table [batch, pages].
         self.host = torch.empty(4 * batch + batch * pages, dtype=torch.int32, pin_memory=device.type == "cuda")
@@ -101,10 +131,9 @@ class _Step:
         self.attn = torch.zeros((batch, cfg.num_heads * cfg.head_dim), dtype=dtype, device=device)
         self.act = torch.zeros((batch, cfg.intermediate_size), dtype=dtype, device=device)
         self.copied = torch.cuda.Event() if device.type == "cuda" else None
-        self.graph: torch.cuda.CUDAGraph | None = None
         self.loop: _Loop | None = None
 
-    def fill_padding_only(self) -> None:
+    def prepare_capture(self) -> None:
         """Every row a padding row: what the warm-up and the capture run on (they touch only scratch)."""
         self._fill([], np.zeros(0, dtype=np.int64))
         self.meta.copy_(self.host)
@@ -166,29 +195,15 @@ class _Step:
             norm = model.final_norm if last else layers[i + 1].input_norm
             ops.add_rms_norm(self.hidden, layer.down(self.act), norm, eps, self.out if last else self.x)
 
-    def capture(self, pool: object) -> None:
-        self.fill_padding_only()
-        self.body()  # warm-up: compiles the kernels, sizes cuBLAS's workspace
-        torch.cuda.synchronize(self.decoder.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self.body()
-        self.graph = graph
 
-    def run(self) -> None:
-        if self.graph is None:
-            self.body()
-        else:
-            self.graph.replay()
-
-
-class _Loop:
+class _Loop(_Graphed):
     """The device-side continuation state of one `_Step` and, on CUDA, its graph (a whole greedy step)."""
 
     def __init__(self, step: _Step, max_steps: int) -> None:
         batch, device = step.batch, step.decoder.device
         vocab = step.decoder.model.config.vocab_size
         self.step = step
+        self.device = device
         self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
         self.active = torch.zeros(batch, dtype=torch.bool, device=device)
         self.steps_left = torch.zeros(batch, dtype=torch.int32, device=device)
@@ -197,7 +212,6 @@ class _Loop:
         self.out_tokens = torch.zeros((max_steps + 1, batch), dtype=torch.long, device=device)
         self.out_logprobs = torch.zeros((max_steps + 1, batch), dtype=torch.float32, device=device)
         self.index = torch.zeros(1, dtype=torch.long, device=device)
-        self.graph: torch.cuda.CUDAGraph | None = None
 
     def body(self) -> None:
         step, model = self.step, self.step.decoder.model
@@ -225,21 +239,9 @@ class _Loop:
         step.write_page.copy_(torch.where(self.active, page, torch.full_like(page, scratch)))
         step.write_offset.copy_(torch.where(self.active, slot % page_size, torch.zeros_like(slot)).int())
 
-    def capture(self, pool: object) -> None:
-        self.step.fill_padding_only()
-        self.active.zero_()
-        self.body()  # warm-up; every row inactive: only the scratch page is written
-        torch.cuda.synchronize(self.step.decoder.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self.body()
-        self.graph = graph
-
-    def run(self) -> None:
-        if self.graph is None:
-            self.body()
-        else:
-            self.graph.replay()
+    def prepare_capture(self) -> None:
+        self.step.prepare_capture()
+        self.active.zero_()  # every row inactive: the warm-up writes only the scratch page
 
 
 class StaticDecoder:
