@@ -4,9 +4,10 @@
     .venv/bin/python bench/executor.py --batches 1,16 --new-tokens 32 --engines l4m-q4,l4m-fp32 --threads 1
 
 Engines: l4m-q4 (float32 compute on the GGUF's Q4_1/Q8_0 blocks, the CPU default), l4m-fp32 (dense
-float32 weights), l4m-bf16, hf-fp32, hf-bf16, llama-cpp-f32 and llama-cpp-f16 (llama-cpp-python's
-batched decode on F32 / F16 GGUF exports of the same weights, see bench/peers.py; skipped with a note
-when llama-cpp-python is not installed: scripts/bench-setup.sh builds it). Every engine decodes
+float32 weights), l4m-bf16, hf-fp32, hf-bf16, llama-cpp-f32, llama-cpp-f16 and llama-cpp-q4_1
+(llama-cpp-python's batched decode on F32 / F16 GGUF exports of the same weights and on the model's own
+Q4_1 file, see bench/peers.py; skipped with a note when llama-cpp-python is not installed:
+scripts/bench-setup.sh builds it). Every engine decodes
 greedily from the same random 100-token prompts; prefill is one forward over all prompts, decode is the median step time. With
 --repeats N each (engine, batch) runs N times, interleaved across engines, and the table shows
 medians. Prints one table, the load average, and writes JSON (--out).
@@ -192,7 +193,9 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--engines", default="l4m-q4,l4m-fp32,l4m-bf16,hf-fp32,llama-cpp-f32,llama-cpp-f16")
+    parser.add_argument(
+        "--engines", default="l4m-q4,l4m-fp32,l4m-bf16,hf-fp32,llama-cpp-f32,llama-cpp-f16,llama-cpp-q4_1"
+    )
     parser.add_argument("--repeats", type=int, default=1, help="runs per (engine, batch); medians shown")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0 = default")
     parser.add_argument("--device", default="cpu", help="cpu or cuda:N (the CPU-only engines are skipped on CUDA)")

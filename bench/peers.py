@@ -11,6 +11,8 @@ Engines (each decodes `--new-tokens` tokens for every prompt, ignoring end-of-se
   llama-cpp-f32, -f16   llama-cpp-python's low-level API: every sequence in ONE `llama_batch` per step, on
                         an F32 / F16 GGUF export of the same weights (dequantized from the Q4_1 file by
                         `export_gguf`, cached under bench/results/models/).
+  llama-cpp-q4_1        the same, on the model's own Q4_1 file (what a llama.cpp user runs: 4-bit weights,
+                        activations quantized to 8 bits for its integer dot products).
 
 Timing: every stream's request is at t = 0 (just before the engine's first call, the model loaded and
 warmed up); a token's time is when the engine hands it back. Peak RSS is sampled every 50 ms during the
@@ -38,7 +40,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 EXPORT_DIR = REPO / "bench" / "results" / "models"
-ENGINES = ("l4m-executor", "hf-fp32", "hf-bf16", "llama-cpp-f32", "llama-cpp-f16")
+LLAMA_CPP_PRECISIONS = ("f32", "f16", "q4_1")
+ENGINES = ("l4m-executor", "hf-fp32", "hf-bf16", *(f"llama-cpp-{p}" for p in LLAMA_CPP_PRECISIONS))
 RSS_SAMPLE_PERIOD_S = 0.05
 EXIT_UNAVAILABLE = 3  # the exit status of `peers.py --engine X` when X's package is missing
 
@@ -274,14 +277,17 @@ def run_hf(prompts: list[list[int]], new_tokens: int, dtype: str) -> Timeline:
 
 def export_gguf(precision: str) -> Path:
     """An F32 or F16 GGUF of the default model's weights, dequantized from its Q4_1/Q8_0 blocks (norms stay
-    F32, as llama.cpp's converter keeps them), metadata and tokenizer copied. Written once, then cached."""
+    F32, as llama.cpp's converter keeps them), metadata and tokenizer copied. Written once, then cached.
+    "q4_1" is the default model's own file."""
     import gguf
 
     from l4m.executor.weights import default_model_path
 
-    if precision not in ("f32", "f16"):
-        raise ValueError(f"precision must be f32 or f16, got {precision!r}")
+    if precision not in LLAMA_CPP_PRECISIONS:
+        raise ValueError(f"precision must be one of {LLAMA_CPP_PRECISIONS}, got {precision!r}")
     source = default_model_path()
+    if precision == "q4_1":
+        return source
     target = EXPORT_DIR / f"{source.stem}.{precision.upper()}.gguf"
     if target.exists():
         return target
@@ -388,7 +394,7 @@ def run_engine(engine: str, prompts: list[list[int]], new_tokens: int, threads: 
         except ImportError as error:
             raise PeerUnavailable("transformers is not installed (pip install -e '.[bench]')") from error
         return run_hf(prompts, new_tokens, "float32" if engine == "hf-fp32" else "bfloat16")
-    if engine in ("llama-cpp-f32", "llama-cpp-f16"):
+    if engine.startswith("llama-cpp-") and engine in ENGINES:
         return run_llama_cpp(prompts, new_tokens, engine.rsplit("-", 1)[1], threads)
     raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
 
