@@ -112,6 +112,20 @@ def test_scheduler_bench_prints_a_row_per_strategy(mode: tuple[str, ...]) -> Non
         assert row[1] == "2" and float(row[2].replace(",", "")) > 0, done.stdout
 
 
+@pytest.mark.parametrize("decode", ["steps", "continuation"])
+def test_executor_bench_measures_each_engine(tmp_path: Path, decode: str) -> None:
+    """bench/executor.py, tiny: prefill and decode rates of the executor alone, decoding one
+    forward_text per token or letting continuation feed the tokens back."""
+    out = tmp_path / "executor.json"
+    done = run_bench("executor.py", "--batches", "2", "--prompt-tokens", "8", "--new-tokens", "4", "--decode", decode,
+                     "--engines", "l4m-q4,l4m-fp32", "--threads", "1", "--out", str(out), timeout_s=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["engine"], row["batch"]) for row in rows] == [("l4m-q4", 2), ("l4m-fp32", 2)]
+    for row in rows:
+        assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0
+
+
 def test_transport_bench_measures_both_transports(tmp_path: Path) -> None:
     """bench/transport.py, tiny: round trips through an echo server on grpc.aio and on framed messages."""
     out = tmp_path / "transport.json"
