@@ -26,6 +26,7 @@ from pathlib import Path
 import peers
 import torch
 
+from l4m.executor import decode_ops
 from l4m.executor.commands import Allocate, ForwardText, ResourceKind, SamplerKind, SamplerSpec
 from l4m.executor.engine import Engine, EngineConfig
 from l4m.executor.weights import default_model_path, load_model
@@ -200,6 +201,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0 = default")
     parser.add_argument("--device", default="cpu", help="cpu or cuda:N (the CPU-only engines are skipped on CUDA)")
     parser.add_argument(
+        "--decode-attention", default="blocked", choices=["blocked", "split"],
+        help="on CUDA, the decode graphs' attention kernel (decode_ops.DECODE_ATTENTION): blocked, the "
+        "default, or split (flash-decoding: the pages split across programs, then a combine)",
+    )
+    parser.add_argument(
         "--decode", default="steps", choices=["steps", "continuation"],
         help="steps: one forward_text per generated token (median step); continuation: one forward_text "
         "whose items decode on by themselves (the l4m engines only; total time)",
@@ -208,6 +214,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    decode_ops.DECODE_ATTENTION = args.decode_attention
     loaded = load_model(default_model_path())
     engines = args.engines.split(",")
     batches = [int(b) for b in args.batches.split(",")]

@@ -55,3 +55,8 @@ bench --batches 1,16,64 --engines l4m-fp32,l4m-bf16,l4m-fp32-eager,l4m-bf16-eage
   --out "$out/executor-steps.json" 2>&1 | tee "$out/executor-steps.log"
 bench --batches 1,16,64 --engines l4m-fp32,l4m-bf16,l4m-bf16-eager --decode continuation --new-tokens 66 --repeats 2 \
   --out "$out/executor-continuation.json" 2>&1 | tee "$out/executor-continuation.log"
+# The split (flash-decoding) attention against the blocked one above: decode steps and continuation.
+bench --batches 1,16,64 --engines l4m-fp32,l4m-bf16 --decode-attention split \
+  --out "$out/executor-steps-split.json" 2>&1 | tee "$out/executor-steps-split.log"
+bench --batches 1,16,64 --engines l4m-fp32,l4m-bf16 --decode continuation --new-tokens 66 --repeats 2 \
+  --decode-attention split --out "$out/executor-continuation-split.json" 2>&1 | tee "$out/executor-continuation-split.log"

@@ -212,6 +212,69 @@ def _build_kernels(interpret: bool):  # Triton picks the interpreter at decorati
         )
 
     @triton.jit
+    def decode_attention_split_kernel(
+        q_ptr, kv_ptr, table_ptr, ctx_ptr, page_vis_ptr, row_vis_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, scale,
+        NUM_PAGES: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
+        G: tl.constexpr, BLOCK_PAGES: tl.constexpr, SPLITS: tl.constexpr,
+    ):
+        # program (b, h, split): query head h over the split's NUM_PAGES // SPLITS pages; writes its
+        # running max, sum and weighted values for `decode_attention_combine_kernel`.
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        split = tl.program_id(2)
+        kvh = h // G
+        PER_SPLIT: tl.constexpr = NUM_PAGES // SPLITS
+        dims = tl.arange(0, D)
+        cols = tl.arange(0, BLOCK_PAGES * S)
+        col_page = cols // S
+        col_slot = cols % S
+        q = tl.load(q_ptr + (b * H + h) * D + dims).to(tl.float32) * scale
+        ctx_len = tl.load(ctx_ptr + b)
+        m = tl.full([1], -1.0e30, tl.float32)
+        total = tl.zeros([1], tl.float32)
+        acc = tl.zeros([1, D], tl.float32)
+        for i in range(0, PER_SPLIT // BLOCK_PAGES):
+            first = split * PER_SPLIT + i * BLOCK_PAGES
+            slot = first * S + cols
+            page = tl.load(table_ptr + b * NUM_PAGES + first + col_page).to(tl.int64)
+            seen = slot < ctx_len
+            seen &= tl.load(page_vis_ptr + page * S + col_slot, mask=seen, other=0) != 0
+            seen &= tl.load(row_vis_ptr + b * NUM_PAGES * S + slot, mask=seen, other=0) != 0
+            k_rows = kv_ptr + ((page * 2 * S + col_slot) * KVH + kvh)[:, None] * D + dims[None, :]
+            k = tl.load(k_rows, mask=seen[:, None], other=0.0).to(tl.float32)
+            v = tl.load(k_rows + S * KVH * D, mask=seen[:, None], other=0.0).to(tl.float32)
+            scores = tl.sum(q[None, :] * k, axis=1)[None, :]  # [1, BLOCK_PAGES * S]
+            scores = tl.where(seen[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            total = total * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m = m_new
+        part = (b * H + h) * SPLITS + split
+        one = tl.arange(0, 1)
+        tl.store(part_m_ptr + part + one, m)
+        tl.store(part_l_ptr + part + one, total)
+        tl.store(part_acc_ptr + part * D + dims[None, :] + one[:, None], acc)
+
+    @triton.jit
+    def decode_attention_combine_kernel(
+        part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        splits = tl.arange(0, SPLITS)
+        dims = tl.arange(0, D)
+        base = (b * H + h) * SPLITS
+        ms = tl.load(part_m_ptr + base + splits)
+        weights = tl.exp(ms - tl.max(ms, axis=0))  # a split that saw nothing: m = -1e30, weight 0
+        total = tl.sum(tl.load(part_l_ptr + base + splits) * weights, axis=0)
+        accs = tl.load(part_acc_ptr + (base + splits)[:, None] * D + dims[None, :])
+        acc = tl.sum(accs * weights[:, None], axis=0)
+        result = tl.where(total > 0, acc / tl.maximum(total, 1e-30), 0.0)
+        tl.store(out_ptr + (b * H + h) * D + dims, result.to(out_ptr.dtype.element_ty))
+
+    @triton.jit
     def silu_mul_kernel(gate_up_ptr, out_ptr, F_: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -221,11 +284,18 @@ def _build_kernels(interpret: bool):  # Triton picks the interpreter at decorati
         y = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(out_ptr + row * F_ + cols, y.to(out_ptr.dtype.element_ty), mask=keep)
 
-    return add_rms_norm_kernel, rope_write_kv_kernel, decode_attention_kernel, silu_mul_kernel
+    return (add_rms_norm_kernel, rope_write_kv_kernel, decode_attention_kernel, silu_mul_kernel,
+            decode_attention_split_kernel, decode_attention_combine_kernel)
 
 
 # Slots the decode attention reads per iteration (whole pages): more loads in flight per program.
 DECODE_BLOCK_SLOTS = 64
+# "blocked": one program per (item, KV head) walks all its pages (measured on an H200: benchmarks.md).
+# "split": one program per (item, query head, split of the pages), then a combine ("flash-decoding"):
+# more programs in flight at small batches; checked against the reference, NOT YET MEASURED on a GPU
+# (bench/executor.py --decode-attention split).
+DECODE_ATTENTION = "blocked"
+SPLIT_TARGET_PROGRAMS = 264  # about two per multiprocessor of an H100 / H200
 
 
 def _next_pow2(n: int) -> int:
@@ -256,6 +326,9 @@ class TritonOps:
 
     @staticmethod
     def decode_attention(q, kv, page_table, ctx_len, page_visible, row_visible, out) -> None:
+        if DECODE_ATTENTION == "split":
+            TritonOps.decode_attention_split(q, kv, page_table, ctx_len, page_visible, row_visible, out)
+            return
         kernel = _kernels()[2]
         batch, num_heads, head_dim = q.shape
         num_kv_heads, page_size = kv.shape[-2], kv.shape[2]
@@ -266,6 +339,24 @@ class TritonOps:
             NUM_PAGES=num_pages, BLOCK_PAGES=max(1, min(num_pages, DECODE_BLOCK_SLOTS // page_size)),
             H=num_heads, KVH=num_kv_heads, D=head_dim, S=page_size, G=group, BLOCK_G=_next_pow2(group),
         )
+
+    @staticmethod
+    def decode_attention_split(q, kv, page_table, ctx_len, page_visible, row_visible, out) -> None:
+        split_kernel, combine_kernel = _kernels()[4:6]
+        batch, num_heads, head_dim = q.shape
+        num_kv_heads, page_size = kv.shape[-2], kv.shape[2]
+        num_pages = page_table.shape[1]
+        splits = min(num_pages, _next_pow2(-(-SPLIT_TARGET_PROGRAMS // (batch * num_heads))))
+        block_pages = max(1, min(num_pages // splits, DECODE_BLOCK_SLOTS // page_size))
+        part_m = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        split_kernel[(batch, num_heads, splits)](
+            q, kv, page_table, ctx_len, page_visible, row_visible, part_m, part_l, part_acc,
+            1.0 / math.sqrt(head_dim), NUM_PAGES=num_pages, H=num_heads, KVH=num_kv_heads, D=head_dim,
+            S=page_size, G=num_heads // num_kv_heads, BLOCK_PAGES=block_pages, SPLITS=splits,
+        )
+        combine_kernel[(batch, num_heads)](part_m, part_l, part_acc, out, H=num_heads, D=head_dim, SPLITS=splits)
 
     @staticmethod
     def silu_mul(gate_up, out) -> None:

@@ -67,10 +67,16 @@ def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
     torch.testing.assert_close(a.float().cpu(), b.float().cpu(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("attention", ["blocked", "split", "split once"])
 @pytest.mark.parametrize("block_slots", [4, 64], ids=["a page per iteration", "every page at once"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernels_match_the_torch_reference(triton_ops, dtype, block_slots, monkeypatch) -> None:
+def test_kernels_match_the_torch_reference(triton_ops, dtype, block_slots, attention, monkeypatch) -> None:
+    """Every kernel; the attention in both variants ("split": 4 splits of one page here, "split once":
+    one split walking every page)."""
     monkeypatch.setattr(decode_ops, "DECODE_BLOCK_SLOTS", block_slots)
+    monkeypatch.setattr(decode_ops, "DECODE_ATTENTION", attention.split()[0])
+    if attention == "split once":
+        monkeypatch.setattr(decode_ops, "SPLIT_TARGET_PROGRAMS", 1)
     device = torch.device(TEST_DEVICE)
     gen = torch.Generator().manual_seed(0)
     B, H, KVH, D, S, P, C, F = 3, 9, 3, 64, 4, 10, 40, 24
