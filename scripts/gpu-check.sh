@@ -3,6 +3,11 @@
 #
 #   scripts/gpu-check.sh kernels   # the Triton decode kernels against the torch reference on cuda:0
 #   scripts/gpu-check.sh all       # + the engine tests on cuda:0 and bench/executor.py (steps, continuation)
+#   scripts/gpu-check.sh pieces    # (here, not there) the default model cut into .gpua/ and .gpub/
+#
+# On a lent machine whose transfers carry 64 MiB at most, the 98 MB model travels in two calls made
+# back to back (the machine keeps /tmp while warm): first `kernels` carrying .gpua and .whl, then `all`
+# carrying .gpub and .whl. Both folders and .whl are in .git/info/exclude.
 #
 # It runs under the machine's own python3 (torch with CUDA, Triton), not .venv: l4m is installed there
 # without dependencies. Wheels in .whl/ (packages that python lacks: OpenTelemetry, gguf, grpcio at our
@@ -14,6 +19,15 @@ set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 what=${1:-all}
+if [ "$what" = pieces ]; then
+  model=$(.venv/bin/python -c 'from l4m.executor.weights import default_model_path; print(default_model_path())')
+  rm -rf .gpua .gpub && mkdir -p .gpua .gpub
+  (cd "$(dirname "$model")" && sha256sum "$(basename "$model")") >.gpua/smollm2.sha256
+  head -c 46000000 "$model" >.gpua/smollm2.part-a
+  tail -c +46000001 "$model" >.gpub/smollm2.part-b
+  ls -l .gpua .gpub
+  exit 0
+fi
 out=${OUT:-bench/results/gpu}
 mkdir -p "$out"
 python=${PYTHON:-python3}
