@@ -4,6 +4,7 @@
 #   scripts/gpu-check.sh kernels   # the Triton decode kernels against the torch reference on cuda:0
 #   scripts/gpu-check.sh all       # + the engine tests on cuda:0 and bench/executor.py (steps, continuation)
 #   scripts/gpu-check.sh pieces    # (here, not there) the default model cut into .gpua/ and .gpub/
+#   scripts/gpu-check.sh wheels    # (here) .whl/: what the lent machine's Python 3.12 lacks, at our pins
 #
 # On a lent machine whose transfers carry 64 MiB at most, the 98 MB model travels in two calls made
 # back to back (the machine keeps /tmp while warm): first `kernels` carrying .gpua and .whl, then `all`
@@ -26,6 +27,15 @@ if [ "$what" = pieces ]; then
   head -c 46000000 "$model" >.gpua/smollm2.part-a
   tail -c +46000001 "$model" >.gpub/smollm2.part-b
   ls -l .gpua .gpub
+  exit 0
+fi
+if [ "$what" = wheels ]; then
+  pins=$(grep -E '^(opentelemetry-api|opentelemetry-sdk|opentelemetry-semantic-conventions|gguf|protobuf|grpcio|grpcio-health-checking|grpcio-reflection|grpcio-tools)==' constraints.txt)
+  rm -rf .whl
+  # shellcheck disable=SC2086
+  .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $pins
+  ls .whl
   exit 0
 fi
 out=${OUT:-bench/results/gpu}
