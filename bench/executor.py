@@ -122,19 +122,13 @@ def _print_replay_time(engine: Engine, batch: int) -> None:
     decoder = engine.static_decoder
     if decoder is None or not decoder.graphs:
         return
-    for (b, pages), step in sorted(decoder._steps.items()):  # noqa: SLF001 (a measurement, read only)
-        if b != decoder.bucket([_Probe()] * batch)[0] or step.graph is None:
-            continue
+    for pages, graph in decoder.decode_graphs(batch).items():
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(50):
-            step.graph.replay()
+            graph.replay()
         torch.cuda.synchronize()
-        print(f"    graph replay, batch bucket {b} x {pages} pages: {(time.perf_counter() - t0) / 50 * 1e3:.3f} ms/step")
-
-
-class _Probe:  # a layout with one page, for looking up a batch bucket
-    page_ids = (0,)
+        print(f"    graph replay, batch {batch} x {pages} pages: {(time.perf_counter() - t0) / 50 * 1e3:.3f} ms/step")
 
 
 def _pages_for(b: int, total: int, pages_per_seq: int, page_size: int) -> dict:

@@ -157,15 +157,17 @@ class _Step(_Graphed):
             ctx[r] = slot + 1
         pos[:n] = positions
 
-    def load(self, layouts: Sequence[ItemLayout], hidden: torch.Tensor, positions: torch.Tensor) -> None:
+    def load(self, layouts: Sequence[ItemLayout], hidden: torch.Tensor | None, positions: torch.Tensor) -> None:
+        """The step's inputs: the int32 block, the rows' hidden states (None: the loop embeds its own
+        tokens), the BRLE rows."""
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's transfer has left the pinned block
         self._fill(layouts, positions.cpu().numpy())
         self.meta.copy_(self.host, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
-        n = hidden.shape[0]
-        self.hidden[:n].copy_(hidden)
+        if hidden is not None:
+            self.hidden[: hidden.shape[0]].copy_(hidden)
         custom = [r for r, it in enumerate(layouts) if it.mask_rows]
         if custom or self.row_mask_custom:
             self.row_visible.fill_(1)
@@ -269,6 +271,12 @@ class StaticDecoder:
             for step in self._steps.values()
         )
 
+    def decode_graphs(self, batch: int) -> dict[int, torch.cuda.CUDAGraph]:
+        """The captured decode graphs of `batch`'s bucket, by page bucket (what a benchmark replays)."""
+        bucket = bucket_for(batch, self.batch_buckets)
+        return {pages: step.graph for (b, pages), step in sorted(self._steps.items())
+                if b == bucket and step.graph is not None}
+
     def _step(self, key: tuple[int, int]) -> _Step:
         step = self._steps.get(key)
         if step is None:
@@ -332,7 +340,7 @@ class StaticDecoder:
                 self._timed_capture("continuation", key, step.loop.capture)
         loop = step.loop
         n = len(layouts)
-        step.load(layouts, torch.zeros(0, step.hidden.shape[1]), torch.tensor(list(positions)))
+        step.load(layouts, None, torch.tensor(list(positions)))
         loop.tokens[:n].copy_(torch.tensor(list(tokens)))
         active = torch.zeros(step.batch, dtype=torch.bool)
         active[:n] = torch.tensor([k > 0 for k in num_steps])
