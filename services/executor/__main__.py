@@ -69,6 +69,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, int]:
     parser.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: TLS on a TCP --listen")
     parser.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
     args = parser.parse_args(argv)
+    if args.graph_max_batch < 1:
+        parser.error(f"--graph-max-batch must be at least 1, got {args.graph_max_batch}")
     try:
         secret = read_secret_file(args.cluster_secret_file) if args.cluster_secret_file else ""
         tls = tls_files(args.tls_cert, args.tls_key)

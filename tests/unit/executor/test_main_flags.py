@@ -22,6 +22,17 @@ def test_a_bad_decode_kernel_value_is_refused(capsys: pytest.CaptureFixture[str]
     assert "--decode-kernel" in capsys.readouterr().err
 
 
+def test_decode_graphs_flags_reach_the_config(capsys: pytest.CaptureFixture[str]) -> None:
+    engine = parse_config(["--model", "m.gguf"])[0].engine
+    assert engine.decode_graphs is True and engine.graph_max_batch == 64
+    engine = parse_config(["--model", "m.gguf", "--decode-graphs", "off", "--graph-max-batch", "16"])[0].engine
+    assert engine.decode_graphs is False and engine.graph_max_batch == 16
+    with pytest.raises(SystemExit) as exit_:
+        parse_config(["--model", "m.gguf", "--graph-max-batch", "0"])
+    assert exit_.value.code == 2
+    assert "--graph-max-batch must be at least 1, got 0" in capsys.readouterr().err
+
+
 def test_the_cluster_secret_and_tls_reach_the_config(tmp_path: Path) -> None:
     secret_file = tmp_path / "cluster.secret"
     secret = write_secret_file(secret_file)
