@@ -86,8 +86,12 @@ def bench_l4m(
     # Warm-up (as for HF): the first forward pays one-off set-up (CUDA kernels and cuBLAS handles).
     engine.forward_text([item(0, prompts[0][:8], 0)])
     _sync(device)
+    # The prompts in as few forwards as max_batch_tokens allows (whole prompts per forward).
+    per_forward = max(1, config.max_batch_tokens // prompt_len)
     t0 = time.perf_counter()
-    results = engine.forward_text([item(b, prompts[b], 0) for b in range(batch)])
+    results = []
+    for first in range(0, batch, per_forward):
+        results += engine.forward_text([item(b, prompts[b], 0) for b in range(first, min(batch, first + per_forward))])
     prefill_s = time.perf_counter() - t0
     last = [r.outputs[0].token_id for r in results]
     if decode == "continuation":  # one forward_text: the executor feeds each token back itself
@@ -195,9 +199,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0 = default")
     parser.add_argument("--device", default="cpu", help="cpu or cuda:N (the CPU-only engines are skipped on CUDA)")
     parser.add_argument(
-        "--decode-attention", default="blocked", choices=["blocked", "split"],
-        help="on CUDA, the decode graphs' attention kernel (decode_ops.DECODE_ATTENTION): blocked, the "
-        "default, or split (flash-decoding: the pages split across programs, then a combine)",
+        "--decode-attention", default="auto", choices=["auto", "blocked", "split"],
+        help="on CUDA, the decode graphs' attention kernel (decode_ops.DECODE_ATTENTION): blocked, split "
+        "(flash-decoding: the pages split across programs, then a combine) or auto (the default: split "
+        "where it gives more than one split per item and head)",
     )
     parser.add_argument(
         "--decode", default="steps", choices=["steps", "continuation"],

@@ -8,9 +8,15 @@ sent when the reply arrives (so commands in flight = instances).
     .venv/bin/python bench/scheduler.py --grpc          # scheduler and executor processes, clients over gRPC
     .venv/bin/python bench/scheduler.py --grpc --framed # the same, clients over framed sessions (--listen-framed)
     .venv/bin/python bench/scheduler.py --grpc --framed --sdk   # clients are the SDK's sessions (l4m.session)
+    python bench/scheduler.py --grpc --framed --sdk --executor-device cuda:0 --strategies adaptive
+                                                        # the real executor (default model) on a GPU
 
 With --grpc the table has the scheduler's CPU per command (its process time over the commands answered):
 1e6 / that is what one scheduler core can take, whatever the clients beside it on this machine cost.
+With --executor-device the executor is l4m's own on that device (the default model, its token ids
+`step % 1000`, four pages per instance written over and over): every command is one decoded token, so
+commands/s is the stack's decode tokens/s without the spawner and sandboxes, to set beside
+bench/executor.py's figure for the executor alone.
     taskset -c 0,1 .venv/bin/python bench/scheduler.py  # the 2-core target
 """
 
@@ -27,6 +33,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from transport import process_cpu_s  # bench/transport.py, beside this file
 
@@ -41,6 +48,7 @@ PAGE_SIZE = 16
 NUM_PAGES_PER_INSTANCE = 4
 STRATEGIES = ("adaptive", "t-only:1", "k-only:{k}", "k-or-t:8:1")
 SIZES = (1, 16, 128)
+WARM_UP_BOUND_S = 120.0
 
 
 def strategy_for(template: str, num_instances: int) -> str:
@@ -144,7 +152,7 @@ async def switch_batching(stub: object, registry: GrpcProcesses, strategy: str) 
 
 
 async def run_grpc(processes: GrpcProcesses, strategy: str, num_instances: int, duration_s: float,
-                   sdk: bool = False) -> dict[str, float]:
+                   sdk: bool = False, warm_up_commands: int = 0) -> dict[str, float]:
     import grpc
 
     from l4m.framed import FramedStub
@@ -192,6 +200,11 @@ async def run_grpc(processes: GrpcProcesses, strategy: str, num_instances: int, 
 
         tasks = [asyncio.create_task(sdk_instance() if sdk else instance()) for _ in range(num_instances)]
         await asyncio.sleep(0.3)
+        # A real executor captures a CUDA graph per (batch, pages) bucket the first time one is needed:
+        # warm up until every instance has gone round its pages twice (each bucket seen), within a bound.
+        warm_until = time.monotonic() + WARM_UP_BOUND_S
+        while counters["commands"] < warm_up_commands * num_instances and time.monotonic() < warm_until:
+            await asyncio.sleep(0.1)
         latencies.clear()
         before, commands_before = await stats(), counters["commands"]
         scheduler_cpu_before, client_cpu_before = process_cpu_s(processes.scheduler_pid), time.process_time()
@@ -230,13 +243,36 @@ class GrpcProcesses:
         return self.processes[1].pid
 
 
+EXECUTOR_START_TIMEOUT_S = 600.0  # a real executor loads its model (and, on a GPU, the CUDA runtime) first
+
+
+def wait_serving(process: subprocess.Popen, address: str, log: Path, timeout_s: float) -> None:  # type: ignore[type-arg]
+    """Until the executor's gRPC health check says SERVING; its log tail in the error if it exits or stalls."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if process.poll() is not None or time.monotonic() > deadline:
+                tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+                state = f"exited with {process.returncode}" if process.returncode is not None else "is not serving"
+                raise RuntimeError(f"the executor {state} after {timeout_s:.0f} s at most; its log:\n{tail}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+
+
 def start_processes(framed_path: str | None = None, executor_transport: str = "framed",
-                    simulated_args: Sequence[str] = ()) -> GrpcProcesses:
-    """The simulated executor (with `simulated_args`) and the scheduler (also serving framed sessions on
-    `framed_path` when given); the scheduler sends its batches on the executor's framed Execute socket,
-    or on gRPC."""
+                    simulated_args: Sequence[str] = (), executor_device: str = "") -> GrpcProcesses:
+    """The simulated executor (with `simulated_args`), or l4m's executor on `executor_device`, and the
+    scheduler (also serving framed sessions on `framed_path` when given); the scheduler sends its batches
+    on the executor's framed Execute socket, or on gRPC."""
     import socket
-    from pathlib import Path
 
     from l4m.wire.credentials import write_secret_file
 
@@ -251,10 +287,23 @@ def start_processes(framed_path: str | None = None, executor_transport: str = "f
     secret = write_secret_file(secret_file)
     registry_address = f"unix:{state}/registry.sock"
     env = {**os.environ}
-    executor = subprocess.Popen([sys.executable, "-m", "l4m.scheduler.simulated", "--listen", executor_address,
-                                 "--num-kv-pages", "8192", "--listen-framed", str(state / "executor.frames.sock"),
-                                 *simulated_args],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    framed_execute = ["--listen-framed", str(state / "executor.frames.sock")]
+    if executor_device:
+        log = state / "executor.log"
+        with log.open("wb") as sink:
+            executor = subprocess.Popen([sys.executable, "-m", "l4m.executor", "--listen", executor_address,
+                                         "--device", executor_device, "--num-pages", "2048",
+                                         "--cluster-secret-file", str(secret_file), *framed_execute],
+                                        env=env, stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            wait_serving(executor, executor_address, log, EXECUTOR_START_TIMEOUT_S)
+        except BaseException:
+            executor.kill()
+            raise
+    else:
+        executor = subprocess.Popen([sys.executable, "-m", "l4m.scheduler.simulated", "--listen", executor_address,
+                                     "--num-kv-pages", "8192", *framed_execute, *simulated_args],
+                                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     scheduler = subprocess.Popen([sys.executable, "-m", "l4m.scheduler", "--listen", scheduler_address, "--executor",
                                   executor_address, "--allow-anonymous", "--log-level", "WARNING",
                                   "--registry-listen", registry_address, "--cluster-secret-file", str(secret_file),
@@ -273,28 +322,38 @@ def main() -> None:
                         help="with --grpc: the clients are the SDK's sessions (l4m.session.Session), not raw calls")
     parser.add_argument("--executor-transport", default="framed", choices=["framed", "grpc"],
                         help="with --grpc: how the scheduler sends batches to the simulated executor")
+    parser.add_argument("--executor-device", default="", metavar="DEVICE",
+                        help="with --grpc: l4m's executor (the default model) on cpu or cuda:N, not the simulated one")
     parser.add_argument("--duration-s", type=float, default=1.5)
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="batching strategies, comma separated")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.framed and not args.grpc:
         parser.error("--framed goes with --grpc (the in-process mode has no transport)")
+    if args.executor_device and not args.grpc:
+        parser.error("--executor-device goes with --grpc (the in-process mode runs the simulated executor)")
     framed_path = f"{tempfile.mkdtemp(prefix='l4m-bench-framed-')}/scheduler.frames.sock" if args.framed else None
-    grpc_processes = start_processes(framed_path, args.executor_transport) if args.grpc else None
+    grpc_processes = (start_processes(framed_path, args.executor_transport, executor_device=args.executor_device)
+                      if args.grpc else None)
+    # Each instance's steps cycle through its pages: twice round covers every page bucket.
+    warm_up_commands = 2 * PAGE_SIZE * NUM_PAGES_PER_INSTANCE if args.executor_device else 0
     mode = "in-process core + simulated executor"
     if args.grpc:
-        mode = (f"scheduler + simulated executor processes, {'SDK sessions' if args.sdk else 'raw calls'} over "
+        executor = f"l4m executor ({args.executor_device})" if args.executor_device else "simulated executor"
+        mode = (f"scheduler + {executor} processes, {'SDK sessions' if args.sdk else 'raw calls'} over "
                 f"{'framed sessions' if args.framed else 'gRPC'}, batches over {args.executor_transport}")
     print(f"scheduler benchmark, {mode}, cpus={len(os.sched_getaffinity(0))}")
     cpu_columns = f" {'scheduler CPU us/cmd':>20} {'clients CPU us/cmd':>18}" if args.grpc else ""
     print(f"{'strategy':<12} {'instances':>9} {'commands/s':>11} {'mean batch':>10} {'p50 ms':>8} {'p99 ms':>8}"
           + cpu_columns)
     try:
-        for template in STRATEGIES:
+        for template in args.strategies.split(","):
             for num_instances in sizes:
                 strategy = strategy_for(template, num_instances)
                 if grpc_processes is not None:
-                    row = eventloop.run(run_grpc(grpc_processes, strategy, num_instances, args.duration_s, args.sdk))
+                    row = eventloop.run(run_grpc(grpc_processes, strategy, num_instances, args.duration_s, args.sdk,
+                                                  warm_up_commands))
                 else:
                     row = asyncio.run(run_in_process(strategy, num_instances, args.duration_s))
                 print(f"{strategy:<12} {num_instances:>9} {row['commands_per_s']:>11,.0f} {row['mean_batch']:>10.1f} "

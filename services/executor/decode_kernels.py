@@ -128,30 +128,33 @@ def decode_attention_kernel(
 def decode_attention_split_kernel(
     q_ptr, kv_ptr, table_ptr, ctx_ptr, page_vis_ptr, row_vis_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, scale,
     NUM_PAGES: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
-    G: tl.constexpr, BLOCK_PAGES: tl.constexpr, SPLITS: tl.constexpr,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_PAGES: tl.constexpr, SPLITS: tl.constexpr,
 ):
-    # program (b, h, split): query head h over the split's NUM_PAGES // SPLITS pages; writes its
+    # program (b, kvh, split): the G query heads sharing key head kvh (each page read once for all of
+    # them, as in decode_attention_kernel) over the split's NUM_PAGES // SPLITS pages; writes each head's
     # running max, sum and weighted values for `decode_attention_combine_kernel`.
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    kvh = tl.program_id(1)
     split = tl.program_id(2)
-    kvh = h // G
     PER_SPLIT: tl.constexpr = NUM_PAGES // SPLITS
+    heads = tl.arange(0, BLOCK_G)
+    head_ok = heads < G
     dims = tl.arange(0, D)
-    q = tl.load(q_ptr + (b * H + h) * D + dims[None, :]).to(tl.float32) * scale  # [1, D]
+    h = kvh * G + heads
+    q = tl.load(q_ptr + (b * H + h)[:, None] * D + dims[None, :], mask=head_ok[:, None], other=0.0)
+    q = q.to(tl.float32) * scale
     ctx_len = tl.load(ctx_ptr + b)
-    m = tl.full([1], -1.0e30, tl.float32)
-    total = tl.zeros([1], tl.float32)
-    acc = tl.zeros([1, D], tl.float32)
+    m = tl.full([BLOCK_G], -1.0e30, tl.float32)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
     for i in range(0, PER_SPLIT // BLOCK_PAGES):
         m, total, acc = _attend_block(q, kv_ptr, table_ptr, page_vis_ptr, row_vis_ptr, b, kvh, ctx_len,
                                       split * PER_SPLIT + i * BLOCK_PAGES, m, total, acc,
                                       NUM_PAGES, KVH, D, S, BLOCK_PAGES)
-    part = (b * H + h) * SPLITS + split
-    one = tl.arange(0, 1)
-    tl.store(part_m_ptr + part + one, m)
-    tl.store(part_l_ptr + part + one, total)
-    tl.store(part_acc_ptr + part * D + dims[None, :] + one[:, None], acc)
+    part = (b * H + h) * SPLITS + split  # [BLOCK_G]
+    tl.store(part_m_ptr + part, m, mask=head_ok)
+    tl.store(part_l_ptr + part, total, mask=head_ok)
+    tl.store(part_acc_ptr + part[:, None] * D + dims[None, :], acc, mask=head_ok[:, None])
 
 
 @triton.jit

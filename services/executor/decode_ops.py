@@ -111,16 +111,24 @@ def _kernels():
 
 # Slots the decode attention reads per iteration (whole pages): more loads in flight per program.
 DECODE_BLOCK_SLOTS = 64
-# "blocked": one program per (item, KV head) walks all its pages (measured on an H200: benchmarks.md).
-# "split": one program per (item, query head, split of the pages), then a combine ("flash-decoding"):
-# more programs in flight at small batches; checked against the reference, NOT YET MEASURED on a GPU
-# (bench/executor.py --decode-attention split).
-DECODE_ATTENTION = "blocked"
+# "blocked": one program per (item, KV head) walks all its pages, reading each page once for the query
+# heads that share it. "split" ("flash-decoding"): one program per (item, KV head, split of the pages),
+# then a combine per (item, query head): more programs in flight where items are few. "auto" takes split
+# where that gives more than one split, blocked otherwise, bucket by bucket. On an H200 (benchmarks.md)
+# split's decode steps were 1.3-1.9x faster than blocked at 1 and 16 items with 100 prompt tokens,
+# 2-7x with 1000, and level at 64 items.
+DECODE_ATTENTION = "auto"
 SPLIT_TARGET_PROGRAMS = 264  # about two per multiprocessor of an H100 / H200
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def split_count(batch: int, num_kv_heads: int, num_pages: int) -> int:
+    """The split attention's splits per (item, KV head): enough for about SPLIT_TARGET_PROGRAMS
+    programs, a power of two, at most one per page."""
+    return min(num_pages, _next_pow2(-(-SPLIT_TARGET_PROGRAMS // (batch * num_kv_heads))))
 
 
 class TritonOps:
@@ -147,9 +155,15 @@ class TritonOps:
 
     @staticmethod
     def decode_attention(q, kv, page_table, ctx_len, page_visible, row_visible, out) -> None:
-        if DECODE_ATTENTION == "split":
+        if DECODE_ATTENTION == "split" or (
+            DECODE_ATTENTION == "auto" and split_count(q.shape[0], kv.shape[-2], page_table.shape[1]) > 1
+        ):
             TritonOps.decode_attention_split(q, kv, page_table, ctx_len, page_visible, row_visible, out)
-            return
+        else:
+            TritonOps.decode_attention_blocked(q, kv, page_table, ctx_len, page_visible, row_visible, out)
+
+    @staticmethod
+    def decode_attention_blocked(q, kv, page_table, ctx_len, page_visible, row_visible, out) -> None:
         kernel = _kernels()[2]
         batch, num_heads, head_dim = q.shape
         num_kv_heads, page_size = kv.shape[-2], kv.shape[2]
@@ -167,15 +181,16 @@ class TritonOps:
         batch, num_heads, head_dim = q.shape
         num_kv_heads, page_size = kv.shape[-2], kv.shape[2]
         num_pages = page_table.shape[1]
-        splits = min(num_pages, _next_pow2(-(-SPLIT_TARGET_PROGRAMS // (batch * num_heads))))
+        group = num_heads // num_kv_heads
+        splits = split_count(batch, num_kv_heads, num_pages)
         block_pages = max(1, min(num_pages // splits, DECODE_BLOCK_SLOTS // page_size))
         part_m = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
-        split_kernel[(batch, num_heads, splits)](
+        split_kernel[(batch, num_kv_heads, splits)](
             q, kv, page_table, ctx_len, page_visible, row_visible, part_m, part_l, part_acc,
             1.0 / math.sqrt(head_dim), NUM_PAGES=num_pages, H=num_heads, KVH=num_kv_heads, D=head_dim,
-            S=page_size, G=num_heads // num_kv_heads, BLOCK_PAGES=block_pages, SPLITS=splits,
+            S=page_size, G=group, BLOCK_G=_next_pow2(group), BLOCK_PAGES=block_pages, SPLITS=splits,
         )
         combine_kernel[(batch, num_heads)](part_m, part_l, part_acc, out, H=num_heads, D=head_dim, SPLITS=splits)
 

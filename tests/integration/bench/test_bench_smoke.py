@@ -92,6 +92,7 @@ def test_relay_counts_every_message_and_prices_it_by_role(tmp_path: Path) -> Non
         ("agentic.py", ["--workloads", "chess"], "unknown workloads ['chess']"),
         ("agentic.py", ["--branches", "0"], "must be at least 1"),
         ("peers.py", ["--engine", "l4m-executor", "--streams", "0"], "must be at least 1"),
+        ("scheduler.py", ["--executor-device", "cpu"], "--executor-device goes with --grpc"),
     ],
 )
 def test_bad_flags_are_refused_clearly(script: str, args: list[str], message: str) -> None:
@@ -110,6 +111,18 @@ def test_scheduler_bench_prints_a_row_per_strategy(mode: tuple[str, ...]) -> Non
     assert [row[0] for row in rows] == ["adaptive", "t-only:1", "k-only:2", "k-or-t:8:1"], done.stdout
     for row in rows:
         assert row[1] == "2" and float(row[2].replace(",", "")) > 0, done.stdout
+
+
+def test_scheduler_bench_runs_in_front_of_the_real_executor() -> None:
+    """bench/scheduler.py --executor-device: SDK sessions -> scheduler -> l4m's executor with the default
+    model (on the CPU here; cuda:0 on a GPU machine), one token per command, after a warm-up."""
+    done = run_bench("scheduler.py", "--grpc", "--framed", "--sdk", "--executor-device", "cpu", "--strategies",
+                     "adaptive", "--duration-s", "0.5", "--sizes", "2", timeout_s=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "scheduler + l4m executor (cpu) processes" in done.stdout
+    rows = [line.split() for line in done.stdout.splitlines()[2:] if line.strip()]
+    assert [row[:2] for row in rows] == [["adaptive", "2"]], done.stdout
+    assert float(rows[0][2].replace(",", "")) > 0 and float(rows[0][3]) > 1.0, done.stdout  # batched pairs
 
 
 @pytest.mark.parametrize("decode", ["steps", "continuation"])

@@ -59,6 +59,29 @@ def test_supports_names_the_shape_it_refuses() -> None:
     assert "head_dim 96" in decode_ops.supports(16, 96)
 
 
+def test_auto_attention_splits_only_where_items_are_few(monkeypatch) -> None:
+    """"auto" takes the split kernel where it gives each (item, KV head) more than one split of the
+    pages, and the blocked one where items and heads alone fill the GPU."""
+    assert decode_ops.split_count(1, 3, 64) == 64  # 264 programs / 3 KV heads, to a power of two, <= pages
+    assert decode_ops.split_count(16, 3, 16) == 8
+    assert decode_ops.split_count(64, 3, 16) == 2
+    assert decode_ops.split_count(96, 3, 16) == 1
+    chosen: list[str] = []
+    for variant in ("blocked", "split"):
+        monkeypatch.setattr(TritonOps, f"decode_attention_{variant}", staticmethod(lambda *_, v=variant: chosen.append(v)))
+
+    def choose(setting: str, batch: int, pages: int) -> str:
+        monkeypatch.setattr(decode_ops, "DECODE_ATTENTION", setting)
+        q, kv = torch.zeros(batch, 9, 64), torch.zeros(1, 2, 16, 3, 64)  # 9 query heads on 3 KV heads
+        TritonOps.decode_attention(q, kv, torch.zeros(batch, pages, dtype=torch.int32), None, None, None, None)
+        return chosen.pop()
+
+    assert [choose("auto", b, 16) for b in (1, 16, 64, 96, 128)] == ["split", "split", "split", "blocked", "blocked"]
+    assert choose("auto", 16, 1) == "blocked"  # one page: nothing to split
+    assert [choose(s, 1, 16) for s in ("blocked", "split")] == ["blocked", "split"]
+    assert choose("split", 128, 16) == "split"
+
+
 # ---- the kernels against the torch reference -----------------------------------------------------
 
 
