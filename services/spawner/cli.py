@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the scheduler's framed-session socket (its --listen-framed) in --socket-dir: controllers speak L4M "
         "over it instead of gRPC (default: none, gRPC)",
     )
+    add(
+        "--runtime-framed-socket-name",
+        default=defaults.runtime_framed_socket_name,
+        help="the socket in --socket-dir on which controllers send their user messages as frames "
+        f"(default {defaults.runtime_framed_socket_name}; empty: not served, they use RuntimeService on gRPC)",
+    )
     add("--state-dir", type=Path, default=_default_state_dir(), help="programs are stored under it")
     add("--sandbox", choices=("process", "docker"), default=defaults.sandbox_kind)
     add("--docker-image", default="", help="controller image for --sandbox docker (default: build one)")
@@ -207,6 +213,7 @@ def parse_config(
         scheduler_registry_address=args.scheduler,
         scheduler_socket_name=args.scheduler_socket_name,
         scheduler_framed_socket_name=args.scheduler_framed_socket_name,
+        runtime_framed_socket_name=args.runtime_framed_socket_name,
         default_limits=limits,
         default_max_tokens=args.max_tokens,
         max_children_per_tree=args.max_children_per_tree,

@@ -500,6 +500,8 @@ class InstanceManager:
             "L4M_SCHEDULER_ADDR": self._scheduler_address(),
             "L4M_RUNTIME_ADDR": f"unix://{SANDBOX_SOCKET_DIR}/{self.config.runtime_socket_name}",
         }
+        if self.config.runtime_framed_socket_name:
+            env["L4M_RUNTIME_FRAMED_ADDR"] = f"framed://{SANDBOX_SOCKET_DIR}/{self.config.runtime_framed_socket_name}"
         if traceparent:
             env["TRACEPARENT"] = traceparent
         if self.config.controller_spans_endpoint:

@@ -30,6 +30,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
 from l4m.common.serving import GrpcServer, Service, build_server
 from l4m.spawner.config import SpawnerConfig
+from l4m.spawner.framed_runtime import FramedRuntimeServer
 from l4m.spawner.instances import (
     ArgsTooLarge,
     InboxFull,
@@ -89,6 +90,23 @@ _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (LaunchFailed, grpc.StatusCode.UNAVAILABLE),
 )
 MAX_CONCURRENT_UPLOADS = 16
+# One batched Attach response holds at most this many bytes of events (a single larger event goes alone),
+# well under a gRPC client's default 4 MiB receive limit.
+MAX_ATTACH_RESPONSE_BYTES = 1 << 20
+
+
+def _attach_chunks(events: list[spawner_pb2.AttachResponse]) -> list[list[spawner_pb2.AttachResponse]]:
+    """`events` in order, cut into runs of at most MAX_ATTACH_RESPONSE_BYTES each."""
+    chunks: list[list[spawner_pb2.AttachResponse]] = [[]]
+    size = 0
+    for event in events:
+        event_size = event.ByteSize() + 8  # its tag and length inside the batch
+        if chunks[-1] and size + event_size > MAX_ATTACH_RESPONSE_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(event)
+        size += event_size
+    return chunks
 _EXIT_REASON_TO_PB = {reason: getattr(spawner_pb2, f"EXIT_REASON_{reason.name}", 0) for reason in ExitReason}
 _STATE_TO_PB = {state: getattr(spawner_pb2, f"INSTANCE_STATE_{state.name}") for state in InstanceState}
 
@@ -244,8 +262,14 @@ class SpawnerServicer(spawner_pb2_grpc.SpawnerServiceServicer):
         async with _errors_to_status(context):
             instance = self.manager.get(request.instance_id, self._user(context))
         with self.manager.attached(instance):
-            async for event in instance.supervisor.subscribe():
-                yield event_to_pb(event)
+            if not request.batch_events:
+                async for event in instance.supervisor.subscribe():
+                    yield event_to_pb(event)
+                return
+            # Every event ready at once in one response (one gRPC message per burst, not per event).
+            async for events in instance.supervisor.subscribe_batches():
+                for chunk in _attach_chunks([event_to_pb(event) for event in events]):
+                    yield chunk[0] if len(chunk) == 1 else spawner_pb2.AttachResponse(events=chunk)
 
     async def SendMessage(self, request, context):  # noqa: N802
         async with _errors_to_status(context):
@@ -390,6 +414,7 @@ class SpawnerServer:
     manager: InstanceManager
     registry: InstanceRegistry
     span_forwarder: SpanForwarder | None = None
+    framed_runtime: FramedRuntimeServer | None = None  # user messages as frames, beside the runtime socket
     _trap_watch: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -406,6 +431,8 @@ class SpawnerServer:
         # The sandbox uid must reach the runtime socket: it is writable by anyone, which is safe
         # because every call must carry an instance token. gRPC creates the file only at start.
         os.chmod(self.runtime_socket, 0o666)
+        if self.framed_runtime is not None:
+            await self.framed_runtime.start()  # mode 0666 too: its first frame must carry an instance token
         await self.public.start()
         if isinstance(self.registry, GrpcInstanceRegistry):
             self._trap_watch = asyncio.create_task(self.registry.forward_traps(self.manager))
@@ -424,6 +451,8 @@ class SpawnerServer:
             self._trap_watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._trap_watch
+        if self.framed_runtime is not None:
+            await self.framed_runtime.stop()
         await self.runtime.stop(grace_s)
         if self.span_forwarder is not None:
             await self.span_forwarder.close()
@@ -485,7 +514,10 @@ async def create_server(
     runtime_socket = config.socket_dir / config.runtime_socket_name
     runtime_socket.unlink(missing_ok=True)
     runtime = build_server(runtime_services, [(f"unix://{runtime_socket}", None)], reflection=False)
-    return SpawnerServer(config, public, runtime, manager, registry, forwarder)
+    framed_runtime = None
+    if config.runtime_framed_socket_name:
+        framed_runtime = FramedRuntimeServer(manager, str(config.socket_dir / config.runtime_framed_socket_name))
+    return SpawnerServer(config, public, runtime, manager, registry, forwarder, framed_runtime)
 
 
 class ConfigError(ValueError):

@@ -123,6 +123,7 @@ class InstanceSupervisor:
         self._history: collections.deque[InstanceEvent] = collections.deque()
         self._history_bytes = 0
         self._subscribers: set[asyncio.Queue[InstanceEvent]] = set()
+        self._kills: set[asyncio.Future[None]] = set()  # output-limit kills started from publish_message_nowait
         self._exit_callbacks: list[ExitCallback] = []
         self._handle: SandboxHandle | None = None
         self._is_warm = False
@@ -169,21 +170,31 @@ class InstanceSupervisor:
 
     async def subscribe(self) -> AsyncIterator[InstanceEvent]:
         """Output seen so far (up to the replay limit), then live output, then one ExitEvent."""
+        async for events in self.subscribe_batches():
+            for event in events:
+                yield event
+
+    async def subscribe_batches(self) -> AsyncIterator[list[InstanceEvent]]:
+        """What `subscribe` yields, in lists: each holds every event that was ready when it was taken (the
+        replayed output in one, then whatever arrived while the last list was being handed on)."""
         queue: asyncio.Queue[InstanceEvent] = asyncio.Queue()
         backlog = list(self._history)
         if self.exit_info is None:
             self._subscribers.add(queue)
         try:
-            for event in backlog:
-                yield event
             if self.exit_info is not None:
                 if not backlog or not isinstance(backlog[-1], ExitEvent):
-                    yield ExitEvent(self.exit_info)
+                    backlog.append(ExitEvent(self.exit_info))
+                yield backlog
                 return
+            if backlog:
+                yield backlog
             while True:
-                event = await queue.get()
-                yield event
-                if isinstance(event, ExitEvent):
+                events = [await queue.get()]
+                while not queue.empty():
+                    events.append(queue.get_nowait())
+                yield events
+                if isinstance(events[-1], ExitEvent):
                     return
         finally:
             self._subscribers.discard(queue)
@@ -193,20 +204,38 @@ class InstanceSupervisor:
         against the output limit.
 
         Returns False (and kills the instance) when the message would go past the limit."""
+        verdict = self._charge_message(text)
+        if verdict == "over the limit":
+            await self._kill_for_output()
+        return verdict == "published"
+
+    def publish_message_nowait(self, text: str) -> str:
+        """`publish_message` for a caller that cannot wait (a frame handler): "published", "not running",
+        or "over the limit" (the kill then runs as a task of its own)."""
+        verdict = self._charge_message(text)
+        if verdict == "over the limit":
+            task = asyncio.ensure_future(self._kill_for_output())
+            self._kills.add(task)
+            task.add_done_callback(self._kills.discard)
+        return verdict
+
+    def _charge_message(self, text: str) -> str:
+        """"published", "not running", or "over the limit" (charged, not published: the caller kills)."""
         if self.state is not InstanceState.RUNNING or self._handle is None:
-            return False
+            return "not running"
         size = len(text.encode())
-        max_output_bytes = self.spec.limits.max_output_bytes
         charge = size + ITEM_OVERHEAD_BYTES
-        if self.num_output_bytes + charge > max_output_bytes:
-            self.num_output_bytes += charge
-            await self._handle.kill(ExitReason.OUTPUT_LIMIT, _over_limit_message(max_output_bytes))
-            return False
         self.num_output_bytes += charge
+        if self.num_output_bytes > self.spec.limits.max_output_bytes:
+            return "over the limit"
         if self._count_output_bytes is not None:
             self._count_output_bytes(size)
         self._publish(MessageEvent(text))
-        return True
+        return "published"
+
+    async def _kill_for_output(self) -> None:
+        assert self._handle is not None
+        await self._handle.kill(ExitReason.OUTPUT_LIMIT, _over_limit_message(self.spec.limits.max_output_bytes))
 
     # -- internals -------------------------------------------------------------------------------
 

@@ -102,12 +102,19 @@ class Client:
         response = await self._call(self._stub.Launch(request, timeout=self._timeout_s, metadata=metadata), "launch")
         return response.instance_id
 
-    async def attach(self, instance_id: str) -> AsyncIterator[spawner_pb2.AttachResponse]:
-        """Every event of the instance, from its start, ending with its exit."""
-        call = self._stub.Attach(spawner_pb2.AttachRequest(instance_id=instance_id), metadata=self._metadata)
+    async def attach(self, instance_id: str, batch_events: bool = True) -> AsyncIterator[spawner_pb2.AttachResponse]:
+        """Every event of the instance, from its start, ending with its exit, one by one (with
+        `batch_events` the spawner sends those ready together in one response; they are handed out here
+        one by one all the same)."""
+        request = spawner_pb2.AttachRequest(instance_id=instance_id, batch_events=batch_events)
+        call = self._stub.Attach(request, metadata=self._metadata)
         try:
-            async for event in call:
-                yield event
+            async for response in call:
+                if response.events:
+                    for event in response.events:
+                        yield event
+                else:
+                    yield response
         except grpc.aio.AioRpcError as error:
             raise self._error(error, "attach") from error
         finally:

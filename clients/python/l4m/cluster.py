@@ -6,8 +6,8 @@ watches: Ctrl-C, SIGTERM, or any child dying stops everything, the dead child's 
 
 Internal hops use Unix sockets in the state directory; the user-facing services (spawner, scheduler)
 also listen on loopback TCP (TLS with `--tls-cert/--tls-key`). The planes (docs/security.md):
-- `<state>/sockets/` (mounted into every sandbox as /run/l4m) holds only the scheduler's L4M socket and
-  the spawner's runtime socket;
+- `<state>/sockets/` (mounted into every sandbox as /run/l4m) holds only the scheduler's L4M sockets
+  (gRPC and framed) and the spawner's runtime sockets (gRPC, and the framed one for user messages);
 - `<state>/internal/` (0700: the operator's only) holds the executors' sockets, the scheduler's
   registry socket and the cluster secret (`cluster.secret`) that every control-plane call presents;
 - `<state>/api-keys.json` is the spawner's key store; `<state>/admin.key` the local admin's key, which
@@ -66,8 +66,9 @@ class ClusterConfig:
     warm_pool_size: int | None = None  # process sandboxes started ahead of demand; None: the spawner's default
     max_continuation_steps: int | None = None  # per forward_text (0: off); None: the scheduler's default
     allow_anonymous: bool = False
-    # How sandboxed controllers speak L4M: "framed" (length-prefixed frames on a Unix socket, ~4x less CPU
-    # per message) or "grpc"; users' own sessions use the scheduler's gRPC listeners either way.
+    # How sandboxed controllers speak L4M and send their user messages: "framed" (length-prefixed frames on
+    # Unix sockets, ~4x less CPU per message) or "grpc"; users' own sessions use the scheduler's gRPC
+    # listeners either way.
     session_transport: str = "framed"
     # How the scheduler sends batches to the executors: "framed" (each executor also serves its Execute
     # stream as frames on a socket beside its gRPC one) or "grpc".
@@ -216,6 +217,8 @@ def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
     argv += ["--metrics-port", str(config.metrics_port(0)), "--spawner-id", config.spawner_id]
     if framed:
         argv += ["--scheduler-framed-socket-name", config.scheduler_framed_socket.name]
+    else:
+        argv += ["--runtime-framed-socket-name", ""]  # user messages over RuntimeService too
     argv += ["--insecure-local"] if config.insecure_local else ["--api-keys-file", str(config.api_keys_file)]
     if config.warm_pool_size is not None:
         argv += ["--warm-pool-size", str(config.warm_pool_size)]

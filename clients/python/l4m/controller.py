@@ -5,6 +5,8 @@ PROGRAM is a `.py` file or a zip with `__main__.py` defining `async def main(ctx
 
   L4M_SCHEDULER_ADDR   the scheduler (`unix:///run/l4m/scheduler.sock` or `host:port`), required
   L4M_RUNTIME_ADDR     the spawner's RuntimeService; unset = local development (stdout/stdin)
+  L4M_RUNTIME_FRAMED_ADDR  where `ctx.send` sends its messages as frames (`framed:///run/l4m/...`); unset:
+                       over RuntimeService
   L4M_INSTANCE_TOKEN   the instance's token (absent with an anonymous scheduler)
   L4M_INSTANCE_ID      the instance's id
   TRACEPARENT          W3C trace context of the launch: the parent of this run's `controller.run` span
@@ -64,6 +66,7 @@ class ControllerConfig:
     instance_token: str | None
     instance_id: str
     traceparent: str | None
+    runtime_framed_address: str | None = None  # user messages as frames (L4M_RUNTIME_FRAMED_ADDR)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> ControllerConfig:
@@ -71,7 +74,8 @@ class ControllerConfig:
         if not address:
             raise ProgramError("L4M_SCHEDULER_ADDR is not set: point it at the scheduler, e.g. 127.0.0.1:50051")
         return cls(address, environ.get("L4M_RUNTIME_ADDR") or None, environ.get("L4M_INSTANCE_TOKEN") or None,
-                   environ.get("L4M_INSTANCE_ID", "local"), environ.get("TRACEPARENT") or None)
+                   environ.get("L4M_INSTANCE_ID", "local"), environ.get("TRACEPARENT") or None,
+                   environ.get("L4M_RUNTIME_FRAMED_ADDR") or None)
 
 
 def load_program(path: str | Path) -> Main:
@@ -104,7 +108,8 @@ async def run_main(main: Main, args: Sequence[str], session: Session, runtime: R
 async def run_program(program: str, args: Sequence[str], config: ControllerConfig) -> Any:
     main = load_program(program)
     if config.runtime_address:
-        runtime: Runtime = RuntimeClient(config.runtime_address, config.instance_token, config.traceparent)
+        runtime: Runtime = RuntimeClient(config.runtime_address, config.instance_token, config.traceparent,
+                                         framed_address=config.runtime_framed_address)
     else:
         runtime = LocalRuntime(launch_child=_local_child_launcher(program, config))
     session = await Session.connect(config.scheduler_address, config.instance_token, config.traceparent)

@@ -74,8 +74,15 @@ class Instance:
         return self.model.new_context()
 
     async def send(self, text: str) -> None:
-        """A message to the user (attached clients; stdout when run locally)."""
+        """A message to the user (attached clients; stdout when run locally). Under a spawner that takes
+        messages as frames (the default) it returns once the message is queued, not delivered: messages
+        go out in order, and a refusal (the output limit used up) raises from a later `send` or `flush`.
+        Everything sent reaches the spawner before the program's process ends."""
         await self.runtime.send(text)
+
+    async def flush(self) -> None:
+        """Returns once every message sent so far has reached the spawner (and its attached users)."""
+        await self.runtime.flush()
 
     async def receive(self, timeout_s: float | None = None) -> str | None:
         """The next message from the user, or None on timeout / end of input."""

@@ -21,6 +21,7 @@ import grpc
 from l4m.errors import L4MError
 from l4m.session import call_metadata
 from l4m.v1 import spawner_pb2, spawner_pb2_grpc
+from l4m.wire import frames
 
 MESSAGE_PREFIX = "l4m-message: "
 DEFAULT_RUNTIME_TIMEOUT_S = 30.0
@@ -65,6 +66,7 @@ def _to_bytes(value: bytes | str) -> bytes:
 
 class Runtime(Protocol):
     async def send(self, text: str) -> None: ...
+    async def flush(self) -> None: ...
     async def receive(self, timeout_s: float | None = None) -> str | None: ...
     async def get(self, name: str) -> Variable: ...
     async def set(self, name: str, value: bytes | str) -> int: ...
@@ -76,15 +78,133 @@ class Runtime(Protocol):
     async def close(self) -> None: ...
 
 
+# Messages a framed sender has sent that the spawner has not answered yet, before `send` waits for the
+# oldest answer: a controller that outruns the spawner holds at most this many in flight.
+MAX_UNANSWERED_SENDS = 256
+# The spawner's answers are status frames: small.
+_MAX_ANSWER_BYTES = 64 * 1024
+
+
+class FramedSender(frames.FrameProtocol):
+    """`SendToUser` over frames (spawner.proto, "SendToUser over frames"), on the socket the spawner names
+    in L4M_RUNTIME_FRAMED_ADDR.
+
+    `send` queues the message and returns: the messages of one event-loop turn go out in one write, and
+    the spawner answers each, in order. A refusal (the output limit used up, an unknown token) fails the
+    next `send` and `close`; `close` returns once every message sent is answered, so whatever a
+    controller sent before it ends has reached its user before its process exits."""
+
+    def __init__(self, path: str, token: str | None, timeout_s: float = DEFAULT_RUNTIME_TIMEOUT_S) -> None:
+        super().__init__(_MAX_ANSWER_BYTES)
+        self._path = path
+        self._timeout_s = timeout_s
+        self._loop = asyncio.get_running_loop()
+        opening = spawner_pb2.FramedRuntimeOpen(protocol_version=frames.PROTOCOL_VERSION, instance_token=token or "")
+        self._outbox: list[bytes] = [frames.encode(frames.RUNTIME_OPEN, opening)]
+        self._flush_scheduled = False
+        self._unanswered = 1  # the opening's answer, then one per message
+        self._error: L4MError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._connected = asyncio.ensure_future(self._connect())
+
+    async def _connect(self) -> None:
+        try:
+            await self._loop.create_unix_connection(lambda: self, self._path)
+        except OSError as error:
+            self._fail(f"cannot connect to framed:{self._path}: {error}")
+            return
+        self._flush()
+
+    async def send(self, text: str) -> None:
+        while self._error is None and self._unanswered > MAX_UNANSWERED_SENDS:
+            await self._wait()
+        if self._error is not None:
+            raise self._error
+        self._outbox.append(frames.encode(frames.SEND_TO_USER, spawner_pb2.SendToUserRequest(text=text)))
+        self._unanswered += 1
+        if not self._flush_scheduled and self.transport is not None:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    async def flush(self) -> None:
+        """Returns once every message sent so far is answered (up to the runtime timeout); a refusal raises."""
+        try:
+            await asyncio.wait_for(self._all_answered(), self._timeout_s)
+        except TimeoutError:
+            self._fail(f"the spawner did not answer {self._unanswered} messages within {self._timeout_s:g} s")
+        if self._error is not None:
+            raise self._error
+
+    async def close(self) -> None:
+        """`flush`, then closes."""
+        try:
+            await self.flush()
+        finally:
+            self._connected.cancel()
+            if self.transport is not None:
+                self.transport.close()
+
+    async def _all_answered(self) -> None:
+        await asyncio.wait([self._connected])  # (a failed connection set the error; wait raises nothing)
+        self._flush()
+        while self._error is None and self._unanswered:
+            await self._wait()
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._outbox and self.transport is not None:
+            self.write(self._outbox[0] if len(self._outbox) == 1 else b"".join(self._outbox))
+            self._outbox.clear()
+
+    # -- frames.FrameProtocol ------------------------------------------------------------------------------
+    def frame_received(self, kind: int, payload: bytes) -> None:
+        if kind != frames.STATUS:
+            self._fail(f"the spawner sent a frame of kind {kind} on the message socket")
+            return
+        code, message = frames.parse_status(payload)
+        if code != grpc.StatusCode.OK:
+            self._fail(f"runtime call SendToUser failed ({code.name}): {message}")
+            return
+        self._unanswered -= 1
+        self._wake()
+
+    def stream_ended(self, error: Exception | None) -> None:
+        if self._unanswered:
+            self._fail(f"the spawner closed the message socket with {self._unanswered} messages unanswered")
+
+    def _fail(self, reason: str) -> None:
+        if self._error is None:
+            self._error = L4MError(reason)
+        self.end_reading()
+        if self.transport is not None:
+            self.transport.close()
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        if self._waiter is None or self._waiter.done():
+            self._waiter = self._loop.create_future()
+        await asyncio.shield(self._waiter)
+
+
 class RuntimeClient:
-    """`RuntimeService` over gRPC (the spawner's Unix socket)."""
+    """`RuntimeService` over gRPC (the spawner's Unix socket); user messages as frames where the spawner
+    serves them (`framed_address`: L4M_RUNTIME_FRAMED_ADDR)."""
 
     def __init__(self, address: str, token: str | None, traceparent: str | None = None,
-                 timeout_s: float = DEFAULT_RUNTIME_TIMEOUT_S) -> None:
+                 timeout_s: float = DEFAULT_RUNTIME_TIMEOUT_S, framed_address: str | None = None) -> None:
+        self._framed_path = frames.framed_path(framed_address) if framed_address else None
+        if framed_address and self._framed_path is None:
+            raise L4MError(f"L4M_RUNTIME_FRAMED_ADDR {framed_address!r} is not a framed: address")
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = spawner_pb2_grpc.RuntimeServiceStub(self._channel)
         self._metadata = call_metadata(token, traceparent)
         self._timeout_s = timeout_s
+        self._token = token
+        self._sender: FramedSender | None = None  # connected on the first message
 
     async def _call(self, method: str, request: object, timeout_s: float | None = None) -> object:
         try:
@@ -94,7 +214,16 @@ class RuntimeClient:
             raise L4MError(f"runtime call {method} failed ({error.code().name}): {error.details()}") from error
 
     async def send(self, text: str) -> None:
-        await self._call("SendToUser", spawner_pb2.SendToUserRequest(text=text))
+        if self._framed_path is None:
+            await self._call("SendToUser", spawner_pb2.SendToUserRequest(text=text))
+            return
+        if self._sender is None:
+            self._sender = FramedSender(self._framed_path, self._token, self._timeout_s)
+        await self._sender.send(text)
+
+    async def flush(self) -> None:
+        if self._sender is not None:
+            await self._sender.flush()
 
     async def receive(self, timeout_s: float | None = None) -> str | None:
         timeout_ms = int(timeout_s * 1000) if timeout_s else 0
@@ -144,7 +273,11 @@ class RuntimeClient:
         return ChildExit(spawner_pb2.ExitReason.Name(exit_.reason), exit_.exit_code, exit_.message)
 
     async def close(self) -> None:
-        await self._channel.close()
+        try:
+            if self._sender is not None:
+                await self._sender.close()
+        finally:
+            await self._channel.close()
 
 
 class LocalVariables:
@@ -194,6 +327,9 @@ class LocalRuntime:
     async def send(self, text: str) -> None:
         prefix = MESSAGE_PREFIX if self.instance_id == "local" else f"l4m-message[{self.instance_id}]: "
         print(prefix + json.dumps(text), flush=True)
+
+    async def flush(self) -> None:
+        """Nothing to wait for: `send` printed and flushed already."""
 
     async def receive(self, timeout_s: float | None = None) -> str | None:
         try:

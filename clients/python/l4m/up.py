@@ -57,8 +57,8 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--allow-anonymous", action="store_true", help="dev: L4M sessions without a token")
     parser.add_argument("--session-transport", default="framed", choices=["framed", "grpc"],
-                        help="how controllers speak L4M: length-prefixed frames on a Unix socket (default; ~4x "
-                        "less CPU per message) or gRPC")
+                        help="how controllers speak L4M and send their user messages: length-prefixed frames on "
+                        "Unix sockets (default; ~4x less CPU per message) or gRPC")
     parser.add_argument("--executor-transport", default="framed", choices=["framed", "grpc"],
                         help="how the scheduler sends batches to the executors: their Execute stream as frames on "
                         "a Unix socket (default) or gRPC")

@@ -69,16 +69,20 @@ def test_agentic_variants_agree(tmp_path: Path) -> None:
 
 
 def test_relay_counts_every_message_and_prices_it_by_role(tmp_path: Path) -> None:
-    """bench/relay.py, tiny: every message a controller sends reaches the attached user; CPU per message by role."""
+    """bench/relay.py, tiny: every message a controller sends reaches the attached user, on frames with
+    batched Attach responses and on gRPC with one response per event; CPU per message by role."""
     out = tmp_path / "relay.json"
     spawner, scheduler = free_ports(2)
     done = run_bench("relay.py", "--streams", "2", "--messages", "50", "--out", str(out), "--state-dir",
-                     str(tmp_path / "state"), "--spawner-port", str(spawner), "--scheduler-port", str(scheduler))
+                     str(tmp_path / "state"), "--spawner-port", str(spawner), "--scheduler-port", str(scheduler),
+                     "--modes", "framed/batched,grpc/single")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row["streams"] == 2 and row["messages"] == 100 and row["messages_per_s"] > 0
-    assert row["controller_cpu_us_per_message"] > 0 and row["user_cpu_us_per_message"] > 0
-    assert row["spawner_launch_cpu_ms"] > 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["mode"] for row in rows] == ["framed/batched", "grpc/single"]
+    for row in rows:
+        assert row["streams"] == 2 and row["messages"] == 100 and row["messages_per_s"] > 0
+        assert row["controller_cpu_us_per_message"] > 0 and row["user_cpu_us_per_message"] > 0
+        assert row["spawner_launch_cpu_ms"] > 0
 
 
 @pytest.mark.parametrize(
@@ -86,6 +90,7 @@ def test_relay_counts_every_message_and_prices_it_by_role(tmp_path: Path) -> Non
     [
         ("relay.py", ["--streams", "1,x"], "--streams must be comma-separated integers"),
         ("relay.py", ["--messages", "0"], "must be at least 1"),
+        ("relay.py", ["--modes", "framed/batched,carrier/single"], "unknown modes ['carrier/single']"),
         ("e2e.py", ["--engines", "l4m,vllm"], "unknown engines ['vllm']"),
         ("e2e.py", ["--n", "1,x"], "--n must be comma-separated integers"),
         ("e2e.py", ["--new-tokens", "0"], "must be at least 1"),

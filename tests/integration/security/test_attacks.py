@@ -40,8 +40,9 @@ def test_a_registry_is_not_served_to_sandboxes(l4m_up: UpCluster, users: Users) 
     assert seen["codes"] == dict.fromkeys(("RegisterInstance", "DestroyInstance", "WatchInstanceEvents"),
                                           "UNIMPLEMENTED")
     # The data plane's sockets only: L4M on gRPC and on frames (which carry L4M sessions and GetInfo, no
-    # registry: test_framed_sessions.py), and the runtime.
-    assert set(seen["run_l4m"]) <= {"scheduler.sock", "scheduler.frames.sock", "runtime.sock"}, seen
+    # registry: test_framed_sessions.py), and the runtime on gRPC and on frames (user messages only).
+    assert set(seen["run_l4m"]) <= {"scheduler.sock", "scheduler.frames.sock", "runtime.sock",
+                                    "runtime.frames.sock"}, seen
     assert not seen["registry_visible"] and not seen["internal_visible"], seen
 
 

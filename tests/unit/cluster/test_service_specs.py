@@ -90,8 +90,8 @@ def _flags(argv: tuple[str, ...], name: str) -> list[str]:
 
 def test_the_sandbox_directory_holds_only_the_data_plane(tmp_path: Path) -> None:
     """Every path a service is given that lies in the sandboxes' directory is one of the data plane's sockets
-    (scheduler.sock, scheduler.frames.sock, runtime.sock, which the spawner creates there itself); the
-    registry, executors and secret are elsewhere."""
+    (scheduler.sock, scheduler.frames.sock, and runtime.sock and runtime.frames.sock, which the spawner
+    creates there itself); the registry, executors and secret are elsewhere."""
     config = _config(tmp_path)
     sandbox_dir = config.socket_dir
     for spec in service_specs(config):
@@ -169,7 +169,8 @@ def test_l4m_up_flags_reach_the_config(tmp_path: Path) -> None:
 @pytest.mark.parametrize("transport", ["framed", "grpc"])
 def test_the_session_transport_decides_what_controllers_speak(tmp_path: Path, transport: str) -> None:
     """framed (the default): the scheduler serves framed sessions in the sandboxes' directory and the spawner
-    points controllers at them; grpc: neither flag, controllers use scheduler.sock."""
+    points controllers at them, and at its own framed socket for user messages; grpc: controllers use
+    scheduler.sock, and RuntimeService for their messages."""
     parser = argparse.ArgumentParser()
     add_cluster_arguments(parser)
     flags = [] if transport == "framed" else ["--session-transport", "grpc"]
@@ -180,8 +181,10 @@ def test_the_session_transport_decides_what_controllers_speak(tmp_path: Path, tr
     if transport == "framed":
         assert _flags(specs["scheduler"], "--listen-framed") == [framed_socket]
         assert _flags(specs["spawner"], "--scheduler-framed-socket-name") == ["scheduler.frames.sock"]
+        assert "--runtime-framed-socket-name" not in specs["spawner"]  # the spawner's default: served
     else:
         assert "--listen-framed" not in specs["scheduler"]
         assert "--scheduler-framed-socket-name" not in specs["spawner"]
+        assert _flags(specs["spawner"], "--runtime-framed-socket-name") == [""]  # user messages on gRPC too
     with pytest.raises(SystemExit):
         cluster_config(parser.parse_args(["--session-transport", "carrier-pigeon"]))

@@ -67,6 +67,7 @@ def test_a_launch_registers_runs_through_the_runner_and_destroys_at_exit(tmp_pat
         assert instance.supervisor.spec.runner_module == "l4m.controller"
         assert env["L4M_SCHEDULER_ADDR"] == "unix:///run/l4m/scheduler.sock"
         assert env["L4M_RUNTIME_ADDR"] == "unix:///run/l4m/runtime.sock"
+        assert env["L4M_RUNTIME_FRAMED_ADDR"] == "framed:///run/l4m/runtime.frames.sock"
         assert env["TRACEPARENT"] == parent  # no tracer provider here: passed through
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "unix:///run/l4m/runtime.sock"
         assert env["OTEL_EXPORTER_OTLP_HEADERS"] == f"l4m-instance-token={instance.token}"

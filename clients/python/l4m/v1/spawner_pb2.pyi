@@ -145,20 +145,24 @@ class LaunchResponse(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("instance_id",)
+    __slots__ = ("instance_id", "batch_events")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_EVENTS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
-    def __init__(self, instance_id: _Optional[str] = ...) -> None: ...
+    batch_events: bool
+    def __init__(self, instance_id: _Optional[str] = ..., batch_events: _Optional[bool] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("message", "log", "exit")
+    __slots__ = ("message", "log", "exit", "events")
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     LOG_FIELD_NUMBER: _ClassVar[int]
     EXIT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
     message: InstanceMessage
     log: LogLine
     exit: InstanceExit
-    def __init__(self, message: _Optional[_Union[InstanceMessage, _Mapping]] = ..., log: _Optional[_Union[LogLine, _Mapping]] = ..., exit: _Optional[_Union[InstanceExit, _Mapping]] = ...) -> None: ...
+    events: _containers.RepeatedCompositeFieldContainer[AttachResponse]
+    def __init__(self, message: _Optional[_Union[InstanceMessage, _Mapping]] = ..., log: _Optional[_Union[LogLine, _Mapping]] = ..., exit: _Optional[_Union[InstanceExit, _Mapping]] = ..., events: _Optional[_Iterable[_Union[AttachResponse, _Mapping]]] = ...) -> None: ...
 
 class InstanceMessage(_message.Message):
     __slots__ = ("text",)
@@ -245,6 +249,14 @@ class SendToUserRequest(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     text: str
     def __init__(self, text: _Optional[str] = ...) -> None: ...
+
+class FramedRuntimeOpen(_message.Message):
+    __slots__ = ("protocol_version", "instance_token")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: str
+    instance_token: str
+    def __init__(self, protocol_version: _Optional[str] = ..., instance_token: _Optional[str] = ...) -> None: ...
 
 class SendToUserResponse(_message.Message):
     __slots__ = ()

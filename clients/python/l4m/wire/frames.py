@@ -25,9 +25,13 @@ HEADER = struct.Struct("<IB")
 OPEN, REQUEST, STATUS, RESPONSE, GET_INFO, INFO = 1, 2, 3, 4, 5, 6
 # The Execute stream (scheduler <-> executor; executor.proto), whose status frames are kind 3 too.
 EXECUTE_OPEN, EXECUTE, EXECUTED = 7, 8, 9
+# A controller's messages to its user (controller -> spawner; spawner.proto, "SendToUser over frames"),
+# each answered by a status frame.
+RUNTIME_OPEN, SEND_TO_USER = 10, 11
 KIND_NAMES = {OPEN: "FramedSessionOpen", REQUEST: "SessionRequest", STATUS: "FramedSessionStatus",
               RESPONSE: "SessionResponse", GET_INFO: "GetInfoRequest", INFO: "GetInfoResponse",
-              EXECUTE_OPEN: "FramedExecuteOpen", EXECUTE: "ExecuteRequest", EXECUTED: "ExecuteResponse"}
+              EXECUTE_OPEN: "FramedExecuteOpen", EXECUTE: "ExecuteRequest", EXECUTED: "ExecuteResponse",
+              RUNTIME_OPEN: "FramedRuntimeOpen", SEND_TO_USER: "SendToUserRequest"}
 PROTOCOL_VERSION = "l4m.v1"
 ADDRESS_PREFIX = "framed:"
 # gRPC status codes by number (a status frame carries the number).

@@ -33,6 +33,9 @@ MAX_RESPONSE_BYTES = 64 * MIB
 # Largest batch the executor accepts (its receive limit, the scheduler's send limit on the executor
 # link): one command of MAX_COMMAND_BYTES always fits, with its rewritten ids.
 EXECUTOR_MAX_REQUEST_BYTES = MAX_COMMAND_BYTES + MESSAGE_MARGIN_BYTES
+# Largest RuntimeService request a controller sends the spawner (a SendToUser message's text, on gRPC or
+# as a frame): gRPC's default receive limit, which the runtime socket keeps.
+RUNTIME_MAX_REQUEST_BYTES = 4 * MIB
 # Largest batch reply the executor sends (its send limit, the scheduler's receive limit on the link).
 EXECUTOR_MAX_REPLY_BYTES = 64 * MIB
 

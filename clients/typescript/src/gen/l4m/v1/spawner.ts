@@ -323,6 +323,11 @@ export interface LaunchResponse {
 
 export interface AttachRequest {
   instanceId: string;
+  /**
+   * Let the spawner put several events in one response (`AttachResponse.events`) when more than one
+   * is ready at once: a controller streaming tokens costs one gRPC message per burst, not per token.
+   */
+  batchEvents: boolean;
 }
 
 export interface AttachResponse {
@@ -338,6 +343,11 @@ export interface AttachResponse {
     /** The instance ended; the stream ends after this. */
     { $case: "exit"; value: InstanceExit }
     | undefined;
+  /**
+   * Only for an attacher that set `batch_events`: several events, in order, each with its `event` set
+   * (and no `events` of its own); this response's own `event` is then unset. A response carries either.
+   */
+  events: AttachResponse[];
 }
 
 export interface InstanceMessage {
@@ -407,6 +417,14 @@ export interface InstanceInfo {
 
 export interface SendToUserRequest {
   text: string;
+}
+
+/** The first frame of a framed runtime connection. */
+export interface FramedRuntimeOpen {
+  /** "l4m.v1"; another version is refused (FAILED_PRECONDITION). */
+  protocolVersion: string;
+  /** The instance token (`l4m-instance-token` on gRPC); an unknown one is refused (UNAUTHENTICATED). */
+  instanceToken: string;
 }
 
 export interface SendToUserResponse {
@@ -1475,13 +1493,16 @@ export const LaunchResponse: MessageFns<LaunchResponse> = {
 };
 
 function createBaseAttachRequest(): AttachRequest {
-  return { instanceId: "" };
+  return { instanceId: "", batchEvents: false };
 }
 
 export const AttachRequest: MessageFns<AttachRequest> = {
   encode(message: AttachRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
     if (message.instanceId !== "") {
       writer.uint32(10).string(message.instanceId);
+    }
+    if (message.batchEvents !== false) {
+      writer.uint32(16).bool(message.batchEvents);
     }
     return writer;
   },
@@ -1507,6 +1528,14 @@ export const AttachRequest: MessageFns<AttachRequest> = {
             message.instanceId = reader.string();
             continue;
           }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.batchEvents = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1526,6 +1555,11 @@ export const AttachRequest: MessageFns<AttachRequest> = {
         : isSet(object.instance_id)
         ? globalThis.String(object.instance_id)
         : "",
+      batchEvents: isSet(object.batchEvents)
+        ? globalThis.Boolean(object.batchEvents)
+        : isSet(object.batch_events)
+        ? globalThis.Boolean(object.batch_events)
+        : false,
     };
   },
 
@@ -1533,6 +1567,9 @@ export const AttachRequest: MessageFns<AttachRequest> = {
     const obj: any = {};
     if (message.instanceId !== "") {
       obj.instanceId = message.instanceId;
+    }
+    if (message.batchEvents !== false) {
+      obj.batchEvents = message.batchEvents;
     }
     return obj;
   },
@@ -1543,12 +1580,13 @@ export const AttachRequest: MessageFns<AttachRequest> = {
   fromPartial<I extends Exact<DeepPartial<AttachRequest>, I>>(object: I): AttachRequest {
     const message = createBaseAttachRequest();
     message.instanceId = object.instanceId ?? "";
+    message.batchEvents = object.batchEvents ?? false;
     return message;
   },
 };
 
 function createBaseAttachResponse(): AttachResponse {
-  return { event: undefined };
+  return { event: undefined, events: [] };
 }
 
 export const AttachResponse: MessageFns<AttachResponse> = {
@@ -1563,6 +1601,9 @@ export const AttachResponse: MessageFns<AttachResponse> = {
       case "exit":
         InstanceExit.encode(message.event.value, writer.uint32(26).fork()).join();
         break;
+    }
+    for (const v of message.events) {
+      AttachResponse.encode(v!, writer.uint32(34).fork()).join();
     }
     return writer;
   },
@@ -1604,6 +1645,14 @@ export const AttachResponse: MessageFns<AttachResponse> = {
             message.event = { $case: "exit", value: InstanceExit.decode(reader, reader.uint32()) };
             continue;
           }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.events.push(AttachResponse.decode(reader, reader.uint32()));
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1625,6 +1674,7 @@ export const AttachResponse: MessageFns<AttachResponse> = {
         : isSet(object.exit)
         ? { $case: "exit", value: InstanceExit.fromJSON(object.exit) }
         : undefined,
+      events: globalThis.Array.isArray(object?.events) ? object.events.map((e: any) => AttachResponse.fromJSON(e)) : [],
     };
   },
 
@@ -1636,6 +1686,9 @@ export const AttachResponse: MessageFns<AttachResponse> = {
       obj.log = LogLine.toJSON(message.event.value);
     } else if (message.event?.$case === "exit") {
       obj.exit = InstanceExit.toJSON(message.event.value);
+    }
+    if (message.events?.length) {
+      obj.events = message.events.map((e) => AttachResponse.toJSON(e));
     }
     return obj;
   },
@@ -1665,6 +1718,7 @@ export const AttachResponse: MessageFns<AttachResponse> = {
         break;
       }
     }
+    message.events = object.events?.map((e) => AttachResponse.fromPartial(e)) || [];
     return message;
   },
 };
@@ -2619,6 +2673,99 @@ export const SendToUserRequest: MessageFns<SendToUserRequest> = {
   fromPartial<I extends Exact<DeepPartial<SendToUserRequest>, I>>(object: I): SendToUserRequest {
     const message = createBaseSendToUserRequest();
     message.text = object.text ?? "";
+    return message;
+  },
+};
+
+function createBaseFramedRuntimeOpen(): FramedRuntimeOpen {
+  return { protocolVersion: "", instanceToken: "" };
+}
+
+export const FramedRuntimeOpen: MessageFns<FramedRuntimeOpen> = {
+  encode(message: FramedRuntimeOpen, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.protocolVersion !== "") {
+      writer.uint32(10).string(message.protocolVersion);
+    }
+    if (message.instanceToken !== "") {
+      writer.uint32(18).string(message.instanceToken);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): FramedRuntimeOpen {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseFramedRuntimeOpen();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.protocolVersion = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.instanceToken = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): FramedRuntimeOpen {
+    return {
+      protocolVersion: isSet(object.protocolVersion)
+        ? globalThis.String(object.protocolVersion)
+        : isSet(object.protocol_version)
+        ? globalThis.String(object.protocol_version)
+        : "",
+      instanceToken: isSet(object.instanceToken)
+        ? globalThis.String(object.instanceToken)
+        : isSet(object.instance_token)
+        ? globalThis.String(object.instance_token)
+        : "",
+    };
+  },
+
+  toJSON(message: FramedRuntimeOpen): unknown {
+    const obj: any = {};
+    if (message.protocolVersion !== "") {
+      obj.protocolVersion = message.protocolVersion;
+    }
+    if (message.instanceToken !== "") {
+      obj.instanceToken = message.instanceToken;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<FramedRuntimeOpen>, I>>(base?: I): FramedRuntimeOpen {
+    return FramedRuntimeOpen.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<FramedRuntimeOpen>, I>>(object: I): FramedRuntimeOpen {
+    const message = createBaseFramedRuntimeOpen();
+    message.protocolVersion = object.protocolVersion ?? "";
+    message.instanceToken = object.instanceToken ?? "";
     return message;
   },
 };
