@@ -72,7 +72,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 export L4M_TEST_DEVICE=cuda:0 TQDM_DISABLE=1
 tests=(tests/unit/executor/test_decode_graphs.py)
 if [ "$what" = kernels ]; then
-  "$python" -m pytest -q -p no:cacheprovider -k "kernels or buckets" "${tests[@]}" 2>&1 | tee "$out/kernels.log"
+  "$python" -m pytest -q -p no:cacheprovider -k "kernels or test_buckets or auto_attention" "${tests[@]}" 2>&1 | tee "$out/kernels.log"
   exit "${PIPESTATUS[0]}"
 fi
 bench() { "$python" bench/executor.py --device cuda:0 --new-tokens 128 "$@"; }

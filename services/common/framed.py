@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from l4m.wire import frames
 
@@ -59,6 +60,26 @@ class FramedServerConnection(frames.FrameProtocol):
         if self._open_timer is not None:
             self._open_timer.cancel()
             self._open_timer = None
+
+    def parse_opening(self, kind: int, payload: bytes, expected_kind: int, message_class: type[Message]) -> Message | None:
+        """The first frame as `message_class` when it is of `expected_kind`, parses and names this protocol
+        version; otherwise None, the connection refused with why (INVALID_ARGUMENT, FAILED_PRECONDITION)."""
+        self.opened()
+        name = message_class.DESCRIPTOR.name
+        if kind != expected_kind:
+            self.refuse(grpc.StatusCode.INVALID_ARGUMENT, f"the first frame is of kind {kind}, not {name} ({expected_kind})")
+            return None
+        try:
+            opening = message_class.FromString(payload)
+        except DecodeError as error:
+            self.refuse(grpc.StatusCode.INVALID_ARGUMENT, f"the first frame does not parse as {name} ({error})")
+            return None
+        version = opening.protocol_version  # type: ignore[attr-defined]
+        if version != frames.PROTOCOL_VERSION:
+            self.refuse(grpc.StatusCode.FAILED_PRECONDITION,
+                        f"protocol_version {version[:40]!r} is not {frames.PROTOCOL_VERSION!r}")
+            return None
+        return opening
 
     def _open_timed_out(self) -> None:
         self._open_timer = None

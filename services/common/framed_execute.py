@@ -104,19 +104,8 @@ class FramedExecuteConnection(FramedServerConnection):
         self._write_replies()
 
     def _open(self, kind: int, payload: bytes) -> None:
-        self.opened()
-        if kind != frames.EXECUTE_OPEN:
-            self.refuse(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"the first frame is of kind {kind}, not FramedExecuteOpen ({frames.EXECUTE_OPEN})")
-            return
-        try:
-            opening = executor_pb2.FramedExecuteOpen.FromString(payload)
-        except DecodeError as error:
-            self.refuse(grpc.StatusCode.INVALID_ARGUMENT, f"the first frame does not parse as FramedExecuteOpen ({error})")
-            return
-        if opening.protocol_version != frames.PROTOCOL_VERSION:
-            self.refuse(grpc.StatusCode.FAILED_PRECONDITION,
-                        f"protocol_version {opening.protocol_version[:40]!r} is not {frames.PROTOCOL_VERSION!r}")
+        opening = self.parse_opening(kind, payload, frames.EXECUTE_OPEN, executor_pb2.FramedExecuteOpen)
+        if opening is None:
             return
         secret = self.server.cluster_secret
         if secret and not secrets_equal(opening.cluster_secret, secret):

@@ -82,19 +82,8 @@ class FramedRuntimeConnection(FramedServerConnection):
             self.close()  # the controller closed its side: every message it sent has been answered
 
     def _open(self, kind: int, payload: bytes) -> None:
-        self.opened()
-        if kind != frames.RUNTIME_OPEN:
-            self.refuse(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"the first frame is of kind {kind}, not FramedRuntimeOpen ({frames.RUNTIME_OPEN})")
-            return
-        try:
-            opening = spawner_pb2.FramedRuntimeOpen.FromString(payload)
-        except DecodeError as error:
-            self.refuse(grpc.StatusCode.INVALID_ARGUMENT, f"the first frame does not parse as FramedRuntimeOpen ({error})")
-            return
-        if opening.protocol_version != frames.PROTOCOL_VERSION:
-            self.refuse(grpc.StatusCode.FAILED_PRECONDITION,
-                        f"protocol_version {opening.protocol_version[:40]!r} is not {frames.PROTOCOL_VERSION!r}")
+        opening = self.parse_opening(kind, payload, frames.RUNTIME_OPEN, spawner_pb2.FramedRuntimeOpen)
+        if opening is None:
             return
         try:
             self.instance = self.manager.by_token(opening.instance_token)

@@ -13,7 +13,7 @@ import asyncio
 import socket
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -32,12 +32,15 @@ def _status_error(payload: bytes) -> grpc.aio.AioRpcError | None:
     return None if code == grpc.StatusCode.OK else _rpc_error(code, message)
 
 
+P = TypeVar("P", bound=asyncio.BaseProtocol)
+
 # A Unix socket whose accept queue is full refuses a connect with EAGAIN at once (where TCP would wait):
 # many controllers starting together retry for up to this long.
 CONNECT_RETRY_S = 5.0
 
 
-async def _connect_unix(loop: asyncio.AbstractEventLoop, factory: Callable[[], _Connection], path: str) -> _Connection:
+async def connect_unix(loop: asyncio.AbstractEventLoop, factory: Callable[[], P], path: str) -> P:
+    """`factory()`'s protocol connected to the Unix socket `path`, retrying a full accept queue."""
     deadline, delay_s = loop.time() + CONNECT_RETRY_S, 0.001
     while True:
         try:
@@ -98,7 +101,7 @@ class FramedCall:
 
     async def _connect(self) -> None:
         try:
-            self._connection = await _connect_unix(self._loop, lambda: _Connection(self), self._path)
+            self._connection = await connect_unix(self._loop, lambda: _Connection(self), self._path)
         except OSError as error:
             self._end(_rpc_error(grpc.StatusCode.UNAVAILABLE, f"cannot connect to framed:{self._path}: {error}"))
             return

@@ -19,6 +19,7 @@ from typing import Protocol
 import grpc
 
 from l4m.errors import L4MError
+from l4m.framed import connect_unix
 from l4m.session import call_metadata
 from l4m.v1 import spawner_pb2, spawner_pb2_grpc
 from l4m.wire import frames
@@ -109,7 +110,7 @@ class FramedSender(frames.FrameProtocol):
 
     async def _connect(self) -> None:
         try:
-            await self._loop.create_unix_connection(lambda: self, self._path)
+            await connect_unix(self._loop, lambda: self, self._path)
         except OSError as error:
             self._fail(f"cannot connect to framed:{self._path}: {error}")
             return

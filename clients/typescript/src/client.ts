@@ -93,12 +93,19 @@ export class SpawnerClient {
     return response.instanceId;
   }
 
-  /** Every event of the instance, from its start, ending with its exit. No deadline: stop iterating to detach. */
+  /**
+   * Every event of the instance, from its start, ending with its exit, one by one (the spawner sends the
+   * events that are ready together in one response, `batchEvents`). No deadline: stop iterating to detach.
+   */
   async *attach(instanceId: string): AsyncGenerator<AttachResponse> {
-    const call = this.stub.attach({ instanceId }, this.metadata());
+    const call = this.stub.attach({ instanceId, batchEvents: true }, this.metadata());
     try {
-      for await (const event of call as AsyncIterable<AttachResponse>) {
-        yield event;
+      for await (const response of call as AsyncIterable<AttachResponse>) {
+        if (response.events.length > 0) {
+          yield* response.events;
+        } else {
+          yield response;
+        }
       }
     } catch (error) {
       throw this.failure("attach", error as ServiceError);

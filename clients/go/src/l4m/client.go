@@ -131,26 +131,33 @@ func (c *Client) Launch(ctx context.Context, program string, args []string, limi
 	return response.InstanceId, nil
 }
 
-// Attach calls onEvent for every event of the instance, from its start, and returns its exit.
+// Attach calls onEvent for every event of the instance, from its start, one by one (the spawner sends
+// the events that are ready together in one response, BatchEvents), and returns its exit.
 // It has no deadline of its own: cancel ctx to stop watching.
 func (c *Client) Attach(ctx context.Context, instanceID string, onEvent func(*l4mv1.AttachResponse)) (*l4mv1.InstanceExit, error) {
-	stream, err := c.stub.Attach(ctx, &l4mv1.AttachRequest{InstanceId: instanceID})
+	stream, err := c.stub.Attach(ctx, &l4mv1.AttachRequest{InstanceId: instanceID, BatchEvents: true})
 	if err != nil {
 		return nil, c.fail("attach", err)
 	}
 	for {
-		event, err := stream.Recv()
+		response, err := stream.Recv()
 		if err == io.EOF {
 			return nil, fmt.Errorf("the spawner ended the attach stream of %s without an exit event", instanceID)
 		}
 		if err != nil {
 			return nil, c.fail("attach", err)
 		}
-		if onEvent != nil {
-			onEvent(event)
+		events := response.GetEvents()
+		if len(events) == 0 {
+			events = []*l4mv1.AttachResponse{response}
 		}
-		if exit := event.GetExit(); exit != nil {
-			return exit, nil
+		for _, event := range events {
+			if onEvent != nil {
+				onEvent(event)
+			}
+			if exit := event.GetExit(); exit != nil {
+				return exit, nil
+			}
 		}
 	}
 }
