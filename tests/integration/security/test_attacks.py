@@ -150,6 +150,17 @@ def test_h_unshare_and_mount_fail_in_the_sandbox(l4m_run) -> None:  # type: igno
     assert seen["unshare"]["returncode"] != 0 and seen["mount"]["returncode"] != 0, seen
 
 
+# (j) messages to a user on the framed runtime socket under a made-up token; a bad frame after a real opening
+def test_j_runtime_frames_need_a_running_instances_token(users: Users) -> None:
+    ended = users.alice.run(ATTACKER, "forge-messages")
+    assert ended.reason == "EXIT_REASON_EXITED", ended.describe()
+    seen = json.loads(ended.messages[-1])
+    assert seen["forged"] == ["UNAUTHENTICATED"], seen  # refused at the opening: "forged" reached no one
+    # Its own token: the message goes to its own user; the bad frame ends that connection, not the instance.
+    assert seen["wrong_kind"] == ["OK", "OK", "INVALID_ARGUMENT"], seen
+    assert ended.messages[:-1] == ["own"], ended.describe()
+
+
 # (i) Ctrl-C on `l4m run` frees the instance's pages within a second
 def test_i_ctrl_c_frees_the_pages(l4m_up: UpCluster, baseline: Baseline) -> None:
     argv = [str(L4M_CLI), "run", "--spawner", l4m_up.spawner_address, "--api-key-file", str(l4m_up.admin_key_path),

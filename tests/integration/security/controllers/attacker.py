@@ -14,6 +14,8 @@ scheduler traps ends here with the trap (the test reads the reason).
   spawn-feed N             spawn this program as a child in `feed N` mode; report how the child ended
   unshare                  `unshare -Urm` and a mount in the sandbox
   wait                     send "ready", then wait (for Ctrl-C on `l4m run`)
+  forge-messages           on /run/l4m/runtime.frames.sock: messages under a made-up token, then a frame
+                           of another kind after its own token's opening
 """
 
 import asyncio
@@ -130,6 +132,34 @@ async def wait(ctx):
         await asyncio.sleep(600)
 
 
+async def forge_messages(ctx):
+    from l4m.v1 import l4m_pb2, spawner_pb2
+    from l4m.wire import frames
+
+    def opening(token):
+        return frames.encode(frames.RUNTIME_OPEN, spawner_pb2.FramedRuntimeOpen(
+            protocol_version=frames.PROTOCOL_VERSION, instance_token=token))
+
+    def message(text):
+        return frames.encode(frames.SEND_TO_USER, spawner_pb2.SendToUserRequest(text=text))
+
+    async def attempt(*payload):
+        """Every status the spawner answers until it closes the connection."""
+        reader, writer = await asyncio.open_unix_connection("/run/l4m/runtime.frames.sock")
+        writer.write(b"".join(payload))
+        answers = []
+        while (frame := await asyncio.wait_for(frames.read_frame(reader, 1 << 16), 30)) is not None:
+            answers.append(frames.parse_status(frame[1])[0].name)
+        writer.close()
+        return answers
+
+    forged = await attempt(opening("x" * 32), message("forged"))
+    own = os.environ["L4M_INSTANCE_TOKEN"]
+    wrong_kind = await attempt(opening(own), message("own"), frames.encode(frames.REQUEST, l4m_pb2.SessionRequest()),
+                               message("after"))
+    await ctx.send(json.dumps({"forged": forged, "wrong_kind": wrong_kind}))
+
+
 async def main(ctx):
     mode, *args = ctx.args
     if mode == "registry":
@@ -153,4 +183,6 @@ async def main(ctx):
         return await unshare(ctx)
     if mode == "wait":
         return await wait(ctx)
+    if mode == "forge-messages":
+        return await forge_messages(ctx)
     raise SystemExit(f"unknown mode {mode!r}")
