@@ -94,34 +94,43 @@ def rope_write_kv_kernel(
 
 
 @triton.jit
+def _attend_group(q_ptr, kv_ptr, table_ptr, ctx_ptr, page_vis_ptr, row_vis_ptr, scale, b, kvh, first_page,
+                  NUM_BLOCKS: tl.constexpr, NUM_PAGES: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr,
+                  D: tl.constexpr, S: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                  BLOCK_PAGES: tl.constexpr):
+    """The G query heads of item b that share key head kvh (rows past G are padding), over NUM_BLOCKS
+    blocks of BLOCK_PAGES pages from `first_page`, each page read once for all of them. Returns the
+    online softmax's (running max [BLOCK_G], sum [BLOCK_G], weighted values [BLOCK_G, D])."""
+    heads = tl.arange(0, BLOCK_G)
+    dims = tl.arange(0, D)
+    q = tl.load(q_ptr + (b * H + kvh * G + heads)[:, None] * D + dims[None, :], mask=(heads < G)[:, None], other=0.0)
+    q = q.to(tl.float32) * scale
+    ctx_len = tl.load(ctx_ptr + b)
+    m = tl.full([BLOCK_G], -1.0e30, tl.float32)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    for i in range(0, NUM_BLOCKS):
+        m, total, acc = _attend_block(q, kv_ptr, table_ptr, page_vis_ptr, row_vis_ptr, b, kvh, ctx_len,
+                                      first_page + i * BLOCK_PAGES, m, total, acc, NUM_PAGES, KVH, D, S, BLOCK_PAGES)
+    return m, total, acc
+
+
+@triton.jit
 def decode_attention_kernel(
     q_ptr, kv_ptr, table_ptr, ctx_ptr, page_vis_ptr, row_vis_ptr, out_ptr, scale,
     NUM_PAGES: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_PAGES: tl.constexpr,
 ):
-    # program (b, kvh): the G query heads sharing key head kvh, over the item's pages, BLOCK_PAGES
-    # pages (BLOCK_PAGES * S slots) per iteration.
+    # program (b, kvh): the G query heads sharing key head kvh, over all the item's pages.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
+    m, total, acc = _attend_group(q_ptr, kv_ptr, table_ptr, ctx_ptr, page_vis_ptr, row_vis_ptr, scale, b, kvh, 0,
+                                  NUM_PAGES // BLOCK_PAGES, NUM_PAGES, H, KVH, D, S, G, BLOCK_G, BLOCK_PAGES)
     heads = tl.arange(0, BLOCK_G)
-    head_ok = heads < G
     dims = tl.arange(0, D)
-    q = tl.load(
-        q_ptr + (b * H + kvh * G + heads)[:, None] * D + dims[None, :], mask=head_ok[:, None], other=0.0
-    ).to(tl.float32) * scale
-    ctx_len = tl.load(ctx_ptr + b)
-    m = tl.full([BLOCK_G], -1.0e30, tl.float32)
-    total = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, D], tl.float32)
-    for i in range(0, NUM_PAGES // BLOCK_PAGES):
-        m, total, acc = _attend_block(q, kv_ptr, table_ptr, page_vis_ptr, row_vis_ptr, b, kvh, ctx_len,
-                                      i * BLOCK_PAGES, m, total, acc, NUM_PAGES, KVH, D, S, BLOCK_PAGES)
     result = tl.where(total[:, None] > 0, acc / tl.maximum(total, 1e-30)[:, None], 0.0)
-    tl.store(
-        out_ptr + (b * H + kvh * G + heads)[:, None] * D + dims[None, :],
-        result.to(out_ptr.dtype.element_ty),
-        mask=head_ok[:, None],
-    )
+    tl.store(out_ptr + (b * H + kvh * G + heads)[:, None] * D + dims[None, :], result.to(out_ptr.dtype.element_ty),
+             mask=(heads < G)[:, None])
 
 
 @triton.jit
@@ -130,28 +139,19 @@ def decode_attention_split_kernel(
     NUM_PAGES: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_PAGES: tl.constexpr, SPLITS: tl.constexpr,
 ):
-    # program (b, kvh, split): the G query heads sharing key head kvh (each page read once for all of
-    # them, as in decode_attention_kernel) over the split's NUM_PAGES // SPLITS pages; writes each head's
-    # running max, sum and weighted values for `decode_attention_combine_kernel`.
+    # program (b, kvh, split): as decode_attention_kernel over the split's NUM_PAGES // SPLITS pages;
+    # writes each head's running max, sum and weighted values for `decode_attention_combine_kernel`.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     PER_SPLIT: tl.constexpr = NUM_PAGES // SPLITS
+    m, total, acc = _attend_group(q_ptr, kv_ptr, table_ptr, ctx_ptr, page_vis_ptr, row_vis_ptr, scale, b, kvh,
+                                  split * PER_SPLIT, PER_SPLIT // BLOCK_PAGES, NUM_PAGES, H, KVH, D, S, G, BLOCK_G,
+                                  BLOCK_PAGES)
     heads = tl.arange(0, BLOCK_G)
     head_ok = heads < G
     dims = tl.arange(0, D)
-    h = kvh * G + heads
-    q = tl.load(q_ptr + (b * H + h)[:, None] * D + dims[None, :], mask=head_ok[:, None], other=0.0)
-    q = q.to(tl.float32) * scale
-    ctx_len = tl.load(ctx_ptr + b)
-    m = tl.full([BLOCK_G], -1.0e30, tl.float32)
-    total = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, D], tl.float32)
-    for i in range(0, PER_SPLIT // BLOCK_PAGES):
-        m, total, acc = _attend_block(q, kv_ptr, table_ptr, page_vis_ptr, row_vis_ptr, b, kvh, ctx_len,
-                                      split * PER_SPLIT + i * BLOCK_PAGES, m, total, acc,
-                                      NUM_PAGES, KVH, D, S, BLOCK_PAGES)
-    part = (b * H + h) * SPLITS + split  # [BLOCK_G]
+    part = (b * H + kvh * G + heads) * SPLITS + split  # [BLOCK_G]
     tl.store(part_m_ptr + part, m, mask=head_ok)
     tl.store(part_l_ptr + part, total, mask=head_ok)
     tl.store(part_acc_ptr + part[:, None] * D + dims[None, :], acc, mask=head_ok[:, None])
