@@ -199,3 +199,4 @@ class ExecutorInfo:
     chat_template: str
     capabilities: tuple[str, ...]
     max_batch_tokens: int
+    chat_template_variables: dict[str, str] = field(default_factory=dict)  # "bos_token"/"eos_token" -> text

@@ -207,6 +207,7 @@ def info_to_pb(info: c.ExecutorInfo) -> executor_pb2.ExecutorServiceGetInfoRespo
         stop_token_ids=info.eos_token_ids,
         special_token_ids=info.special_tokens,
         capabilities=info.capabilities,
+        chat_template_variables=info.chat_template_variables,
     )
     return executor_pb2.ExecutorServiceGetInfoResponse(
         model=model,

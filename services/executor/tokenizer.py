@@ -3,6 +3,10 @@
 GGUF `gpt2` tokenizers are byte-level BPE: vocabulary + ranked merges, a pre-tokenizer chosen by
 `tokenizer.ggml.pre` (SmolLM's `smollm`: individual digits, then the GPT-2 split pattern, no prefix
 space), and control tokens (token type 3) as special added tokens.
+
+Besides the tokenizer, a bundle carries what a controller needs to render prompts as transformers does:
+the chat template, the bos/eos token strings the template reads as variables, and the ids that end a
+turn (an instruct model often has several: Llama 3's `<|eot_id|>`, `<|eom_id|>` and `<|end_of_text|>`).
 """
 
 from __future__ import annotations
@@ -25,11 +29,18 @@ class TokenizerBundle:
     tokenizer: Tokenizer
     special_tokens: dict[str, int]
     chat_template: str
-    eos_token_ids: tuple[int, ...]
+    eos_token_ids: tuple[int, ...]  # every id that ends a turn or the text (the stop tokens)
+    bos_token: str = ""  # the token strings the template reads as `bos_token` / `eos_token`; "" = none
+    eos_token: str = ""
 
     def to_json(self) -> str:
         """The full `tokenizers` JSON (vocabulary, merges, pre-tokenizer, special tokens)."""
         return self.tokenizer.to_str()
+
+    def chat_template_variables(self) -> dict[str, str]:
+        """The variables transformers passes to the template from its special-token map (those set)."""
+        named = (("bos_token", self.bos_token), ("eos_token", self.eos_token))
+        return {name: token for name, token in named if token}
 
 
 def _merge_pair(merge: str) -> tuple[str, str]:
@@ -70,22 +81,66 @@ def tokenizer_from_gguf(reader: object) -> TokenizerBundle:
         if kind_ == _CONTROL_TOKEN_TYPE
     }
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    eos = get("tokenizer.ggml.eos_token_id")
-    eos_ids = (
-        tuple(sorted({int(eos)} | ({special["<|im_end|>"]} if "<|im_end|>" in special else set())))
-        if eos is not None
-        else ()
+    bos, eos = get("tokenizer.ggml.bos_token_id"), get("tokenizer.ggml.eos_token_id")
+    ends = (eos, get("tokenizer.ggml.eot_token_id"), get("tokenizer.ggml.eom_token_id"))
+    stop_ids = {int(i) for i in ends if i is not None}
+    if eos is not None and "<|im_end|>" in special:
+        # ChatML models (SmolLM2) end a turn with <|im_end|> even when their GGUF names another eos.
+        stop_ids.add(special["<|im_end|>"])
+    return TokenizerBundle(
+        tokenizer,
+        special,
+        str(get("tokenizer.chat_template", "")),
+        tuple(sorted(stop_ids)),
+        bos_token=tokens[int(bos)] if bos is not None else "",
+        eos_token=tokens[int(eos)] if eos is not None else "",
     )
-    return TokenizerBundle(tokenizer, special, str(get("tokenizer.chat_template", "")), eos_ids)
 
 
 def tokenizer_from_hf_dir(path: Path) -> TokenizerBundle:
-    """`tokenizer.json` (+ `tokenizer_config.json` for the chat template and eos) of an HF checkpoint."""
+    """`tokenizer.json` of an HF checkpoint, with its chat template, bos/eos tokens and stop ids.
+
+    The template is `chat_template.jinja` (transformers 5 writes it there) or `tokenizer_config.json`'s
+    `chat_template`. The stop ids join every eos the checkpoint names: tokenizer_config's `eos_token`,
+    `generation_config.json`'s `eos_token_id` (what `generate` stops on; Llama 3 instruct lists three)
+    and config.json's.
+    """
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     special = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
-    config_path = path / "tokenizer_config.json"
-    config = json.loads(config_path.read_text()) if config_path.exists() else {}
-    eos_name = config.get("eos_token")
-    eos_name = eos_name.get("content") if isinstance(eos_name, dict) else eos_name
-    eos_ids = (special[eos_name],) if eos_name in special else ()
-    return TokenizerBundle(tokenizer, special, str(config.get("chat_template") or ""), eos_ids)
+    config = _read_json(path / "tokenizer_config.json")
+    bos_token, eos_token = _token_content(config.get("bos_token")), _token_content(config.get("eos_token"))
+    stop_ids = _token_ids(_read_json(path / "generation_config.json").get("eos_token_id"))
+    stop_ids |= _token_ids(_read_json(path / "config.json").get("eos_token_id"))
+    if (eos_id := tokenizer.token_to_id(eos_token) if eos_token else None) is not None:
+        stop_ids.add(eos_id)
+    return TokenizerBundle(
+        tokenizer, special, _chat_template(path, config), tuple(sorted(stop_ids)), bos_token, eos_token
+    )
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+
+
+def _token_content(token: object) -> str:
+    """A special token as tokenizer_config writes it: a string or an AddedToken dict ({"content": ...})."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else ""
+
+
+def _token_ids(value: object) -> set[int]:
+    """An `eos_token_id` of a config: one id, a list of them, or null."""
+    if isinstance(value, int):
+        return {value}
+    return {int(i) for i in value} if isinstance(value, list) else set()
+
+
+def _chat_template(path: Path, config: dict) -> str:
+    jinja_path = path / "chat_template.jinja"
+    if jinja_path.exists():  # transformers 5 moves the template out of tokenizer_config, and reads it first
+        return jinja_path.read_text(encoding="utf-8")
+    template = config.get("chat_template") or ""
+    if isinstance(template, list):  # named: [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        template = next((t.get("template", "") for t in template if t.get("name") == "default"), "")
+    return str(template)

@@ -37,6 +37,7 @@ _EXPORTS = {
     "SessionClosed": "l4m.errors",
     "ContextFreed": "l4m.errors",
     "ConstraintError": "l4m.errors",
+    "ChatTemplateError": "l4m.errors",
     "beam_search": "l4m.search",
     "NgramDrafter": "l4m.drafter",
     "generate_speculative": "l4m.drafter",

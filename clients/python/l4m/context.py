@@ -143,9 +143,15 @@ class Context:
             self._token_ids.append(int(token_id))
             self._next_position += 1
 
-    def fill_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> None:
-        """Queue a conversation rendered with the model's chat template."""
-        self.fill(self.model.tokenizer.apply_chat_template(messages, add_generation_prompt))
+    def fill_chat(
+        self,
+        messages: Sequence[dict[str, object]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, object]] | None = None,
+        **template_variables: object,
+    ) -> None:
+        """Queue a conversation rendered with the model's chat template (`Tokenizer.apply_chat_template`)."""
+        self.fill(self.model.tokenizer.apply_chat_template(messages, add_generation_prompt, tools, **template_variables))
 
     def flush(self) -> None:
         """Feed every pending token but the last (fire-and-forget); the last one waits for a decode step."""

@@ -61,3 +61,8 @@ class ConstraintError(L4MError):
 
 class ProgramError(L4MError):
     """A controller program that cannot be loaded (missing file, no `async def main(ctx)`)."""
+
+
+class ChatTemplateError(L4MError):
+    """The model's chat template failed: it does not compile, or it refused the conversation (a template's
+    `raise_exception`, e.g. roles that do not alternate user/assistant)."""

@@ -37,6 +37,8 @@ SMOLLM_CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# SmolLM2's, whose first ids the tiny vocabulary copies: bos <|im_start|> (1), eos <|im_end|> (2).
+SMOLLM_CHAT_TEMPLATE_VARIABLES = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
 
 
 def tiny_tokenizer_json() -> str:
@@ -123,6 +125,7 @@ class FakeL4M:
         context: str = "full",
         chat_template: str = SMOLLM_CHAT_TEMPLATE,
         special_token_ids: dict[str, int] | None = None,
+        chat_template_variables: dict[str, str] | None = None,
         logit_scale: float = 3.0,
         max_continuation_steps: int = 64,
     ) -> None:
@@ -140,6 +143,9 @@ class FakeL4M:
         self.context = context
         self.chat_template = chat_template
         self.special_token_ids = special_token_ids or {t: i for i, t in enumerate(TINY_SPECIAL_TOKENS)}
+        self.chat_template_variables = (
+            SMOLLM_CHAT_TEMPLATE_VARIABLES if chat_template_variables is None else chat_template_variables
+        )
         self.logit_scale = logit_scale
         self.max_continuation_steps = max_continuation_steps
         self.pages: dict[int, _Page] = {}
@@ -175,6 +181,7 @@ class FakeL4M:
             num_attention_heads=1, num_kv_heads=1, head_dim=8, max_context_tokens=_MAX_CONTEXT_TOKENS,
             tokenizer_json=self.tokenizer_json, chat_template=self.chat_template,
             stop_token_ids=self.stop_token_ids, special_token_ids=self.special_token_ids, capabilities=["text"],
+            chat_template_variables=self.chat_template_variables,
         )
         return l4m_pb2.GetInfoResponse(
             protocol_version="l4m.v1", model=model, kv_page_size=self.kv_page_size,

@@ -70,7 +70,10 @@ class Model:
         if self._tokenizer is None:
             if not self.info.tokenizer_json:
                 self.info = self.session.get_info_blocking().model
-            self._tokenizer = Tokenizer(self.info.tokenizer_json, self.info.chat_template, self.info.special_token_ids)
+            self._tokenizer = Tokenizer(
+                self.info.tokenizer_json, self.info.chat_template, self.info.special_token_ids,
+                self.info.chat_template_variables,
+            )
         return self._tokenizer
 
     def new_context(self) -> Context:

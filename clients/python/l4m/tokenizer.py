@@ -1,15 +1,16 @@
 """The model's tokenizer as a controller uses it: encode/decode, streaming decode, chat template.
 
-Built from `ModelInfo.tokenizer_json` with `tokenizers`. The chat template is rendered with jinja2
-(sandboxed) when it is installed; otherwise a ChatML renderer is used, which produces the same text
-as SmolLM2's template (the default model) and any other plain ChatML template.
+Built from `ModelInfo.tokenizer_json` with `tokenizers`. The chat template is rendered as transformers'
+`apply_chat_template` renders it (`l4m.chat_template`, jinja2, imported on first use), with the model's
+`chat_template_variables` (bos_token, eos_token). Without jinja2 a ChatML renderer is used, which
+produces the same text as SmolLM2's template (the default model) and any other plain ChatML template.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-Message = Mapping[str, str]
+Message = Mapping[str, object]  # {"role": ..., "content": ...}, and whatever else the template reads
 
 # SmolLM2's template adds this system turn when the conversation has none.
 SMOLLM_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -18,13 +19,20 @@ SMOLLM_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by
 class Tokenizer:
     """Text <-> token ids for one model."""
 
-    def __init__(self, tokenizer_json: str, chat_template: str = "", special_token_ids: Mapping[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer_json: str,
+        chat_template: str = "",
+        special_token_ids: Mapping[str, int] | None = None,
+        chat_template_variables: Mapping[str, str] | None = None,
+    ) -> None:
         from tokenizers import Tokenizer as HfTokenizer  # lazily: ~10 ms a controller pays only when it loads
 
         self._tokenizer = HfTokenizer.from_str(tokenizer_json)
         self.tokenizer_json = tokenizer_json
         self.chat_template = chat_template
         self.special_token_ids = dict(special_token_ids or {})
+        self.chat_template_variables = dict(chat_template_variables or {})  # e.g. {"bos_token": "<s>"}
         self._jinja_template: object | None = None  # compiled on first use: jinja2's import is ~20 ms
         self._is_jinja_compiled = False
         # Byte-level decoding is concatenative at character boundaries: decode(a + b) == decode(a) +
@@ -47,14 +55,29 @@ class Tokenizer:
     def token_to_str(self, token_id: int) -> str:
         return self.decode([token_id], skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: Iterable[Message], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a conversation, as the model was trained to read it."""
+    def apply_chat_template(
+        self,
+        messages: Iterable[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        **template_variables: object,
+    ) -> str:
+        """The prompt text for a conversation, as the model was trained to read it: the text transformers'
+        `apply_chat_template(messages, tools=tools, add_generation_prompt=..., tokenize=False, **kwargs)`
+        gives. `template_variables` reach the template as they do there (e.g. Llama 3's `date_string`)
+        and win over the model's own (`bos_token`, `eos_token`).
+
+        Raises ChatTemplateError when the template does not compile or refuses the conversation.
+        """
         messages = [dict(m) for m in messages]
         if not self._is_jinja_compiled:
             self._jinja_template = _compile_jinja(self.chat_template)
             self._is_jinja_compiled = True
         if self._jinja_template is not None:
-            return self._jinja_template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+            from l4m import chat_template as jinja_chat_template
+
+            variables = {**self.chat_template_variables, **template_variables}
+            return jinja_chat_template.render(self._jinja_template, messages, add_generation_prompt, tools, variables)
         return render_chatml(messages, add_generation_prompt, self._default_system())
 
     def _default_system(self) -> str | None:
@@ -104,11 +127,11 @@ def render_chatml(messages: Sequence[Message], add_generation_prompt: bool, defa
 
 
 def _compile_jinja(chat_template: str) -> object | None:
+    """The compiled template; None when there is none or jinja2 is not installed (ChatML then)."""
     if not chat_template:
         return None
     try:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
+        from l4m import chat_template as jinja_chat_template
+    except ImportError:  # jinja2 is missing
         return None
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return environment.from_string(chat_template)
+    return jinja_chat_template.compile_template(chat_template)

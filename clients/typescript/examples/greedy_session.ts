@@ -73,9 +73,11 @@ async function main(): Promise<void> {
   try {
     const info = await session.getInfo();
     const model = info.model!;
-    // The model's own tokenizer and chat template, as GetInfo ships them (HF tokenizers JSON, Jinja).
+    // The model's own tokenizer and chat template, as GetInfo ships them (HF tokenizers JSON, Jinja), and
+    // the variables the template reads besides the messages (bos_token, eos_token).
     const tokenizer = new Tokenizer(JSON.parse(model.tokenizerJson), {});
     const text = new Template(model.chatTemplate).render({
+      ...model.chatTemplateVariables,
       messages: [{ role: "user", content: prompt }],
       add_generation_prompt: true,
     });

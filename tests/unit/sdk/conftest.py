@@ -71,5 +71,5 @@ def smollm_fake(smollm_tokenizer_bundle: Any) -> FakeL4M:
     return FakeL4M(
         tokenizer_json=bundle.to_json(), vocab_size=bundle.tokenizer.get_vocab_size(), kv_page_size=16,
         stop_token_ids=bundle.eos_token_ids, stop_bias=8.0, chat_template=bundle.chat_template,
-        special_token_ids=bundle.special_tokens,
+        special_token_ids=bundle.special_tokens, chat_template_variables=bundle.chat_template_variables(),
     )

@@ -324,11 +324,23 @@ export interface ModelInfo {
   specialTokenIds: { [key: string]: number };
   /** Optional features: "text" always; "vision" when EmbedImage works. */
   capabilities: string[];
+  /**
+   * Variables the chat template reads besides messages, tools and add_generation_prompt, as transformers
+   * passes them from its special-token map: "bos_token" and "eos_token" -> the token's text, each only
+   * when the model names one. A map rather than two fields because transformers passes every special
+   * token by name, so a template that reads another (e.g. "pad_token") needs no new field.
+   */
+  chatTemplateVariables: { [key: string]: string };
 }
 
 export interface ModelInfo_SpecialTokenIdsEntry {
   key: string;
   value: number;
+}
+
+export interface ModelInfo_ChatTemplateVariablesEntry {
+  key: string;
+  value: string;
 }
 
 /** W3C trace context (https://www.w3.org/TR/trace-context/) of the span a message belongs to. */
@@ -2373,6 +2385,7 @@ function createBaseModelInfo(): ModelInfo {
     stopTokenIds: [],
     specialTokenIds: {},
     capabilities: [],
+    chatTemplateVariables: {},
   };
 }
 
@@ -2424,6 +2437,9 @@ export const ModelInfo: MessageFns<ModelInfo> = {
     for (const v of message.capabilities) {
       writer.uint32(114).string(v!);
     }
+    globalThis.Object.entries(message.chatTemplateVariables).forEach(([key, value]: [string, string]) => {
+      ModelInfo_ChatTemplateVariablesEntry.encode({ key: key as any, value }, writer.uint32(122).fork()).join();
+    });
     return writer;
   },
 
@@ -2565,6 +2581,17 @@ export const ModelInfo: MessageFns<ModelInfo> = {
             message.capabilities.push(reader.string());
             continue;
           }
+          case 15: {
+            if (tag !== 122) {
+              break;
+            }
+
+            const entry15 = ModelInfo_ChatTemplateVariablesEntry.decode(reader, reader.uint32());
+            if (entry15.value !== undefined) {
+              message.chatTemplateVariables[entry15.key] = entry15.value;
+            }
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2661,6 +2688,33 @@ export const ModelInfo: MessageFns<ModelInfo> = {
       capabilities: globalThis.Array.isArray(object?.capabilities)
         ? object.capabilities.map((e: any) => globalThis.String(e))
         : [],
+      chatTemplateVariables: isObject(object.chatTemplateVariables)
+        ? (globalThis.Object.entries(object.chatTemplateVariables) as [string, any][]).reduce(
+          (acc: { [key: string]: string }, [key, value]: [string, any]) => {
+            globalThis.Object.defineProperty(acc, key, {
+              value: globalThis.String(value),
+              enumerable: true,
+              configurable: true,
+              writable: true,
+            });
+            return acc;
+          },
+          {},
+        )
+        : isObject(object.chat_template_variables)
+        ? (globalThis.Object.entries(object.chat_template_variables) as [string, any][]).reduce(
+          (acc: { [key: string]: string }, [key, value]: [string, any]) => {
+            globalThis.Object.defineProperty(acc, key, {
+              value: globalThis.String(value),
+              enumerable: true,
+              configurable: true,
+              writable: true,
+            });
+            return acc;
+          },
+          {},
+        )
+        : {},
     };
   },
 
@@ -2714,6 +2768,15 @@ export const ModelInfo: MessageFns<ModelInfo> = {
     if (message.capabilities?.length) {
       obj.capabilities = message.capabilities;
     }
+    if (message.chatTemplateVariables) {
+      const entries = globalThis.Object.entries(message.chatTemplateVariables) as [string, string][];
+      if (entries.length > 0) {
+        obj.chatTemplateVariables = {};
+        entries.forEach(([k, v]) => {
+          obj.chatTemplateVariables[k] = v;
+        });
+      }
+    }
     return obj;
   },
 
@@ -2744,6 +2807,16 @@ export const ModelInfo: MessageFns<ModelInfo> = {
       {},
     );
     message.capabilities = object.capabilities?.map((e) => e) || [];
+    message.chatTemplateVariables =
+      (globalThis.Object.entries(object.chatTemplateVariables ?? {}) as [string, string][]).reduce(
+        (acc: { [key: string]: string }, [key, value]: [string, string]) => {
+          if (value !== undefined) {
+            acc[key] = globalThis.String(value);
+          }
+          return acc;
+        },
+        {},
+      );
     return message;
   },
 };
@@ -2831,6 +2904,95 @@ export const ModelInfo_SpecialTokenIdsEntry: MessageFns<ModelInfo_SpecialTokenId
     const message = createBaseModelInfo_SpecialTokenIdsEntry();
     message.key = object.key ?? "";
     message.value = object.value ?? 0;
+    return message;
+  },
+};
+
+function createBaseModelInfo_ChatTemplateVariablesEntry(): ModelInfo_ChatTemplateVariablesEntry {
+  return { key: "", value: "" };
+}
+
+export const ModelInfo_ChatTemplateVariablesEntry: MessageFns<ModelInfo_ChatTemplateVariablesEntry> = {
+  encode(message: ModelInfo_ChatTemplateVariablesEntry, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.key !== "") {
+      writer.uint32(10).string(message.key);
+    }
+    if (message.value !== "") {
+      writer.uint32(18).string(message.value);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ModelInfo_ChatTemplateVariablesEntry {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseModelInfo_ChatTemplateVariablesEntry();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.key = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.value = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): ModelInfo_ChatTemplateVariablesEntry {
+    return {
+      key: isSet(object.key) ? globalThis.String(object.key) : "",
+      value: isSet(object.value) ? globalThis.String(object.value) : "",
+    };
+  },
+
+  toJSON(message: ModelInfo_ChatTemplateVariablesEntry): unknown {
+    const obj: any = {};
+    if (message.key !== "") {
+      obj.key = message.key;
+    }
+    if (message.value !== "") {
+      obj.value = message.value;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<ModelInfo_ChatTemplateVariablesEntry>, I>>(
+    base?: I,
+  ): ModelInfo_ChatTemplateVariablesEntry {
+    return ModelInfo_ChatTemplateVariablesEntry.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ModelInfo_ChatTemplateVariablesEntry>, I>>(
+    object: I,
+  ): ModelInfo_ChatTemplateVariablesEntry {
+    const message = createBaseModelInfo_ChatTemplateVariablesEntry();
+    message.key = object.key ?? "";
+    message.value = object.value ?? "";
     return message;
   },
 };
