@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import gc
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 from l4m import eventloop
 from l4m.common.metrics import start_metrics_server
 from l4m.common.serving import bound_address, serve_until_signal
+from l4m.executor.architectures import UnsupportedModel
 from l4m.executor.engine import EngineConfig
 from l4m.executor.metrics import executor_registry
 from l4m.executor.server import ExecutorConfig, create_server
@@ -28,6 +30,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, int]:
     parser.add_argument(
         "--model", default=None, help="a .gguf file or an HF safetensors directory (default: SmolLM2)"
     )
+    parser.add_argument("--model-name", default="", help="what the cluster calls the model (GetInfo, sessions' "
+                        "l4m-model); default: the model's own name (HF _name_or_path or directory, GGUF general.name)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda:N")
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -92,7 +96,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, int]:
         graph_max_batch=args.graph_max_batch,
     )
     config = ExecutorConfig(listen=args.listen, model_path=str(args.model or default_model_path()), engine=engine,
-                            cluster_secret=secret, tls=tls, listen_framed=args.listen_framed)
+                            cluster_secret=secret, tls=tls, listen_framed=args.listen_framed, model_name=args.model_name)
     return config, args.metrics_port
 
 
@@ -126,6 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with contextlib.suppress(KeyboardInterrupt):
             eventloop.run(serve(config, metrics_port))
+    except (UnsupportedModel, FileNotFoundError) as error:
+        # A model the executor cannot serve right is refused before anything listens: say why, no traceback.
+        print(f"l4m executor: cannot serve {config.model_path}: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     finally:
         shutdown_tracing()
 

@@ -1,5 +1,6 @@
 """The attention plan of one batched forward: where new K/V go, which pages each item reads, and the
-boolean mask every layer applies.
+boolean mask every layer applies. A model with a sliding window (`ModelConfig.sliding_window`) has it
+ANDed into every plan: a token at slot q sees only slots > q - window, as HF counts cache positions.
 
 Items are padded into `[B, Tq, Tkv]` (B items, Tq = most new tokens of an item, Tkv = most pages of an
 item x page_size) so that one attention call serves the whole batch. The mask is built once per batch
@@ -49,9 +50,14 @@ class AttentionPlan:
 
 
 def build_plan(
-    items: Sequence[ItemLayout], page_size: int, page_visible: torch.Tensor, dtype: torch.dtype
+    items: Sequence[ItemLayout],
+    page_size: int,
+    page_visible: torch.Tensor,
+    dtype: torch.dtype,
+    sliding_window: int = 0,
 ) -> AttentionPlan:
-    """Vectorized over items except for the cheap per-item index lists; built once, used by every layer."""
+    """Vectorized over items except for the cheap per-item index lists; built once, used by every layer.
+    With `sliding_window` W > 0 a token at slot q also sees only slots > q - W."""
     device = page_visible.device
     num_items = len(items)
     num_new = np.array([it.num_new for it in items], dtype=np.int64)
@@ -73,11 +79,17 @@ def build_plan(
     limit = num_ctx[:, None] + rows[None, :]  # [B, Tq] last visible slot under causal attention
     mask = np.arange(width)[None, None, :] <= limit[:, :, None]  # [B, Tq, Tkv]
     mask &= (rows[None, :] < num_new[:, None])[:, :, None]
+    window = None
+    if sliding_window:
+        window = np.arange(width)[None, None, :] > (limit - sliding_window)[:, :, None]
+        mask &= window
     custom = [b for b, it in enumerate(items) if it.mask_rows]
     if custom:
         decoded = decode_rows([r for b in custom for r in items[b].mask_rows], width)
         which = np.isin(item_of_token, custom)
         mask[item_of_token[which], row_of_token[which]] = decoded
+        if window is not None:
+            mask &= window
 
     mask_t = torch.from_numpy(mask).to(device)
     table_t = torch.from_numpy(page_table).to(device)
@@ -144,8 +156,11 @@ def is_decode_batch(items: Sequence[ItemLayout]) -> bool:
     return all(it.num_new == 1 for it in items)
 
 
-def build_decode_plan(items: Sequence[ItemLayout], page_size: int, page_visible: torch.Tensor) -> DecodePlan:
-    """Vectorized like `build_plan`; slots at or after `ctx_len` are never read, so need no masking."""
+def build_decode_plan(
+    items: Sequence[ItemLayout], page_size: int, page_visible: torch.Tensor, sliding_window: int = 0
+) -> DecodePlan:
+    """Vectorized like `build_plan`; slots at or after `ctx_len` are never read, so need no masking;
+    with `sliding_window` W > 0, slots before `ctx_len - W` are hidden."""
     num_items = len(items)
     max_pages = max(len(it.page_ids) for it in items)
     page_table = np.zeros((num_items, max_pages), dtype=np.int64)
@@ -158,4 +173,6 @@ def build_decode_plan(items: Sequence[ItemLayout], page_size: int, page_visible:
     if custom:
         decoded = decode_rows([items[b].mask_rows[0] for b in custom], max_pages * page_size)
         visible[custom] &= torch.from_numpy(decoded)
+    if sliding_window:
+        visible &= torch.arange(visible.shape[1])[None, :] >= torch.from_numpy(ctx_len - sliding_window)[:, None]
     return DecodePlan(table_t, torch.from_numpy(ctx_len), visible.view(torch.uint8))

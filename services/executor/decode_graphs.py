@@ -15,7 +15,7 @@ Python, plus a per-batch attention plan; on a GPU the CPU launching them is the 
   that no command can name, and attend only to it, so they never touch an item's pages.
 
 Masks stay exact: a slot counts when it is before the item's length, its page's visibility allows it,
-and the item's BRLE row (if it sent one) allows it; an item that sees nothing gets a zero attention
+the item's BRLE row (if it sent one) allows it, and it lies in the model's sliding window (if any); an item that sees nothing gets a zero attention
 output, as on the per-op path. A bucket's graph is captured the first time a batch needs it (one
 eager warm-up run, which compiles the Triton kernels, then the capture); all graphs share one memory
 pool, which is safe because steps run one at a time and the output is copied out before the next.
@@ -123,6 +123,11 @@ class _Step(_Graphed):
         self.page_table = self.meta[4 * batch :].view(batch, pages)
         self.row_visible = torch.ones((batch, pages * cache.page_size), dtype=torch.uint8, device=device)
         self.row_mask_custom = False
+        # A sliding window: each step ANDs "slot >= ctx_len - window" into the rows' visibility, on the
+        # device, so the continuation loop's advancing ctx_len moves the window with it.
+        self.window = cfg.sliding_window
+        self.slots = torch.arange(pages * cache.page_size, device=device)[None, :] if self.window else None
+        self.visible = torch.ones_like(self.row_visible) if self.window else self.row_visible
         self.hidden = torch.zeros((batch, cfg.hidden_size), dtype=torch.float32, device=device)
         dtype = model.dtype
         self.x = torch.zeros((batch, cfg.hidden_size), dtype=dtype, device=device)
@@ -183,13 +188,16 @@ class _Step(_Graphed):
         eps = cfg.rms_norm_eps
         layers = model.layers
         ops.add_rms_norm(self.hidden, None, layers[0].input_norm, eps, self.x)
+        if self.window:
+            in_window = self.slots >= (self.ctx_len - self.window)[:, None]
+            torch.mul(self.row_visible, in_window, out=self.visible)
         for i, (layer, kv) in enumerate(zip(layers, cache.layers, strict=True)):
             qkv = layer.qkv(self.x)
             ops.rope_write_kv(
                 qkv, self.positions, model.rope_cos, model.rope_sin, kv, self.write_page, self.write_offset, self.q
             )
             ops.decode_attention(
-                self.q, kv, self.page_table, self.ctx_len, cache.page_visible, self.row_visible, self.attn
+                self.q, kv, self.page_table, self.ctx_len, cache.page_visible, self.visible, self.attn
             )
             ops.add_rms_norm(self.hidden, layer.o(self.attn), layer.post_norm, eps, self.x)
             ops.silu_mul(layer.gate_up(self.x), self.act)

@@ -217,11 +217,12 @@ class Engine:
             self._num_graph_batches += 1
             return self.static_decoder.run(layouts, hidden, positions, rows)
         positions = positions.to(self.device)
+        window = self.model.config.sliding_window
         if self._takes_decode_kernel(layouts):
             self._num_decode_kernel_batches += 1
-            plan = build_decode_plan(layouts, self.cache.page_size, self.cache.page_visible)
+            plan = build_decode_plan(layouts, self.cache.page_size, self.cache.page_visible, window)
             return self.model.forward_decode(hidden, positions, plan, self.cache, rows)
-        plan = build_plan(layouts, self.cache.page_size, self.cache.page_visible, self.dtype)
+        plan = build_plan(layouts, self.cache.page_size, self.cache.page_visible, self.dtype, window)
         return self.model.forward(hidden, positions, plan, self.cache, rows)
 
     def _takes_decode_kernel(self, layouts: Sequence[ItemLayout]) -> bool:
@@ -415,7 +416,7 @@ class Engine:
         tok = self.loaded.tokenizer
         return ExecutorInfo(
             model_name=cfg.name,
-            architecture="llama",
+            architecture=cfg.architecture,
             num_layers=cfg.num_layers,
             hidden_size=cfg.hidden_size,
             num_heads=cfg.num_heads,
@@ -434,6 +435,7 @@ class Engine:
             special_tokens=dict(tok.special_tokens),
             eos_token_ids=tok.eos_token_ids,
             chat_template=tok.chat_template,
+            chat_template_variables=tok.chat_template_variables(),
             capabilities=("text",),
             max_batch_tokens=self.config.max_batch_tokens,
         )

@@ -1,4 +1,6 @@
-"""A Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU, tied or untied head) over the paged KV cache.
+"""A Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU, tied or untied head, optional linear biases)
+over the paged KV cache; the architectures it serves are those of `architectures.py` (a sliding
+window is the attention plans' business).
 
 Tokens of all items of a batch are concatenated (`[N, hidden]`) through every linear layer; only
 attention looks at items separately, via the batch's `AttentionPlan`.
@@ -62,7 +64,16 @@ class LlamaModel:
                 dense = torch.cat([w(n) for n in names]).contiguous() if len(names) > 1 else w(names[0])
             blocks = [loaded.quantized.get(n) for n in names] if quantized else [None]
             packed = cat_rows(blocks) if all(b is not None for b in blocks) else None  # type: ignore[arg-type]
-            return Linear(dense, packed, max_quantized_rows)
+            return Linear(dense, packed, max_quantized_rows, bias(names, dense))
+
+        def bias(names: tuple[str, ...], dense: torch.Tensor) -> torch.Tensor | None:
+            """The fused bias of `names` (zeros for parts without one), or None when none has one."""
+            biases = [t.get(n.removesuffix(".weight") + ".bias") for n in names]
+            if all(b is None for b in biases):
+                return None
+            sizes = [t[n].shape[0] for n in names]
+            parts = [torch.zeros(size) if b is None else b for b, size in zip(biases, sizes, strict=True)]
+            return torch.cat(parts).to(device=device, dtype=dense.dtype).contiguous()
 
         self.embed = w("model.embed_tokens.weight")  # [V, hidden]
         if "lm_head.weight" in t:
@@ -100,6 +111,8 @@ class LlamaModel:
         """The flat per-layer weight list `decode_layers` takes, or None if the kernel does not apply."""
         if self.config.head_dim not in (64, 128):  # the kernel's attention is specialised for these
             return None
+        if any(lin.bias is not None for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)):
+            return None  # the kernel has no bias terms: such models decode on the torch path
         flat: list[torch.Tensor] = []
         no_m = torch.empty(0)  # Q8_0 blocks have no offsets
         for layer in self.layers:

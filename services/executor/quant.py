@@ -78,7 +78,7 @@ def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
 
 
 class Linear:
-    """`y = x @ W.T` for `x` `[M, in]`, with W dense, quantized, or both.
+    """`y = x @ W.T (+ bias)` for `x` `[M, in]`, with W dense, quantized, or both.
 
     With both, calls of up to `max_quantized_rows` rows use the quantized kernel (memory-bound decode,
     where reading 4.5 bits per weight instead of 32 wins) and bigger ones the dense BLAS GEMM
@@ -86,16 +86,22 @@ class Linear:
     """
 
     def __init__(
-        self, dense: torch.Tensor | None, quantized: QuantizedTensor | None, max_quantized_rows: int
+        self,
+        dense: torch.Tensor | None,
+        quantized: QuantizedTensor | None,
+        max_quantized_rows: int,
+        bias: torch.Tensor | None = None,
     ) -> None:
         if dense is None and quantized is None:
             raise ValueError("a Linear needs dense or quantized weights")
         self.dense = dense
         self.quantized = quantized
+        self.bias = bias  # [out], of the dense weight's dtype
         self.max_quantized_rows = max_quantized_rows if dense is not None else 1 << 62
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         q = self.quantized
         if q is None or x.shape[0] > self.max_quantized_rows:
-            return F.linear(x, self.dense)
-        return torch.ops.l4m_cpu.linear(x, q.qs, q.d, q.m)
+            return F.linear(x, self.dense, self.bias)
+        y = torch.ops.l4m_cpu.linear(x, q.qs, q.d, q.m)
+        return y if self.bias is None else y + self.bias

@@ -54,6 +54,7 @@ class ExecutorConfig:
     cluster_secret: str = ""
     tls: TlsFiles | None = None  # TLS on a TCP listener
     listen_framed: str = ""  # a Unix socket path for the framed Execute stream; "" = none
+    model_name: str = ""  # what GetInfo and sessions call the model; "" = the model's own name
 
 
 def device_thread() -> ThreadPoolExecutor:
@@ -196,7 +197,7 @@ async def create_server(config: ExecutorConfig, engine: Engine | None = None) ->
     worker = device_thread()
     if engine is None:
         engine = await asyncio.get_running_loop().run_in_executor(
-            worker, lambda: Engine(load_model(config.model_path), config.engine)
+            worker, lambda: Engine(load_model(config.model_path, config.model_name), config.engine)
         )
     framed_path = os.path.abspath(config.listen_framed) if config.listen_framed else ""
     servicer = ExecutorServicer(engine, worker, config.cluster_secret, framed_path)

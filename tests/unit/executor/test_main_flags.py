@@ -46,3 +46,18 @@ def test_an_unreadable_secret_file_is_refused(tmp_path: Path, capsys: pytest.Cap
     with pytest.raises(SystemExit):
         parse_config(["--model", "m.gguf", "--cluster-secret-file", str(tmp_path / "missing")])
     assert "cannot read the secret file" in capsys.readouterr().err
+
+
+def test_a_model_the_executor_does_not_implement_exits_with_its_reason(tmp_path: Path, capsys) -> None:
+    """Refused at load, before anything listens: exit status 2 and the field named, no traceback."""
+    import json
+
+    from l4m.executor.__main__ import main
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Gemma2ForCausalLM"]}))
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", str(tmp_path), "--listen", f"unix:{tmp_path}/executor.sock"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"cannot serve {tmp_path}: architecture 'Gemma2ForCausalLM' is not implemented" in err
+    assert "Traceback" not in err
