@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any, cast
@@ -55,6 +56,7 @@ from l4m.scheduler.exports import Export, ExportTable
 from l4m.scheduler.instances import EventSink, Instance, InstanceRegistry, InstanceState
 from l4m.scheduler.kinds import KINDS
 from l4m.scheduler.metrics import SchedulerMetrics
+from l4m.scheduler.models import ServedModel, UnknownModel
 from l4m.scheduler.outbound import LocalOutcome
 from l4m.scheduler.quotas import UserQuotas, spend_tokens
 from l4m.scheduler.tracing import SchedulerTracer
@@ -99,9 +101,7 @@ class Scheduler:
             self.instances.num_active,
             lambda: sum(e.resources.embed_slots.num_used for e in self.executors if e.resources),
         )
-        self.limits: ModelLimits | None = None
-        self.model: common_pb2.ModelInfo | None = None
-        self._model_without_tokenizer: common_pb2.ModelInfo | None = None  # for GetInfo(omit_tokenizer_json)
+        self.models: dict[str, ServedModel] = {}  # by name, in the order their executors first connected
         self.watchers: list[Watcher] = []
         self._anonymous_seq = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -136,14 +136,51 @@ class Scheduler:
 
     @property
     def is_ready(self) -> bool:
-        return self.limits is not None
+        return any(m.limits is not None for m in self.models.values())
+
+    @property
+    def default_model(self) -> ServedModel | None:
+        """The model of the first executor (in `--executor` order) that ever connected."""
+        for executor in self.executors:
+            if executor.info is not None:
+                return self.models[executor.info.model.name]
+        return None
+
+    @property
+    def limits(self) -> ModelLimits | None:
+        """The default model's limits (None before any executor connected)."""
+        model = self.default_model
+        return model.limits if model is not None else None
+
+    @property
+    def model(self) -> common_pb2.ModelInfo | None:
+        model = self.default_model
+        return model.info if model is not None else None
+
+    def served_model(self, name: str = "") -> ServedModel:
+        """The model `name` names ("" = the default); raises UnknownModel, or NoExecutor before any connected."""
+        model = self.models.get(name) if name else self.default_model
+        if model is None:
+            if not self.models:
+                raise NoExecutor("no executor is connected yet")
+            raise UnknownModel(name, self.model_names())
+        return model
+
+    @staticmethod
+    def limits_of(instance: Instance) -> ModelLimits:
+        """The limits an instance's commands are checked against: those of the model its session serves."""
+        model = instance.model
+        if model is None or model.limits is None:
+            raise NoExecutor("no executor is connected yet")
+        return model.limits
 
     @property
     def model_limits(self) -> ModelLimits:
-        """The limits every command is checked against; they exist once an executor connected."""
-        if self.limits is None:
+        """The default model's limits; they exist once an executor connected."""
+        limits = self.limits
+        if limits is None:
             raise NoExecutor("no executor is connected yet")
-        return self.limits
+        return limits
 
     # ---- instances ----
 
@@ -177,13 +214,38 @@ class Scheduler:
             self.quotas.remove_instance(instance.user)
         return instance
 
-    def open_session(self, instance: Instance, sink: EventSink, traceparent: str | None = None) -> None:
-        """The instance's session starts; raises ValueError when it cannot (already open or ended)."""
+    def open_session(self, instance: Instance, sink: EventSink, traceparent: str | None = None,
+                     model: ServedModel | None = None) -> Instance:
+        """A session of `instance` starts, on `model` (default: the default model); returns the instance
+        the session speaks for. The instance's first session is its own; a later one on another model (the
+        controller's `ctx.load_model`) gets a companion instance (see `Instance.companions`). Raises
+        ValueError when it cannot: the instance ended, or it has a live session on that model already."""
+        model = model or self.served_model()
+        if instance.state is InstanceState.ACTIVE and instance.companion_of is None and model is not instance.model:
+            instance = self._companion(instance, model)
         if instance.state is not InstanceState.REGISTERED:
-            raise ValueError(f"instance {instance.instance_id!r} is {instance.state.value}; one session per instance")
+            raise ValueError(f"instance {instance.instance_id!r} is {instance.state.value}; one session per instance "
+                             f"and model")
+        instance.model = model
         instance.state = InstanceState.ACTIVE
         instance.sink = sink
         instance.trace_context = self.tracer.extract(traceparent) if self.tracer.enabled else None
+        return instance
+
+    def _companion(self, instance: Instance, model: ServedModel) -> Instance:
+        """The instance a controller's session on a second model speaks for, registered for the session
+        (and forgotten when it ends); a child of `instance` (same user, its tokens charged there too)."""
+        companion = instance.companions.get(model.name)
+        if companion is not None:
+            return companion  # alive: open_session refuses a second session on that model
+        companion = self.register_instance(
+            # A token nobody holds: the companion is reached only through its main instance's token.
+            f"{instance.instance_id}@{model.name}", secrets.token_urlsafe(24), 0, instance.launched_at_unix_ms,
+            user=instance.user, is_admin=instance.is_admin, parent_instance_id=instance.instance_id,
+        )
+        companion.companion_of = instance
+        instance.companions[model.name] = companion
+        return companion
 
     def close_session(self, instance: Instance) -> None:
         """The controller closed its stream: free everything, no trap."""
@@ -232,7 +294,7 @@ class Scheduler:
             return
         item = getattr(request, name)
         try:
-            limits = self.model_limits
+            limits = self.limits_of(instance)
             if kind.capability is not None:
                 kind.check_capability(limits)
             kind.check(item, limits)
@@ -304,7 +366,7 @@ class Scheduler:
             if executor is None:
                 if kind.name != "allocate" and kind.translate is not None:
                     # Owns nothing yet: raises, naming the first id.
-                    kind.translate(command.item, instance.table, None, self.model_limits)
+                    kind.translate(command.item, instance.table, None, self.limits_of(instance))
                 executor = self._bind(instance)
             return executor.queues[kind.name]
         except TrapError as error:
@@ -312,10 +374,12 @@ class Scheduler:
             return None
 
     def _bind(self, instance: Instance) -> Executor:
-        """Bind an instance to the connected executor with the most free pages (fewest instances on ties)."""
-        candidates = [e for e in self.executors if e.is_connected]
+        """Bind an instance to the connected executor of its model with the most free pages (fewest
+        instances on ties)."""
+        name = instance.model.name if instance.model is not None else ""
+        candidates = [e for e in self.executors if e.is_connected and e.info is not None and e.info.model.name == name]
         if not candidates:
-            raise NoExecutor("no executor is connected")
+            raise NoExecutor(f"no executor of model {name!r} is connected")
         executor = max(candidates, key=lambda e: (e.pools().kv_pages.num_free, -len(e.instances)))
         instance.executor = executor
         executor.instances.add(instance)
@@ -328,7 +392,7 @@ class Scheduler:
         translate = kind.translate
         if translate is None:  # only executor kinds have queues
             return
-        limits = self.model_limits
+        limits = cast(ModelLimits, self.models[cast(Any, executor.info).model.name].limits)  # connected: it has both
         if kind.name == "allocate":
             self._make_room(executor, commands, limits)
         traps_before = self._num_traps
@@ -432,7 +496,7 @@ class Scheduler:
             by_instance.setdefault(command.stream.instance, []).append(index)
         if len(by_instance) == len(commands):
             return None
-        page_size = self.model_limits.kv_page_size
+        page_size = self.limits_of(commands[0].stream.instance).kv_page_size
         waves = [0] * len(commands)
         for instance, own in by_instance.items():
             if len(own) < 2:
@@ -698,13 +762,19 @@ class Scheduler:
         if instance.sink is not None:
             instance.sink.send(l4m_pb2.SessionResponse(request_id=request_id, trap=trap))
             instance.sink.end(trap)
-        if error.trap_kind != l4m_pb2.TRAP_KIND_DESTROYED:
+        if error.trap_kind != l4m_pb2.TRAP_KIND_DESTROYED and instance.companion_of is None:
             for watcher in list(self.watchers):
                 watcher(instance.instance_id, trap)
         return freed
 
     def _end_instance(self, instance: Instance, reason: str = "session closed") -> tuple[int, int]:
         instance.state = InstanceState.ENDED
+        for companion in list(instance.companions.values()):  # the controller's sessions on other models end too
+            self.trap(companion, Destroyed(f"the controller's main session ended: {reason}"))
+        main = instance.companion_of
+        if main is not None:
+            del main.companions[instance.model.name]
+            self._forget(instance.instance_id)
         for stream in instance.streams.values():
             if self.tracer.enabled:
                 for command in stream.pending:
@@ -749,19 +819,23 @@ class Scheduler:
     # ---- executors ----
 
     def _on_executor_connected(self, executor: Executor, info: executor_pb2.ExecutorServiceGetInfoResponse) -> None:
-        if self.model is not None and info.model.name != self.model.name:
-            log.error("executor %s serves %r, not %r; ignored", executor.link.address, info.model.name, self.model.name)
+        name = info.model.name
+        if executor.info is not None and executor.info.model.name != name:
+            log.error("executor %s came back serving %r instead of %r; ignored", executor.link.address, name,
+                      executor.info.model.name)
+            return
+        model = self.models.get(name)
+        if model is None:
+            model = self.models[name] = ServedModel.from_info(info.model)
+        elif model.info.vocab_size != info.model.vocab_size or model.info.num_layers != info.model.num_layers:
+            log.error("executor %s serves a model named %r whose shape differs from its other executors'; ignored",
+                      executor.link.address, name)
             return
         self.batcher.add_queues(executor.connect(info))
-        if self.model is None:
-            self.model = info.model
-            self._model_without_tokenizer = common_pb2.ModelInfo()
-            self._model_without_tokenizer.CopyFrom(info.model)
-            self._model_without_tokenizer.ClearField("tokenizer_json")
-        self._update_limits()
-        log.info("executor %d (%s) connected%s: %d pages", executor.index, executor.link.address,
+        self._update_limits(model)
+        log.info("executor %d (%s) connected%s: model %r, %d pages", executor.index, executor.link.address,
                  f" over {transport}" if (transport := getattr(executor.link, "transport_in_use", "")) else "",
-                 info.num_kv_pages)
+                 name, info.num_kv_pages)
         self._schedule_step()
 
     def _on_executor_lost(self, executor: Executor, reason: str) -> None:
@@ -774,15 +848,17 @@ class Scheduler:
         self.batcher.remove_queues(executor.disconnect())
         log.warning("executor %d (%s) lost: %s", executor.index, executor.link.address, reason)
 
-    def _update_limits(self) -> None:
-        infos = [e.info for e in self.executors if e.is_connected and e.info is not None]
-        model = self.model
-        if not infos or model is None:
+    def _update_limits(self, served: ServedModel) -> None:
+        """The limits of `served`'s pool: what every one of its connected executors allows."""
+        infos = [e.info for e in self.executors if e.is_connected and e.info is not None
+                 and e.info.model.name == served.name]
+        model = served.info
+        if not infos:
             return
         max_pages = min(i.num_kv_pages for i in infos)
         max_slots = min(i.num_embed_slots for i in infos)
         config = self.config
-        self.limits = ModelLimits(
+        served.limits = ModelLimits(
             vocab_size=model.vocab_size,
             kv_page_size=infos[0].kv_page_size,
             max_context_tokens=model.max_context_tokens,
@@ -804,25 +880,35 @@ class Scheduler:
             - bounds.MESSAGE_MARGIN_BYTES,
         )
 
-    def get_info(self, omit_tokenizer_json: bool = False) -> l4m_pb2.GetInfoResponse:
-        limits = self.limits
+    def get_info(self, omit_tokenizer_json: bool = False, model_name: str = "") -> l4m_pb2.GetInfoResponse:
+        """About one model (`model_name`, "" = the default) and the names of all; raises UnknownModel."""
+        served = self.served_model(model_name)
+        limits = served.limits
         if limits is None:
-            raise NoExecutor("no executor is connected yet")
+            raise NoExecutor(f"no executor of model {served.name!r} is connected yet")
+        executors = [e for e in self.executors if e.resources is not None and e.info is not None
+                     and e.info.model.name == served.name]
         return l4m_pb2.GetInfoResponse(
             protocol_version=PROTOCOL_VERSION,
-            model=self._model_without_tokenizer if omit_tokenizer_json else self.model,
+            model=served.info_without_tokenizer if omit_tokenizer_json else served.info,
             kv_page_size=limits.kv_page_size,
             max_kv_pages_per_instance=limits.max_kv_pages_per_instance,
             max_embed_slots_per_instance=limits.max_embed_slots_per_instance,
-            num_free_kv_pages=sum(e.resources.kv_pages.num_free for e in self.executors if e.resources),
-            num_executors=sum(1 for e in self.executors if e.is_connected),
+            num_free_kv_pages=sum(e.resources.kv_pages.num_free for e in executors),  # type: ignore[union-attr]
+            num_executors=len(executors),
             max_continuation_steps=limits.max_continuation_steps,
             max_distribution_entries_per_command=limits.max_distribution_entries_per_command,
             max_tokens_per_command=limits.max_batch_tokens,
             max_command_bytes=bounds.MAX_COMMAND_BYTES,
             max_response_bytes=bounds.MAX_RESPONSE_BYTES,
             max_mask_runs_per_command=limits.max_mask_runs_per_command,
+            model_names=self.model_names(),
         )
+
+    def model_names(self) -> list[str]:
+        """The served models in `--executor` order of the first executor of each: the default first."""
+        names = dict.fromkeys(e.info.model.name for e in self.executors if e.info is not None)
+        return list(names)
 
 
 def _written_ranges(command: Command, page_size: int) -> list[tuple[int, int, int]]:

@@ -9,6 +9,9 @@ Accounting: the distinct pages of a user's persistent exports are counted per us
 under several names counts once), since they outlive every instance of the user; the scheduler caps
 them (`--max-export-pages-per-user`).
 
+Per model: an export holds one model's KV, so each model served has its own namespaces; a session
+sees, imports and names only its own model's exports.
+
 Visibility: an export belongs to its exporter's user. Names are one namespace per user, plus one of
 public exports: a user's own export of a name comes first, then the public one; an admin instance
 also reaches any user's. Another user's private export is not found, exactly like a missing one, so
@@ -45,39 +48,41 @@ class Export:
     owner_instance_id: str
     owner_user: str
     is_public: bool = False
+    model: str = ""  # the model whose KV it holds (the exporter session's)
 
     def is_visible_to(self, user: str, is_admin: bool) -> bool:
         return self.is_public or is_admin or self.owner_user == user
 
 
 class ExportTable:
-    """Exports by (owner user, name), public ones also by name, for every executor of the scheduler."""
+    """Exports by (model, owner user, name), public ones also by (model, name), for every executor of the
+    scheduler."""
 
     def __init__(self) -> None:
-        self._by_key: dict[tuple[str, str], Export] = {}
-        self._public: dict[str, Export] = {}
+        self._by_key: dict[tuple[str, str, str], Export] = {}
+        self._public: dict[tuple[str, str], Export] = {}
         # user -> (executor index, physical page) -> number of the user's persistent exports naming it
         self._persistent_pages: dict[str, dict[tuple[int, int], int]] = {}
 
     def __len__(self) -> int:
         return len(self._by_key)
 
-    def find(self, name: str, user: str, is_admin: bool = False) -> Export | None:
-        """The export `name` as `user` sees it (see the module docstring), or None."""
-        export = self._by_key.get((user, name)) or self._public.get(name)
+    def find(self, name: str, user: str, is_admin: bool = False, model: str = "") -> Export | None:
+        """The export `name` of `model` as `user` sees it (see the module docstring), or None."""
+        export = self._by_key.get((model, user, name)) or self._public.get((model, name))
         if export is None and is_admin:
-            export = next((e for e in self._by_key.values() if e.name == name), None)
+            export = next((e for e in self._by_key.values() if e.name == name and e.model == model), None)
         return export
 
-    def can_add(self, name: str, user: str, is_public: bool) -> bool:
-        return (user, name) not in self._by_key and not (is_public and name in self._public)
+    def can_add(self, name: str, user: str, is_public: bool, model: str = "") -> bool:
+        return (model, user, name) not in self._by_key and not (is_public and (model, name) in self._public)
 
     def add(self, export: Export) -> None:
-        if not self.can_add(export.name, export.owner_user, export.is_public):
+        if not self.can_add(export.name, export.owner_user, export.is_public, export.model):
             raise ValueError(f"export {export.name!r} exists")
-        self._by_key[(export.owner_user, export.name)] = export
+        self._by_key[(export.model, export.owner_user, export.name)] = export
         if export.is_public:
-            self._public[export.name] = export
+            self._public[(export.model, export.name)] = export
         if export.is_persistent:
             counts = self._persistent_pages.setdefault(export.owner_user, {})
             for page in export.physical_page_ids:
@@ -86,8 +91,8 @@ class ExportTable:
 
     def remove(self, export: Export) -> Export:
         if export.is_public:
-            del self._public[export.name]
-        removed = self._by_key.pop((export.owner_user, export.name))
+            del self._public[(export.model, export.name)]
+        removed = self._by_key.pop((export.model, export.owner_user, export.name))
         if removed.is_persistent:
             counts = self._persistent_pages[removed.owner_user]
             for page in removed.physical_page_ids:
@@ -111,8 +116,8 @@ class ExportTable:
     def all(self) -> list[Export]:
         return list(self._by_key.values())
 
-    def visible_to(self, user: str, is_admin: bool) -> list[Export]:
-        return [e for e in self._by_key.values() if e.is_visible_to(user, is_admin)]
+    def visible_to(self, user: str, is_admin: bool, model: str = "") -> list[Export]:
+        return [e for e in self._by_key.values() if e.model == model and e.is_visible_to(user, is_admin)]
 
     def owned_by(self, instance_id: str, *, is_persistent: bool) -> list[Export]:
         return [
@@ -128,7 +133,7 @@ class ExportTable:
 
 def run_export(view: SchedulerView, command: Command, item: l4m_pb2.ExportKvPagesCommand) -> LocalOutcome:
     instance: Instance = command.stream.instance
-    if not view.exports.can_add(item.name, instance.user, item.is_public):
+    if not view.exports.can_add(item.name, instance.user, item.is_public, _model_name(instance)):
         raise InvalidCommand(f"name {item.name!r} is already exported")
     physical = translate_ids(instance.table.kv_pages, item.kv_page_ids, "kv page")
     executor: Executor = instance.executor  # bound: it owns the pages just translated
@@ -138,8 +143,12 @@ def run_export(view: SchedulerView, command: Command, item: l4m_pb2.ExportKvPage
     pool.retain(physical)
     pool.freeze(physical)
     view.exports.add(Export(item.name, executor.index, tuple(physical), item.persistent, bytes(item.metadata),
-                            instance.instance_id, instance.user, item.is_public))
+                            instance.instance_id, instance.user, item.is_public, _model_name(instance)))
     return DONE
+
+
+def _model_name(instance: Instance) -> str:
+    return instance.model.name if instance.model is not None else ""
 
 
 def _check_export_quota(view: SchedulerView, user: str, executor: Executor, physical: list[int]) -> None:
@@ -162,7 +171,7 @@ def _check_export_quota(view: SchedulerView, user: str, executor: Executor, phys
 
 def _find_export(exports: ExportTable, instance: Instance, name: str) -> Export:
     """The export `name` as the instance sees it; another user's private export is 'no export'."""
-    export = exports.find(name, instance.user, instance.is_admin)
+    export = exports.find(name, instance.user, instance.is_admin, _model_name(instance))
     if export is None:
         raise InvalidCommand(f"no export is named {name!r}")
     return export
@@ -190,7 +199,8 @@ def run_import(view: SchedulerView, command: Command, item: l4m_pb2.ImportKvPage
     for virtual_id in item.kv_page_ids:
         if virtual_id in table:
             raise InvalidCommand(f"kv page id {virtual_id} is already allocated by this instance")
-    limit = view.limits.max_kv_pages_per_instance if view.limits is not None else 0
+    limits = instance.model.limits if instance.model is not None else None
+    limit = limits.max_kv_pages_per_instance if limits is not None else 0
     if len(table) + len(item.kv_page_ids) > limit:
         raise ResourceExhausted(f"importing {item.name!r} would hold more than the {limit} kv pages one instance may hold")
     executor = view.executors[export.executor_index]
@@ -213,6 +223,6 @@ def run_list_exports(view: SchedulerView, command: Command, item: l4m_pb2.ListEx
     infos = [
         l4m_pb2.ExportInfo(name=e.name, num_kv_pages=len(e.physical_page_ids), persistent=e.is_persistent,
                            metadata_bytes=len(e.metadata), is_public=e.is_public)
-        for e in view.exports.visible_to(instance.user, instance.is_admin)
+        for e in view.exports.visible_to(instance.user, instance.is_admin, _model_name(instance))
     ]
     return LocalOutcome(reply={"list_exports": l4m_pb2.ListExportsResult(exports=infos)})

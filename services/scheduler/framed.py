@@ -27,6 +27,7 @@ from l4m.common.framed import OPEN_TIMEOUT_S, FramedListener, FramedServerConnec
 from l4m.scheduler.core import Scheduler
 from l4m.scheduler.errors import InvalidCommand
 from l4m.scheduler.instances import Instance
+from l4m.scheduler.models import UnknownModel
 from l4m.scheduler.server import TRAP_STATUS, SessionRefused, admit_session
 from l4m.v1 import l4m_pb2
 from l4m.wire import frames, limits
@@ -117,7 +118,11 @@ class FramedConnection(FramedServerConnection):
                 request = l4m_pb2.GetInfoRequest.FromString(payload)
                 if not self.scheduler.is_ready:
                     raise SessionRefused(grpc.StatusCode.UNAVAILABLE, "no executor is connected yet")
-                self.write(frames.encode(frames.INFO, self.scheduler.get_info(request.omit_tokenizer_json)))
+                try:
+                    info = self.scheduler.get_info(request.omit_tokenizer_json, request.model)
+                except UnknownModel as error:
+                    raise SessionRefused(grpc.StatusCode.NOT_FOUND, str(error)) from None
+                self.write(frames.encode(frames.INFO, info))
                 self.close()
                 return
             if kind != frames.OPEN:
@@ -129,10 +134,11 @@ class FramedConnection(FramedServerConnection):
                 raise SessionRefused(grpc.StatusCode.FAILED_PRECONDITION,
                                      f"protocol_version {opening.protocol_version[:40]!r} is not "
                                      f"{frames.PROTOCOL_VERSION!r}")
-            instance = admit_session(self.scheduler, opening.instance_token or None)
+            instance, model = admit_session(self.scheduler, opening.instance_token or None, opening.model)
             assert self.transport is not None
             try:
-                self.scheduler.open_session(instance, FramedSink(self.transport), opening.traceparent or None)
+                instance = self.scheduler.open_session(instance, FramedSink(self.transport), opening.traceparent or None,
+                                                       model)
             except ValueError as error:
                 raise SessionRefused(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from None
         except DecodeError as error:

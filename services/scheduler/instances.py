@@ -48,6 +48,9 @@ class Instance:
         "user",
         "is_admin",
         "parent",
+        "model",
+        "companions",
+        "companion_of",
     )
 
     def __init__(
@@ -60,6 +63,11 @@ class Instance:
         self.is_admin = is_admin
         # The instance that spawned it: every token it feeds is charged to each ancestor too.
         self.parent = parent
+        self.model: Any = None  # the ServedModel its session serves (models.py), set when the session opens
+        # Sessions of this controller on other models (`ctx.load_model`), each an instance of its own whose
+        # parent is this one (its tokens charged here too), by model name; they end when this one ends.
+        self.companions: dict[str, Instance] = {}
+        self.companion_of: Instance | None = None
         self.token = token
         self.max_tokens = max_tokens
         self.launched_at_unix_ms = launched_at_unix_ms

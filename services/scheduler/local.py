@@ -35,11 +35,13 @@ class SchedulerView(Protocol):
     metrics: SchedulerMetrics
     limits: ModelLimits | None
 
-    def get_info(self, omit_tokenizer_json: bool = False) -> l4m_pb2.GetInfoResponse: ...
+    def get_info(self, omit_tokenizer_json: bool = False, model_name: str = "") -> l4m_pb2.GetInfoResponse: ...
 
 
 def run_get_info(view: SchedulerView, command: Command, item: l4m_pb2.GetInfoCommand) -> LocalOutcome:
-    return LocalOutcome(reply={"info": view.get_info(item.omit_tokenizer_json)})
+    """About the model the session serves."""
+    model = command.stream.instance.model
+    return LocalOutcome(reply={"info": view.get_info(item.omit_tokenizer_json, model.name if model else "")})
 
 
 def run_synchronize(view: SchedulerView, command: Command, item: l4m_pb2.SynchronizeCommand) -> LocalOutcome:

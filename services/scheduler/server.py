@@ -36,10 +36,11 @@ from l4m.scheduler.errors import (
 )
 from l4m.scheduler.instances import Instance
 from l4m.scheduler.links import GrpcExecutorLink
+from l4m.scheduler.models import ServedModel, UnknownModel
 from l4m.v1 import l4m_pb2, l4m_pb2_grpc, registry_pb2, registry_pb2_grpc
 from l4m.wire import limits
 from l4m.wire.credentials import bearer_token, secrets_equal
-from l4m.wire.metadata import TOKEN_METADATA_KEY
+from l4m.wire.metadata import MODEL_METADATA_KEY, TOKEN_METADATA_KEY
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +89,19 @@ class SessionRefused(Exception):
         self.message = message
 
 
-def admit_session(scheduler: Scheduler, token: str | None) -> Instance:
-    """The instance a new session (gRPC or framed) speaks for: the one its token names, or a new anonymous
-    one where the scheduler allows them. Raises SessionRefused."""
+def admit_session(scheduler: Scheduler, token: str | None, model_name: str = "") -> tuple[Instance, ServedModel]:
+    """The instance a new session (gRPC or framed) speaks for (the one its token names, or a new anonymous
+    one where the scheduler allows them) and the model it serves. Raises SessionRefused."""
     if not scheduler.is_ready:
         raise SessionRefused(grpc.StatusCode.UNAVAILABLE, "no executor is connected yet")
+    try:
+        model = scheduler.served_model(model_name)
+    except UnknownModel as error:
+        raise SessionRefused(grpc.StatusCode.NOT_FOUND, str(error)) from None
+    return _admit_instance(scheduler, token), model
+
+
+def _admit_instance(scheduler: Scheduler, token: str | None) -> Instance:
     if token:
         instance = scheduler.instances.by_token(token)
         if instance is None:
@@ -112,9 +121,12 @@ class L4MServicer(l4m_pb2_grpc.L4MServiceServicer):
 
     async def GetInfo(self, request: l4m_pb2.GetInfoRequest, context: grpc.aio.ServicerContext) -> l4m_pb2.GetInfoResponse:
         try:
-            return self.scheduler.get_info(request.omit_tokenizer_json)
+            return self.scheduler.get_info(request.omit_tokenizer_json, request.model)
         except TrapError as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, error.reason)
+            raise
+        except UnknownModel as error:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(error))
             raise
 
     async def Session(self, request_iterator: AsyncIterator[l4m_pb2.SessionRequest],
@@ -122,12 +134,13 @@ class L4MServicer(l4m_pb2_grpc.L4MServiceServicer):
         scheduler = self.scheduler
         metadata = {key: value for key, value in context.invocation_metadata() or ()}
         try:
-            instance = admit_session(scheduler, metadata.get(TOKEN_METADATA_KEY))
+            instance, model = admit_session(scheduler, metadata.get(TOKEN_METADATA_KEY),
+                                            metadata.get(MODEL_METADATA_KEY, ""))
         except SessionRefused as refusal:
             await context.abort(refusal.code, refusal.message)
         sink = _QueueSink()
         try:
-            scheduler.open_session(instance, sink, metadata.get("traceparent"))
+            instance = scheduler.open_session(instance, sink, metadata.get("traceparent"), model)
         except ValueError as error:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         # Tells the controller the session is accepted: it waits for this before its first write, so a

@@ -50,6 +50,7 @@ class SimulatedExecutorConfig:
     per_token_latency_s: float = 0.0
     capabilities: tuple[str, ...] = ("text",)
     tokenizer_json: str = ""  # served as is in ModelInfo (the simulator never tokenizes)
+    model_name: str = "simulated"
 
 
 class BatchRejected(Exception):
@@ -92,7 +93,7 @@ class SimulatedExecutor:
     def info(self) -> executor_pb2.ExecutorServiceGetInfoResponse:
         c = self.config
         model = common_pb2.ModelInfo(
-            name="simulated", architecture="none", vocab_size=c.vocab_size, num_layers=1, hidden_size=8,
+            name=c.model_name, architecture="none", vocab_size=c.vocab_size, num_layers=1, hidden_size=8,
             num_attention_heads=1, num_kv_heads=1, head_dim=8, max_context_tokens=c.max_context_tokens,
             stop_token_ids=[0], capabilities=list(c.capabilities), tokenizer_json=c.tokenizer_json,
         )

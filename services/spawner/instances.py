@@ -106,6 +106,21 @@ class ArgsTooLarge(InstanceError):
     """A launch's arguments are larger than the spawner keeps per instance."""
 
 
+class InvalidModelName(InstanceError):
+    """A launch names its model with something that cannot be a model name."""
+
+
+MAX_MODEL_NAME_BYTES = 256
+
+
+def check_model_name(model: str) -> None:
+    """A model name goes into the controller's environment (L4M_MODEL): bounded, printable, one line."""
+    if len(model.encode()) > MAX_MODEL_NAME_BYTES:
+        raise InvalidModelName(f"the model name is {len(model.encode())} bytes; at most {MAX_MODEL_NAME_BYTES}")
+    if not model.isprintable():
+        raise InvalidModelName(f"the model name {model[:40]!r} has non-printable characters")
+
+
 class InboxFull(InstanceError):
     """Messages to an instance wait unread past its inbox limit."""
 
@@ -180,6 +195,7 @@ class Instance:
     owner: User = ADMIN  # the launching user; a child's is its parent's
     detached: bool = False  # runs on when no client is attached
     parent_id: str = ""
+    model: str = ""  # the model its session serves (L4M_MODEL); "" = the scheduler's default
     num_attached: int = 0  # Attach streams open now
     was_attached: bool = False
     child_ids: list[str] = field(default_factory=list)
@@ -280,15 +296,18 @@ class InstanceManager:
         parent: Instance | None = None,
         user: User = ADMIN,
         detached: bool = False,
+        model: str = "",
     ) -> Instance:
         """Resolves the program, registers the instance with the scheduler and starts its sandbox.
 
         Everything is undone when a step fails: no registration or sandbox outlives a failed launch.
         `traceparent` is the caller's W3C trace context; `max_children` caps the tree this launch
         roots (0: the spawner's maximum). `user` owns the instance (a child: its parent's user); a
-        launch that is not `detached` ends when its clients go away (see `attached`)."""
+        launch that is not `detached` ends when its clients go away (see `attached`). `model` names the
+        model the controller's session serves ("": the scheduler's default; a child: its parent's)."""
         if parent is not None:
-            user = parent.owner
+            user, model = parent.owner, parent.model
+        check_model_name(model)
         num_args_bytes = sum(len(arg.encode()) for arg in args)
         if num_args_bytes > self.config.max_args_bytes:
             # Kept with the instance, exited ones too: bounded like the rest of its summary.
@@ -330,8 +349,9 @@ class InstanceManager:
                     max_tokens or self.config.default_max_tokens,
                     tree,
                     tracing.traceparent_for_controller(launch_span, traceparent),
+                    model,
                 )
-                instance.owner, instance.detached = user, detached
+                instance.owner, instance.detached, instance.model = user, detached, model
                 if parent is not None:
                     instance.parent_id = parent.instance_id
                 instance.span = tracing.start_instance_span(launch_span, attributes)
@@ -419,9 +439,10 @@ class InstanceManager:
         max_tokens: int,
         tree: LaunchTree,
         traceparent: str,
+        model: str = "",
     ) -> Instance:
         token = secrets.token_urlsafe(24)
-        env = self._sandbox_env(instance_id, token, traceparent)
+        env = self._sandbox_env(instance_id, token, traceparent, model)
         spec = SandboxSpec(
             instance_id,
             program_path,
@@ -493,13 +514,15 @@ class InstanceManager:
             return f"framed://{SANDBOX_SOCKET_DIR}/{self.config.scheduler_framed_socket_name}"
         return f"unix://{SANDBOX_SOCKET_DIR}/{self.config.scheduler_socket_name}"
 
-    def _sandbox_env(self, instance_id: str, token: str, traceparent: str) -> dict[str, str]:
+    def _sandbox_env(self, instance_id: str, token: str, traceparent: str, model: str = "") -> dict[str, str]:
         env = {
             "L4M_INSTANCE_ID": instance_id,
             "L4M_INSTANCE_TOKEN": token,
             "L4M_SCHEDULER_ADDR": self._scheduler_address(),
             "L4M_RUNTIME_ADDR": f"unix://{SANDBOX_SOCKET_DIR}/{self.config.runtime_socket_name}",
         }
+        if model:
+            env["L4M_MODEL"] = model
         if self.config.runtime_framed_socket_name:
             env["L4M_RUNTIME_FRAMED_ADDR"] = f"framed://{SANDBOX_SOCKET_DIR}/{self.config.runtime_framed_socket_name}"
         if traceparent:

@@ -38,6 +38,7 @@ from l4m.spawner.instances import (
     InstanceManager,
     InstanceNotFound,
     InstanceRegistry,
+    InvalidModelName,
     LaunchFailed,
     LimitTooHigh,
     NoScheduler,
@@ -78,6 +79,7 @@ _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (VariableError, grpc.StatusCode.INVALID_ARGUMENT),
     (LimitTooHigh, grpc.StatusCode.INVALID_ARGUMENT),
     (ArgsTooLarge, grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidModelName, grpc.StatusCode.INVALID_ARGUMENT),
     (InboxFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ProgramTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (TooManyInstances, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -253,6 +255,7 @@ class SpawnerServicer(spawner_pb2_grpc.SpawnerServiceServicer):
                 max_children=request.limits.max_children,
                 user=self._user(context),
                 detached=request.detached,
+                model=request.model,
             )
             # Shielded: a caller that goes away mid-launch leaves a listed instance, not a half one.
             instance = await asyncio.shield(asyncio.ensure_future(launch))

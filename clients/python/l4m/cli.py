@@ -115,6 +115,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--detach", action="store_true",
                         help="launch it to run on without a client, print its id and exit (`l4m attach ID` "
                              "follows it later); otherwise Ctrl-C or a lost connection ends the instance")
+    parser.add_argument("--model", default="", help="the model the controller's session serves, by name (`l4m up` "
+                        "prints the served ones); default: the cluster's first model")
     parser.add_argument("--max-tokens", nargs="?", action=_AmbiguousMaxTokens, help=argparse.SUPPRESS)
     limits = parser.add_argument_group("limits of this launch (left out: the spawner's default; above the "
                                        "spawner's maximum: refused)")
@@ -145,7 +147,7 @@ def _run(options: argparse.Namespace) -> int:
     from l4m import telemetry
     from l4m.client import launch_detached, run_program
 
-    credentials = {"api_key": api_key_of(options), "tls_ca": options.tls_ca}
+    credentials = {"api_key": api_key_of(options), "tls_ca": options.tls_ca, "model": options.model}
     if options.detach:
         print(asyncio.run(launch_detached(options.spawner, options.file, options.args, launch_limits(options),
                                           **credentials)), flush=True)

@@ -60,7 +60,10 @@ class ClusterConfig:
     metrics_port_base: int = 9410  # spawner +0, scheduler +1, executor i +10+i; 0 = no metrics
     devices: tuple[str, ...] = ("cpu",)
     dtype: str = "auto"
-    model: str = ""  # empty: the embedded default (SmolLM2-135M-Instruct)
+    # The models to serve, each `PATH` or `NAME=PATH` (NAME: what sessions and GetInfo call it; default: the
+    # model's own name). Empty: the embedded default (SmolLM2-135M-Instruct). Every model gets one
+    # executor per device; the first model is the default a session gets when it names none.
+    models: tuple[str, ...] = ()
     batching: str = "adaptive"
     sandbox: str = "process"
     warm_pool_size: int | None = None  # process sandboxes started ahead of demand; None: the spawner's default
@@ -165,6 +168,7 @@ class ServiceSpec:
     health_address: str
     metrics_port: int = 0
     tls_ca: Path | None = None  # the health check's TLS trust; None: a plain channel
+    model: str = ""  # an executor's `--model` as given to `l4m up` ("" = the embedded default)
 
 
 @dataclass
@@ -181,7 +185,8 @@ def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
     python = sys.executable
     specs: list[ServiceSpec] = []
     executor_addresses: list[str] = []
-    for index, device in enumerate(config.devices):
+    placements = [(model, device) for model in (config.models or ("",)) for device in config.devices]
+    for index, (model, device) in enumerate(placements):
         address = f"unix:{config.executor_socket(index)}"
         executor_addresses.append(address)
         argv = [python, "-m", "l4m.executor", "--listen", address, "--device", device, "--dtype", config.dtype]
@@ -189,9 +194,13 @@ def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
         argv += ["--metrics-port", str(config.metrics_port(10 + index))]
         if config.executor_transport == "framed":
             argv += ["--listen-framed", str(config.executor_framed_socket(index))]
-        if config.model:
-            argv += ["--model", config.model]
-        specs.append(ServiceSpec(f"executor-{index}", tuple(argv), address, config.metrics_port(10 + index)))
+        name, _, path = model.rpartition("=")
+        if path:
+            argv += ["--model", path]
+        if name:
+            argv += ["--model-name", name]
+        specs.append(ServiceSpec(f"executor-{index}", tuple(argv), address, config.metrics_port(10 + index),
+                                 model=model))
     secret = ["--cluster-secret-file", str(config.cluster_secret_file)]
     tls = ["--tls-cert", str(config.tls_cert), "--tls-key", str(config.tls_key)] if config.tls_cert else []
     argv = [python, "-m", "l4m.scheduler", "--listen", config.scheduler_address]
@@ -313,7 +322,9 @@ class Cluster:
             f"registry   unix:{self.config.registry_socket}   (the spawner's only; cluster secret "
             f"{self.config.cluster_secret_file})",
         ]
-        lines += [f"{s.spec.name} {s.spec.health_address}" for s in self._services if s.spec.name.startswith("executor")]
+        lines += [f"{s.spec.name} {s.spec.health_address}   (model {s.spec.model or 'SmolLM2-135M-Instruct'}"
+                  f"{', the default' if i == 0 else ''})"
+                  for i, s in enumerate(e for e in self._services if e.spec.name.startswith("executor"))]
         lines += [
             f"metrics    http://{self.config.host}:{s.spec.metrics_port}/metrics ({s.spec.name})"
             for s in self._services

@@ -9,6 +9,7 @@ PROGRAM is a `.py` file or a zip with `__main__.py` defining `async def main(ctx
                        over RuntimeService
   L4M_INSTANCE_TOKEN   the instance's token (absent with an anonymous scheduler)
   L4M_INSTANCE_ID      the instance's id
+  L4M_MODEL            the model its session serves, by name (`l4m run --model`); unset = the default
   TRACEPARENT          W3C trace context of the launch: the parent of this run's `controller.run` span
   OTEL_*               the standard OpenTelemetry variables; unset = no tracing, at no cost
 
@@ -67,6 +68,7 @@ class ControllerConfig:
     instance_id: str
     traceparent: str | None
     runtime_framed_address: str | None = None  # user messages as frames (L4M_RUNTIME_FRAMED_ADDR)
+    model: str = ""  # the model the session serves (L4M_MODEL); "" = the scheduler's default
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> ControllerConfig:
@@ -75,7 +77,7 @@ class ControllerConfig:
             raise ProgramError("L4M_SCHEDULER_ADDR is not set: point it at the scheduler, e.g. 127.0.0.1:50051")
         return cls(address, environ.get("L4M_RUNTIME_ADDR") or None, environ.get("L4M_INSTANCE_TOKEN") or None,
                    environ.get("L4M_INSTANCE_ID", "local"), environ.get("TRACEPARENT") or None,
-                   environ.get("L4M_RUNTIME_FRAMED_ADDR") or None)
+                   environ.get("L4M_RUNTIME_FRAMED_ADDR") or None, environ.get("L4M_MODEL", ""))
 
 
 def load_program(path: str | Path) -> Main:
@@ -95,10 +97,14 @@ def load_program(path: str | Path) -> Main:
 
 async def run_main(main: Main, args: Sequence[str], session: Session, runtime: Runtime, instance_id: str) -> Any:
     """Connect the model, call `main(ctx)`, close the session (freeing everything the instance held)."""
+    instance = None
     try:
         model = await Model.load(session)
-        return await main(Instance(args, model, runtime, instance_id))
+        instance = Instance(args, model, runtime, instance_id)
+        return await main(instance)
     finally:
+        if instance is not None:
+            await instance.close_other_models()
         failure = session.failure
         await session.close()
         if isinstance(failure, Trapped):
@@ -112,7 +118,8 @@ async def run_program(program: str, args: Sequence[str], config: ControllerConfi
                                          framed_address=config.runtime_framed_address)
     else:
         runtime = LocalRuntime(launch_child=_local_child_launcher(program, config))
-    session = await Session.connect(config.scheduler_address, config.instance_token, config.traceparent)
+    session = await Session.connect(config.scheduler_address, config.instance_token, config.traceparent,
+                                           model=config.model)
     try:
         return await run_main(main, args, session, runtime, config.instance_id)
     finally:
@@ -125,7 +132,8 @@ def _local_child_launcher(parent_program: str, config: ControllerConfig) -> Call
     async def launch(program: str, args: Sequence[str], runtime: LocalRuntime) -> ChildExit:
         try:
             main = load_program(program or parent_program)
-            session = await Session.connect(config.scheduler_address, config.instance_token, config.traceparent)
+            session = await Session.connect(config.scheduler_address, config.instance_token, config.traceparent,
+                                           model=config.model)
             result = await run_main(main, args, session, runtime, runtime.instance_id)
         except Trapped as trap:
             return ChildExit("EXIT_REASON_TRAPPED", EXIT_TRAPPED, str(trap))

@@ -19,7 +19,7 @@ import grpc
 
 from l4m.v1 import l4m_pb2
 from l4m.wire import frames, limits
-from l4m.wire.metadata import TOKEN_METADATA_KEY
+from l4m.wire.metadata import MODEL_METADATA_KEY, TOKEN_METADATA_KEY
 
 
 def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -83,7 +83,8 @@ class FramedCall:
         values = dict(metadata)
         opening = l4m_pb2.FramedSessionOpen(protocol_version=frames.PROTOCOL_VERSION,
                                             instance_token=values.get(TOKEN_METADATA_KEY, ""),
-                                            traceparent=values.get("traceparent", ""))
+                                            traceparent=values.get("traceparent", ""),
+                                            model=values.get(MODEL_METADATA_KEY, ""))
         self._path = path
         self._loop = asyncio.get_running_loop()
         # The opening goes first; the requests queued before the connection is up follow it at once (the

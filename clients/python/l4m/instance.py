@@ -61,10 +61,34 @@ class Instance:
 
     def __init__(self, args: Sequence[str], model: Model, runtime: Runtime, instance_id: str) -> None:
         self.args = list(args)
-        self.model = model
+        self.model = model  # the model this instance's session serves (`l4m run --model`, else the default)
         self.runtime = runtime
         self.instance_id = instance_id
         self.vars = SharedVariables(runtime)
+        self._other_models: dict[str, Model] = {}
+
+    async def load_model(self, name: str) -> Model:
+        """Another model of the cluster (one of `ctx.model.served_model_names`), on a session of its own:
+        its contexts, pages and exports are that model's. Opened once, closed when `main` returns; its
+        tokens count against this instance's budget. An unknown name raises, naming the served ones."""
+        if name == self.model.name:
+            return self.model
+        model = self._other_models.get(name)
+        if model is None:
+            session = await self.model.session.connect_to(name)
+            try:
+                model = await Model.load(session)
+            except BaseException:
+                await session.close()
+                raise
+            self._other_models[name] = model
+        return model
+
+    async def close_other_models(self) -> None:
+        """End the sessions `load_model` opened (the scheduler frees what they held)."""
+        models, self._other_models = list(self._other_models.values()), {}
+        for model in models:
+            await model.session.close()
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -42,6 +42,8 @@ class Model:
         self.kv_page_size = info.kv_page_size
         self.max_kv_pages = info.max_kv_pages_per_instance
         self.name = info.model.name
+        # Every model the scheduler serves, the default first (`ctx.load_model` opens a session on another).
+        self.served_model_names = tuple(info.model_names)
         self.vocab_size = info.model.vocab_size
         self.max_context_tokens = info.model.max_context_tokens
         self.stop_token_ids = tuple(info.model.stop_token_ids)

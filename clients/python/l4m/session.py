@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -25,7 +25,7 @@ from l4m.errors import SessionClosed, Trapped
 from l4m.v1 import l4m_pb2, l4m_pb2_grpc
 from l4m.wire import limits
 from l4m.wire.frames import framed_path
-from l4m.wire.metadata import TOKEN_METADATA_KEY
+from l4m.wire.metadata import MODEL_METADATA_KEY, TOKEN_METADATA_KEY
 
 # A synchronous GetInfo: (request, timeout_s, metadata) -> GetInfoResponse.
 BlockingGetInfo = Callable[[l4m_pb2.GetInfoRequest, float, Any], l4m_pb2.GetInfoResponse]
@@ -45,11 +45,15 @@ def is_replied(command: str, message: Any) -> bool:
     return command in REPLIED_COMMANDS
 
 
-def call_metadata(token: str | None = None, traceparent: str | None = None) -> tuple[tuple[str, str], ...]:
-    """gRPC metadata for L4M/runtime calls: the instance token and the W3C trace parent, when known."""
+def call_metadata(token: str | None = None, traceparent: str | None = None,
+                  model: str | None = None) -> tuple[tuple[str, str], ...]:
+    """gRPC metadata for L4M/runtime calls: the instance token, the W3C trace parent and the model the
+    session serves, when known."""
     metadata = []
     if token:
         metadata.append((TOKEN_METADATA_KEY, token))
+    if model:
+        metadata.append((MODEL_METADATA_KEY, model))
     if traceparent:
         metadata.append(("traceparent", traceparent))
     return tuple(metadata)
@@ -70,8 +74,9 @@ _STREAM_END_HINTS = {
 
 
 def _get_info_failure(error: grpc.RpcError) -> str:
-    return (f"GetInfo failed ({error.code().name}): {error.details()} -- is the scheduler running at the "
-            "address in L4M_SCHEDULER_ADDR?")
+    hint = (" -- is the scheduler running at the address in L4M_SCHEDULER_ADDR?"
+            if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else "")
+    return f"GetInfo failed ({error.code().name}): {error.details()}{hint}"
 
 
 class Session:
@@ -84,8 +89,11 @@ class Session:
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
         channel: grpc.aio.Channel | None = None,
         blocking_get_info: BlockingGetInfo | None = None,
+        model: str = "",
     ) -> None:
         self._stub = stub
+        self.model = model  # the model this session serves; "" = the scheduler's default
+        self._connect_to: Callable[[str], Awaitable[Session]] | None = None  # set by `connect`
         # A synchronous GetInfo, for what synchronous code must fetch once (the tokenizer). None: the
         # session cannot make one, so `Model.load` asks for everything up front.
         self._blocking_get_info = blocking_get_info
@@ -112,16 +120,24 @@ class Session:
         token: str | None = None,
         traceparent: str | None = None,
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+        model: str = "",
     ) -> Session:
         """Open a channel to the scheduler at `address` (e.g. `unix:///run/l4m/scheduler.sock`), or a
         framed session where the address says `framed:PATH` (`l4m.framed`: the same session, a fraction
-        of gRPC's CPU per message)."""
+        of gRPC's CPU per message). The session serves `model` ("": the scheduler's default)."""
         path = framed_path(address)
+        metadata = call_metadata(token, traceparent, model)
+
+        async def connect_to(other_model: str) -> Session:
+            return await cls.connect(address, token, traceparent, call_timeout_s, other_model)
+
         if path is not None:
             from l4m.framed import FramedStub
 
             stub = FramedStub(path)
-            return cls(stub, call_metadata(token, traceparent), call_timeout_s, None, stub.get_info_blocking)
+            session = cls(stub, metadata, call_timeout_s, None, stub.get_info_blocking, model)
+            session._connect_to = connect_to
+            return session
         # The scheduler's limits (l4m.wire.limits): it accepts commands of MAX_COMMAND_BYTES and answers each
         # within MAX_RESPONSE_BYTES.
         options = limits.grpc_options(limits.MAX_COMMAND_BYTES, limits.MAX_RESPONSE_BYTES)
@@ -133,14 +149,22 @@ class Session:
                     request, timeout=timeout, metadata=metadata
                 )
 
-        return cls(l4m_pb2_grpc.L4MServiceStub(channel), call_metadata(token, traceparent), call_timeout_s, channel,
-                   blocking_get_info)
+        session = cls(l4m_pb2_grpc.L4MServiceStub(channel), metadata, call_timeout_s, channel, blocking_get_info, model)
+        session._connect_to = connect_to
+        return session
+
+    async def connect_to(self, model: str) -> Session:
+        """Another session of this instance, to the same scheduler, serving `model` (`ctx.load_model`)."""
+        if self._connect_to is None:
+            raise SessionClosed("this session was not opened by Session.connect: it cannot open another")
+        return await self._connect_to(model)
 
     async def get_info(self, omit_tokenizer_json: bool = False) -> l4m_pb2.GetInfoResponse:
         """Model and capacities (a unary call with a deadline; needs no open stream)."""
         try:
             return await self._stub.GetInfo(
-                l4m_pb2.GetInfoRequest(omit_tokenizer_json=omit_tokenizer_json), timeout=self._call_timeout_s,
+                l4m_pb2.GetInfoRequest(omit_tokenizer_json=omit_tokenizer_json, model=self.model),
+                timeout=self._call_timeout_s,
                 metadata=self._metadata,
             )
         except grpc.aio.AioRpcError as error:
@@ -156,7 +180,8 @@ class Session:
         if self._blocking_get_info is None:
             raise SessionClosed("this session cannot make blocking calls")
         try:
-            return self._blocking_get_info(l4m_pb2.GetInfoRequest(), self._call_timeout_s, self._metadata)
+            return self._blocking_get_info(l4m_pb2.GetInfoRequest(model=self.model), self._call_timeout_s,
+                                           self._metadata)
         except grpc.RpcError as error:
             raise SessionClosed(_get_info_failure(error)) from error
 

@@ -40,7 +40,11 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "--devices", default="cpu", help="one executor per device, comma separated: cpu | cuda:0,cuda:1 ..."
     )
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    parser.add_argument("--model", default="", help="GGUF file or safetensors directory (default: SmolLM2-135M)")
+    parser.add_argument(
+        "--model", action="append", default=[], metavar="[NAME=]PATH",
+        help="a GGUF file or safetensors directory to serve (default: SmolLM2-135M); repeat to serve several "
+        "models, each on one executor per device, the first the default; NAME overrides the model's own name",
+    )
     parser.add_argument(
         "--batching", default="adaptive", help="adaptive | t-only:<ms> | k-only:<k> | k-or-t:<k>:<ms>"
     )
@@ -92,7 +96,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         metrics_port_base=args.metrics_port_base,
         devices=tuple(d.strip() for d in args.devices.split(",") if d.strip()),
         dtype=args.dtype,
-        model=args.model,
+        models=tuple(args.model),
         batching=args.batching,
         sandbox=args.sandbox,
         warm_pool_size=args.warm_pool_size,

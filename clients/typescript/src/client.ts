@@ -84,11 +84,12 @@ export class SpawnerClient {
 
   /**
    * Start an instance of a stored program (its id or "name:tag"); resolves to the instance id. Unless
-   * `detached`, the spawner ends it when nobody attaches (or the last attached client goes away).
+   * `detached`, the spawner ends it when nobody attaches (or the last attached client goes away). Its
+   * session serves `model` (a name the scheduler lists in GetInfo's modelNames; "": the default).
    */
-  async launch(program: string, args: string[] = [], limits?: Limits, detached = false): Promise<string> {
+  async launch(program: string, args: string[] = [], limits?: Limits, detached = false, model = ""): Promise<string> {
     const response = await this.unary<LaunchResponse>("launch", (done) =>
-      this.stub.launch({ program, args, limits, detached }, this.metadata(), { deadline: this.deadline() }, done),
+      this.stub.launch({ program, args, limits, detached, model }, this.metadata(), { deadline: this.deadline() }, done),
     );
     return response.instanceId;
   }

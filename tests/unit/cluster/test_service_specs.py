@@ -188,3 +188,28 @@ def test_the_session_transport_decides_what_controllers_speak(tmp_path: Path, tr
         assert _flags(specs["spawner"], "--runtime-framed-socket-name") == [""]  # user messages on gRPC too
     with pytest.raises(SystemExit):
         cluster_config(parser.parse_args(["--session-transport", "carrier-pigeon"]))
+
+
+def test_each_model_gets_one_executor_per_device_the_first_the_default(tmp_path: Path) -> None:
+    """`l4m up --model qwen=DIR --model FILE.gguf`: models x devices executors, in model order (the
+    scheduler's default model is its first executor's), each told its model and, when given, its name."""
+    parser = argparse.ArgumentParser()
+    add_cluster_arguments(parser)
+    args = parser.parse_args(["--state-dir", str(tmp_path), "--devices", "cpu,cuda:1",
+                              "--model", "qwen=/models/qwen2", "--model", "/models/smol.gguf"])
+    specs = service_specs(cluster_config(args))
+    executors = [s for s in specs if s.name.startswith("executor-")]
+    assert [s.name for s in executors] == ["executor-0", "executor-1", "executor-2", "executor-3"]
+
+    def flag(spec, name: str) -> str | None:  # type: ignore[no-untyped-def]
+        return spec.argv[spec.argv.index(name) + 1] if name in spec.argv else None
+
+    assert [(flag(s, "--model"), flag(s, "--model-name"), flag(s, "--device")) for s in executors] == [
+        ("/models/qwen2", "qwen", "cpu"), ("/models/qwen2", "qwen", "cuda:1"),
+        ("/models/smol.gguf", None, "cpu"), ("/models/smol.gguf", None, "cuda:1"),
+    ]
+    scheduler = next(s for s in specs if s.name == "scheduler")
+    assert [a for i, a in enumerate(scheduler.argv) if i and scheduler.argv[i - 1] == "--executor"] == [
+        s.health_address for s in executors]
+    default = service_specs(_config(tmp_path))  # no --model: the embedded default, no --model flag
+    assert all("--model" not in s.argv for s in default)

@@ -55,9 +55,14 @@ class Harness:
 
     def __init__(self, batching: str = "adaptive", num_executors: int = 1, tracer: SchedulerTracer | None = None,
                  config: dict[str, object] | None = None, clock: Callable[[], float] = time.monotonic,
-                 **sim: object) -> None:
-        sim_config = SimulatedExecutorConfig(**{"num_kv_pages": 64, "num_embed_slots": 64, **sim})  # type: ignore[arg-type]
-        self.links = [SimulatedLink(SimulatedExecutor(sim_config), address=f"sim{i}") for i in range(num_executors)]
+                 executor_configs: list[dict[str, object]] | None = None, **sim: object) -> None:
+        """`executor_configs`: per executor, overrides of the simulated config (a model name, a vocabulary)."""
+        per_executor = executor_configs or [{}] * num_executors
+        self.links = [
+            SimulatedLink(SimulatedExecutor(SimulatedExecutorConfig(  # type: ignore[arg-type]
+                **{"num_kv_pages": 64, "num_embed_slots": 64, **sim, **own})), address=f"sim{i}")
+            for i, own in enumerate(per_executor)
+        ]
         scheduler_config = SchedulerConfig(batching=batching, **(config or {}))  # type: ignore[arg-type]
         self.scheduler = Scheduler(scheduler_config, self.links, tracer=tracer, clock=clock)  # type: ignore[arg-type]
         self.scheduler.start()
@@ -66,7 +71,7 @@ class Harness:
 
     def open(self, name: str | None = None, launched_at_unix_ms: int | None = None, max_tokens: int = 0, *,
              user: str = "tester", is_admin: bool = False, parent: str = "",
-             tokens_per_minute: int = 0) -> tuple[Instance, ListSink]:
+             tokens_per_minute: int = 0, model: str = "") -> tuple[Instance, ListSink]:
         """Registers and opens an instance; every instance of one harness is the same user unless told."""
         name = name or f"i{len(self.sinks)}"
         self._launch_ms += 1
@@ -75,7 +80,7 @@ class Harness:
             user=user, is_admin=is_admin, parent_instance_id=parent, user_max_tokens_per_minute=tokens_per_minute,
         )
         sink = ListSink()
-        self.scheduler.open_session(instance, sink)
+        self.scheduler.open_session(instance, sink, model=self.scheduler.served_model(model))
         self.sinks[name] = sink
         return instance, sink
 

@@ -79,7 +79,7 @@ async def test_a_private_export_answers_another_user_like_a_missing_one(harness_
     h.send(unexporter, rq.unexport("secret"))
     await h.settle()
     assert "no export is named 'secret'" in unexporter_sink.trap.reason  # type: ignore[union-attr]
-    assert h.scheduler.exports.find("secret", "alice") is not None and h.free_pages() == 62  # only alice's pages held
+    assert h.scheduler.exports.find("secret", "alice", model=h.scheduler.model.name) is not None and h.free_pages() == 62  # only alice's pages held
     # Mallory may use the same name in her own namespace: the taken name reveals nothing.
     h.send(mallory, rq.allocate([3]), rq.export("secret", [3]), _list())
     await h.settle()
@@ -98,7 +98,7 @@ async def test_only_the_owners_user_or_an_admin_unexports(harness_factory) -> No
     listed = other_sink.of("list_exports")[0].list_exports.exports
     assert [(e.name, e.is_public) for e in listed] == [("shared", True)]
     assert other_sink.trap.kind == TRAP.TRAP_KIND_PERMISSION_DENIED and "belongs to another user" in other_sink.trap.reason  # type: ignore[union-attr]
-    assert other.table.is_empty() and h.scheduler.exports.find("shared", "bob") is not None
+    assert other.table.is_empty() and h.scheduler.exports.find("shared", "bob", model=h.scheduler.model.name) is not None
     sibling, sibling_sink = h.open("sibling", user="alice")  # another instance of the owner's user
     h.send(sibling, rq.unexport("mine"))
     admin, admin_sink = h.open("admin", user="root", is_admin=True)

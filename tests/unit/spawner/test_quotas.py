@@ -14,6 +14,7 @@ from l4m.spawner.instances import (
     ArgsTooLarge,
     InboxFull,
     InstanceManager,
+    InvalidModelName,
     LimitTooHigh,
     QuotaExceeded,
     child_limits,
@@ -86,6 +87,28 @@ def test_arguments_past_their_bound_are_refused(tmp_path: Path) -> None:
             await manager.launch(sha, ("x" * 500, "y" * 501), user=ALICE)
         assert sandbox.handles == []
         await manager.launch(sha, ("x" * 1000,), user=ALICE)
+        await manager.shutdown()
+
+    asyncio.run(go())
+
+
+def test_the_model_a_launch_names_reaches_the_controller_and_its_children_bounded(tmp_path: Path) -> None:
+    """`LaunchRequest.model` goes into the sandbox's environment (L4M_MODEL): any user may name any model
+    (the scheduler refuses one nobody serves), but only a bounded, printable, one-line name."""
+    async def go() -> None:
+        sandbox = FakeSandbox([], exit_code=None)
+        manager, sha, registry = _manager(tmp_path, sandbox)
+        for bad, reason in (("q" * 257, "257 bytes; at most 256"), ("qwen\nL4M_X=1", "non-printable"),
+                            ("a\x00b", "non-printable")):
+            with pytest.raises(InvalidModelName, match=reason):
+                await manager.launch(sha, model=bad, user=ALICE)
+        assert (sandbox.handles, registry.registered) == ([], [])
+        root = await manager.launch(sha, model="qwen", user=ALICE)
+        child = await manager.spawn_child(root, "", (), None)
+        default = await manager.launch(sha, user=BOB)
+        envs = [handle.spec.env for handle in sandbox.handles]
+        assert [env.get("L4M_MODEL") for env in envs] == ["qwen", "qwen", None]
+        assert (root.model, child.model, default.model) == ("qwen", "qwen", "")
         await manager.shutdown()
 
     asyncio.run(go())

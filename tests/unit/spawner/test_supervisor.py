@@ -36,6 +36,7 @@ class FakeHandle(SandboxHandle):
 
     def __init__(self, spec: SandboxSpec, chunks: list[OutputChunk], exit_code: int | None) -> None:
         self.instance_id = spec.instance_id
+        self.spec = spec
         self._limits = spec.limits
         self._chunks = chunks
         self._exit_code = exit_code

@@ -41,13 +41,15 @@ TRAP_KIND_UNSUPPORTED: TrapKind
 TRAP_KIND_PERMISSION_DENIED: TrapKind
 
 class GetInfoRequest(_message.Message):
-    __slots__ = ("omit_tokenizer_json",)
+    __slots__ = ("omit_tokenizer_json", "model")
     OMIT_TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     omit_tokenizer_json: bool
-    def __init__(self, omit_tokenizer_json: _Optional[bool] = ...) -> None: ...
+    model: str
+    def __init__(self, omit_tokenizer_json: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("protocol_version", "model", "kv_page_size", "max_kv_pages_per_instance", "max_embed_slots_per_instance", "num_free_kv_pages", "num_executors", "max_continuation_steps", "max_distribution_entries_per_command", "max_tokens_per_command", "max_command_bytes", "max_response_bytes", "max_mask_runs_per_command")
+    __slots__ = ("protocol_version", "model", "kv_page_size", "max_kv_pages_per_instance", "max_embed_slots_per_instance", "num_free_kv_pages", "num_executors", "max_continuation_steps", "max_distribution_entries_per_command", "max_tokens_per_command", "max_command_bytes", "max_response_bytes", "max_mask_runs_per_command", "model_names")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +63,7 @@ class GetInfoResponse(_message.Message):
     MAX_COMMAND_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_RESPONSE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_MASK_RUNS_PER_COMMAND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: str
     model: _common_pb2.ModelInfo
     kv_page_size: int
@@ -74,7 +77,8 @@ class GetInfoResponse(_message.Message):
     max_command_bytes: int
     max_response_bytes: int
     max_mask_runs_per_command: int
-    def __init__(self, protocol_version: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., kv_page_size: _Optional[int] = ..., max_kv_pages_per_instance: _Optional[int] = ..., max_embed_slots_per_instance: _Optional[int] = ..., num_free_kv_pages: _Optional[int] = ..., num_executors: _Optional[int] = ..., max_continuation_steps: _Optional[int] = ..., max_distribution_entries_per_command: _Optional[int] = ..., max_tokens_per_command: _Optional[int] = ..., max_command_bytes: _Optional[int] = ..., max_response_bytes: _Optional[int] = ..., max_mask_runs_per_command: _Optional[int] = ...) -> None: ...
+    model_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, protocol_version: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., kv_page_size: _Optional[int] = ..., max_kv_pages_per_instance: _Optional[int] = ..., max_embed_slots_per_instance: _Optional[int] = ..., num_free_kv_pages: _Optional[int] = ..., num_executors: _Optional[int] = ..., max_continuation_steps: _Optional[int] = ..., max_distribution_entries_per_command: _Optional[int] = ..., max_tokens_per_command: _Optional[int] = ..., max_command_bytes: _Optional[int] = ..., max_response_bytes: _Optional[int] = ..., max_mask_runs_per_command: _Optional[int] = ..., model_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("stream_id", "request_id", "get_info", "allocate", "deallocate", "embed_text", "forward", "forward_text", "sample_top_k", "copy_kv_page", "mask_kv_page", "export_kv_pages", "unexport_kv_pages", "import_kv_pages", "list_exports", "synchronize", "set_stream_priority", "embed_image", "debug_query")
@@ -251,14 +255,16 @@ class Trap(_message.Message):
     def __init__(self, kind: _Optional[_Union[TrapKind, str]] = ..., reason: _Optional[str] = ..., offending_request_id: _Optional[int] = ...) -> None: ...
 
 class FramedSessionOpen(_message.Message):
-    __slots__ = ("protocol_version", "instance_token", "traceparent")
+    __slots__ = ("protocol_version", "instance_token", "traceparent", "model")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     protocol_version: str
     instance_token: str
     traceparent: str
-    def __init__(self, protocol_version: _Optional[str] = ..., instance_token: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, protocol_version: _Optional[str] = ..., instance_token: _Optional[str] = ..., traceparent: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class FramedSessionStatus(_message.Message):
     __slots__ = ("code", "message")

@@ -127,16 +127,18 @@ class Limits(_message.Message):
     def __init__(self, wall_time_ms: _Optional[int] = ..., cpu_time_ms: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., max_processes: _Optional[int] = ..., max_open_files: _Optional[int] = ..., max_output_bytes: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_children: _Optional[int] = ...) -> None: ...
 
 class LaunchRequest(_message.Message):
-    __slots__ = ("program", "args", "limits", "detached")
+    __slots__ = ("program", "args", "limits", "detached", "model")
     PROGRAM_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     DETACHED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     program: str
     args: _containers.RepeatedScalarFieldContainer[str]
     limits: Limits
     detached: bool
-    def __init__(self, program: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., detached: _Optional[bool] = ...) -> None: ...
+    model: str
+    def __init__(self, program: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., detached: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
 
 class LaunchResponse(_message.Message):
     __slots__ = ("instance_id",)

@@ -198,12 +198,21 @@ export interface GetInfoRequest {
    * client that may never tokenize asks without it, and asks again with it when it first needs it.
    */
   omitTokenizerJson: boolean;
+  /**
+   * Which model to describe, by `ModelInfo.name`; empty: the default model (the one a session gets
+   * when it names none). A model no executor serves is NOT_FOUND, naming the served ones.
+   */
+  model: string;
 }
 
 export interface GetInfoResponse {
   /** Protocol version, "l4m.v1". */
   protocolVersion: string;
-  /** The model (every executor of a scheduler runs the same model). */
+  /**
+   * The model asked about (GetInfoRequest.model, or the session's own on GetInfoCommand). Each executor
+   * serves one model; a scheduler may serve several (`model_names`), and the other fields describe
+   * this model's executors.
+   */
   model:
     | ModelInfo
     | undefined;
@@ -244,6 +253,12 @@ export interface GetInfoResponse {
    * masks). Each mask also has at most 2 x its values + 1 runs. More traps INVALID_COMMAND.
    */
   maxMaskRunsPerCommand: number;
+  /**
+   * Every model this scheduler serves, the default first when its executor is connected. A session
+   * binds to one when it opens: the `l4m-model` metadata (FramedSessionOpen.model), empty for the
+   * default; an unknown name refuses the session with NOT_FOUND.
+   */
+  modelNames: string[];
 }
 
 /**
@@ -418,6 +433,8 @@ export interface FramedSessionOpen {
   instanceToken: string;
   /** W3C trace context of the controller's span (`traceparent` on gRPC); may be empty. */
   traceparent: string;
+  /** The model the session serves (`l4m-model` on gRPC); empty: the default. */
+  model: string;
 }
 
 /** A status frame: what a gRPC status would say. */
@@ -429,13 +446,16 @@ export interface FramedSessionStatus {
 }
 
 function createBaseGetInfoRequest(): GetInfoRequest {
-  return { omitTokenizerJson: false };
+  return { omitTokenizerJson: false, model: "" };
 }
 
 export const GetInfoRequest: MessageFns<GetInfoRequest> = {
   encode(message: GetInfoRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
     if (message.omitTokenizerJson !== false) {
       writer.uint32(8).bool(message.omitTokenizerJson);
+    }
+    if (message.model !== "") {
+      writer.uint32(18).string(message.model);
     }
     return writer;
   },
@@ -461,6 +481,14 @@ export const GetInfoRequest: MessageFns<GetInfoRequest> = {
             message.omitTokenizerJson = reader.bool();
             continue;
           }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.model = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -480,6 +508,7 @@ export const GetInfoRequest: MessageFns<GetInfoRequest> = {
         : isSet(object.omit_tokenizer_json)
         ? globalThis.Boolean(object.omit_tokenizer_json)
         : false,
+      model: isSet(object.model) ? globalThis.String(object.model) : "",
     };
   },
 
@@ -487,6 +516,9 @@ export const GetInfoRequest: MessageFns<GetInfoRequest> = {
     const obj: any = {};
     if (message.omitTokenizerJson !== false) {
       obj.omitTokenizerJson = message.omitTokenizerJson;
+    }
+    if (message.model !== "") {
+      obj.model = message.model;
     }
     return obj;
   },
@@ -497,6 +529,7 @@ export const GetInfoRequest: MessageFns<GetInfoRequest> = {
   fromPartial<I extends Exact<DeepPartial<GetInfoRequest>, I>>(object: I): GetInfoRequest {
     const message = createBaseGetInfoRequest();
     message.omitTokenizerJson = object.omitTokenizerJson ?? false;
+    message.model = object.model ?? "";
     return message;
   },
 };
@@ -516,6 +549,7 @@ function createBaseGetInfoResponse(): GetInfoResponse {
     maxCommandBytes: 0,
     maxResponseBytes: 0,
     maxMaskRunsPerCommand: 0,
+    modelNames: [],
   };
 }
 
@@ -559,6 +593,9 @@ export const GetInfoResponse: MessageFns<GetInfoResponse> = {
     }
     if (message.maxMaskRunsPerCommand !== 0) {
       writer.uint32(104).uint32(message.maxMaskRunsPerCommand);
+    }
+    for (const v of message.modelNames) {
+      writer.uint32(114).string(v!);
     }
     return writer;
   },
@@ -680,6 +717,14 @@ export const GetInfoResponse: MessageFns<GetInfoResponse> = {
             message.maxMaskRunsPerCommand = reader.uint32();
             continue;
           }
+          case 14: {
+            if (tag !== 114) {
+              break;
+            }
+
+            message.modelNames.push(reader.string());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -755,6 +800,11 @@ export const GetInfoResponse: MessageFns<GetInfoResponse> = {
         : isSet(object.max_mask_runs_per_command)
         ? globalThis.Number(object.max_mask_runs_per_command)
         : 0,
+      modelNames: globalThis.Array.isArray(object?.modelNames)
+        ? object.modelNames.map((e: any) => globalThis.String(e))
+        : globalThis.Array.isArray(object?.model_names)
+        ? object.model_names.map((e: any) => globalThis.String(e))
+        : [],
     };
   },
 
@@ -799,6 +849,9 @@ export const GetInfoResponse: MessageFns<GetInfoResponse> = {
     if (message.maxMaskRunsPerCommand !== 0) {
       obj.maxMaskRunsPerCommand = Math.round(message.maxMaskRunsPerCommand);
     }
+    if (message.modelNames?.length) {
+      obj.modelNames = message.modelNames;
+    }
     return obj;
   },
 
@@ -822,6 +875,7 @@ export const GetInfoResponse: MessageFns<GetInfoResponse> = {
     message.maxCommandBytes = object.maxCommandBytes ?? 0;
     message.maxResponseBytes = object.maxResponseBytes ?? 0;
     message.maxMaskRunsPerCommand = object.maxMaskRunsPerCommand ?? 0;
+    message.modelNames = object.modelNames?.map((e) => e) || [];
     return message;
   },
 };
@@ -2834,7 +2888,7 @@ export const Trap: MessageFns<Trap> = {
 };
 
 function createBaseFramedSessionOpen(): FramedSessionOpen {
-  return { protocolVersion: "", instanceToken: "", traceparent: "" };
+  return { protocolVersion: "", instanceToken: "", traceparent: "", model: "" };
 }
 
 export const FramedSessionOpen: MessageFns<FramedSessionOpen> = {
@@ -2847,6 +2901,9 @@ export const FramedSessionOpen: MessageFns<FramedSessionOpen> = {
     }
     if (message.traceparent !== "") {
       writer.uint32(26).string(message.traceparent);
+    }
+    if (message.model !== "") {
+      writer.uint32(34).string(message.model);
     }
     return writer;
   },
@@ -2888,6 +2945,14 @@ export const FramedSessionOpen: MessageFns<FramedSessionOpen> = {
             message.traceparent = reader.string();
             continue;
           }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.model = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2913,6 +2978,7 @@ export const FramedSessionOpen: MessageFns<FramedSessionOpen> = {
         ? globalThis.String(object.instance_token)
         : "",
       traceparent: isSet(object.traceparent) ? globalThis.String(object.traceparent) : "",
+      model: isSet(object.model) ? globalThis.String(object.model) : "",
     };
   },
 
@@ -2927,6 +2993,9 @@ export const FramedSessionOpen: MessageFns<FramedSessionOpen> = {
     if (message.traceparent !== "") {
       obj.traceparent = message.traceparent;
     }
+    if (message.model !== "") {
+      obj.model = message.model;
+    }
     return obj;
   },
 
@@ -2938,6 +3007,7 @@ export const FramedSessionOpen: MessageFns<FramedSessionOpen> = {
     message.protocolVersion = object.protocolVersion ?? "";
     message.instanceToken = object.instanceToken ?? "";
     message.traceparent = object.traceparent ?? "";
+    message.model = object.model ?? "";
     return message;
   },
 };

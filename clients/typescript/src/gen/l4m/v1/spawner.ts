@@ -315,6 +315,13 @@ export interface LaunchRequest {
    * while it runs, or when nobody attaches within the spawner's --unattached-grace-s of launch.
    */
   detached: boolean;
+  /**
+   * The model the controller's session serves, by name (L4MService's GetInfoResponse.model_names);
+   * empty: the scheduler's default. The controller finds it in L4M_MODEL; a model no executor serves
+   * ends its session with NOT_FOUND, naming the served ones. At most 256 bytes, printable
+   * (INVALID_ARGUMENT otherwise). A child (SpawnChild) serves its parent's model.
+   */
+  model: string;
 }
 
 export interface LaunchResponse {
@@ -1301,7 +1308,7 @@ export const Limits: MessageFns<Limits> = {
 };
 
 function createBaseLaunchRequest(): LaunchRequest {
-  return { program: "", args: [], limits: undefined, detached: false };
+  return { program: "", args: [], limits: undefined, detached: false, model: "" };
 }
 
 export const LaunchRequest: MessageFns<LaunchRequest> = {
@@ -1317,6 +1324,9 @@ export const LaunchRequest: MessageFns<LaunchRequest> = {
     }
     if (message.detached !== false) {
       writer.uint32(32).bool(message.detached);
+    }
+    if (message.model !== "") {
+      writer.uint32(42).string(message.model);
     }
     return writer;
   },
@@ -1366,6 +1376,14 @@ export const LaunchRequest: MessageFns<LaunchRequest> = {
             message.detached = reader.bool();
             continue;
           }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.model = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1384,6 +1402,7 @@ export const LaunchRequest: MessageFns<LaunchRequest> = {
       args: globalThis.Array.isArray(object?.args) ? object.args.map((e: any) => globalThis.String(e)) : [],
       limits: isSet(object.limits) ? Limits.fromJSON(object.limits) : undefined,
       detached: isSet(object.detached) ? globalThis.Boolean(object.detached) : false,
+      model: isSet(object.model) ? globalThis.String(object.model) : "",
     };
   },
 
@@ -1401,6 +1420,9 @@ export const LaunchRequest: MessageFns<LaunchRequest> = {
     if (message.detached !== false) {
       obj.detached = message.detached;
     }
+    if (message.model !== "") {
+      obj.model = message.model;
+    }
     return obj;
   },
 
@@ -1415,6 +1437,7 @@ export const LaunchRequest: MessageFns<LaunchRequest> = {
       ? Limits.fromPartial(object.limits)
       : undefined;
     message.detached = object.detached ?? false;
+    message.model = object.model ?? "";
     return message;
   },
 };
