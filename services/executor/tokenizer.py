@@ -15,11 +15,23 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from l4m.executor.architectures import UnsupportedModel
 
 _CONTROL_TOKEN_TYPE = 3
-# Pre-tokenizers whose first step splits every digit on its own (llama.cpp's names).
-_INDIVIDUAL_DIGIT_PRE = {"smollm", "starcoder", "refact", "default"}
+# Pre-tokenizers whose first step splits every digit on its own (llama.cpp's names). llama.cpp's
+# "default" (a GGUF that names none) is another split, not implemented: refused.
+_INDIVIDUAL_DIGIT_PRE = {"smollm", "starcoder", "refact"}
+# Pre-tokenizers that split with one regex, then map bytes (llama.cpp's names; the patterns are those of
+# the models' own tokenizer.json): Llama 3 groups up to 3 digits, Qwen2 splits every digit.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLIT_PATTERNS = {
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "qwen2": _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}"),
+}
 
 
 @dataclass(frozen=True)
@@ -57,7 +69,12 @@ def tokenizer_from_gguf(reader: object) -> TokenizerBundle:
 
     kind = get("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(f"tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' only)")
+        raise UnsupportedModel(f"GGUF tokenizer model {kind!r} is not implemented (byte-level BPE 'gpt2' only; a "
+                               "SentencePiece model such as Llama 2's or Mistral's loads from its HF directory)")
+    pre = str(get("tokenizer.ggml.pre", "default"))
+    if pre not in _INDIVIDUAL_DIGIT_PRE | set(_SPLIT_PATTERNS) | {"gpt-2"}:
+        raise UnsupportedModel(f"GGUF pre-tokenizer {pre!r} is not implemented; supported: "
+                               f"{', '.join(sorted(_INDIVIDUAL_DIGIT_PRE | set(_SPLIT_PATTERNS) | {'gpt-2'}))}")
     tokens: list[str] = list(get("tokenizer.ggml.tokens"))
     token_types: list[int] = list(get("tokenizer.ggml.token_type", [1] * len(tokens)))
     merges = [_merge_pair(m) for m in get("tokenizer.ggml.merges", [])]
@@ -68,9 +85,14 @@ def tokenizer_from_gguf(reader: object) -> TokenizerBundle:
     byte_level = pre_tokenizers.ByteLevel(
         add_prefix_space=bool(get("tokenizer.ggml.add_space_prefix", False))
     )
-    if get("tokenizer.ggml.pre", "default") in _INDIVIDUAL_DIGIT_PRE:
+    if pre in _INDIVIDUAL_DIGIT_PRE:
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    elif pre in _SPLIT_PATTERNS:
+        split = pre_tokenizers.Split(Regex(_SPLIT_PATTERNS[pre]), behavior="isolated", invert=False)
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
         )
     else:
         tokenizer.pre_tokenizer = byte_level

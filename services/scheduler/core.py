@@ -147,13 +147,8 @@ class Scheduler:
         return None
 
     @property
-    def limits(self) -> ModelLimits | None:
-        """The default model's limits (None before any executor connected)."""
-        model = self.default_model
-        return model.limits if model is not None else None
-
-    @property
     def model(self) -> common_pb2.ModelInfo | None:
+        """The default model's info (None before any executor connected)."""
         model = self.default_model
         return model.info if model is not None else None
 
@@ -173,14 +168,6 @@ class Scheduler:
         if model is None or model.limits is None:
             raise NoExecutor("no executor is connected yet")
         return model.limits
-
-    @property
-    def model_limits(self) -> ModelLimits:
-        """The default model's limits; they exist once an executor connected."""
-        limits = self.limits
-        if limits is None:
-            raise NoExecutor("no executor is connected yet")
-        return limits
 
     # ---- instances ----
 

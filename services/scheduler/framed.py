@@ -25,10 +25,10 @@ from google.protobuf.message import DecodeError
 
 from l4m.common.framed import OPEN_TIMEOUT_S, FramedListener, FramedServerConnection
 from l4m.scheduler.core import Scheduler
-from l4m.scheduler.errors import InvalidCommand
+from l4m.scheduler.errors import InvalidCommand, RegistrationError
 from l4m.scheduler.instances import Instance
 from l4m.scheduler.models import UnknownModel
-from l4m.scheduler.server import TRAP_STATUS, SessionRefused, admit_session
+from l4m.scheduler.server import REGISTRATION_STATUS, TRAP_STATUS, SessionRefused, admit_session
 from l4m.v1 import l4m_pb2
 from l4m.wire import frames, limits
 
@@ -141,6 +141,8 @@ class FramedConnection(FramedServerConnection):
                                                        model)
             except ValueError as error:
                 raise SessionRefused(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from None
+            except RegistrationError as error:  # a companion session (another model) past --max-instances
+                raise SessionRefused(REGISTRATION_STATUS[type(error)], str(error)) from None
         except DecodeError as error:
             self.refuse(grpc.StatusCode.INVALID_ARGUMENT,
                         f"the first frame does not parse as {frames.KIND_NAMES[kind]} ({error})")

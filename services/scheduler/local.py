@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from l4m.scheduler.exports import ExportTable
     from l4m.scheduler.instances import Instance, InstanceRegistry
     from l4m.scheduler.metrics import SchedulerMetrics
-    from l4m.scheduler.validation import ModelLimits
 
 
 class SchedulerView(Protocol):
@@ -33,7 +32,6 @@ class SchedulerView(Protocol):
     instances: InstanceRegistry
     batcher: Batcher
     metrics: SchedulerMetrics
-    limits: ModelLimits | None
 
     def get_info(self, omit_tokenizer_json: bool = False, model_name: str = "") -> l4m_pb2.GetInfoResponse: ...
 

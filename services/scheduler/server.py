@@ -143,6 +143,8 @@ class L4MServicer(l4m_pb2_grpc.L4MServiceServicer):
             instance = scheduler.open_session(instance, sink, metadata.get("traceparent"), model)
         except ValueError as error:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        except RegistrationError as error:  # a companion session (another model) past --max-instances
+            await context.abort(REGISTRATION_STATUS[type(error)], str(error))
         # Tells the controller the session is accepted: it waits for this before its first write, so a
         # refusal above reaches it as its own status (see the Session rpc's comment).
         await context.send_initial_metadata(())

@@ -271,6 +271,7 @@ def test_unknown_and_missing_tensors_are_refused(built, tmp_path) -> None:
         ({"extra_keys": {"qwen2.expert_count": 8}}, "'qwen2.expert_count'"),
         ({"extra_keys": {"qwen2.attention.q_lora_rank": 4}}, "'qwen2.attention.q_lora_rank'"),
         ({"int8_tensors": ("blk.0.attn_v.weight",)}, "'blk.0.attn_v.weight' has type I8"),
+        ({"tokenizer_model": "llama"}, "GGUF tokenizer model 'llama' is not implemented"),
     ],
 )
 def test_gguf_not_implemented_is_refused(built, tmp_path, edit, named) -> None:
@@ -278,3 +279,35 @@ def test_gguf_not_implemented_is_refused(built, tmp_path, edit, named) -> None:
     write_gguf("qwen2", built["qwen2"][1], out, **edit)
     with pytest.raises(UnsupportedModel, match=named):
         load_model(out)
+
+
+# What llama.cpp itself (llama-cpp-python 0.3.36, `Llama(path, vocab_only=True).tokenize`) makes of
+# PRE_TOKENIZED_TEXT with the tiny tokenizer under each `tokenizer.ggml.pre`, recorded once: the split
+# decides which merges apply (digits alone, in threes, in runs), so a wrong pre-tokenizer differs here.
+PRE_TOKENIZED_TEXT = "in 2024 it's 12345, x = 31415926\n\n\tdone"
+LLAMA_CPP_TOKENS = {
+    "qwen2": ["in", "Ġ", "2", "0", "2", "4", "Ġit", "'s", "Ġ", "1", "2", "3", "4", "5", ",", "Ġ", "x", "Ġ=", "Ġ", "3",
+              "1", "4", "1", "5", "9", "2", "6", "ĊĊ", "ĉ", "done"],
+    "llama-bpe": ["in", "Ġ", "2", "02", "4", "Ġit", "'s", "Ġ", "1", "23", "45", ",", "Ġ", "x", "Ġ=", "Ġ", "314", "15",
+                  "9", "26", "ĊĊ", "ĉ", "done"],
+    "smollm": ["in", "Ġ", "2", "0", "2", "4", "Ġit", "'s", "Ġ", "1", "2", "3", "4", "5", ",", "Ġ", "x", "Ġ=", "Ġ", "3",
+               "1", "4", "1", "5", "9", "2", "6", "ĊĊ", "ĉ", "done"],
+    "gpt-2": ["in", "Ġ2024", "Ġit", "'s", "Ġ12345", ",", "Ġ", "x", "Ġ=", "Ġ31415926", "ĊĊ", "ĉ", "done"],
+}
+
+
+@pytest.mark.parametrize("pre", sorted(LLAMA_CPP_TOKENS))
+def test_gguf_pre_tokenizers_split_text_as_llama_cpp_does(built, pre, tmp_path) -> None:
+    path = tmp_path / "model.gguf"
+    write_gguf("qwen2", built["qwen2"][1], path, pre=pre)
+    tokenizer = load_model(path).tokenizer.tokenizer
+    assert tokenizer.encode(PRE_TOKENIZED_TEXT).tokens == LLAMA_CPP_TOKENS[pre]
+
+
+@pytest.mark.parametrize(("pre", "named"), [("default", "pre-tokenizer 'default'"), ("deepseek-llm", "'deepseek-llm'")])
+def test_gguf_pre_tokenizers_not_implemented_are_refused(built, pre, named, tmp_path) -> None:
+    """llama.cpp's "default" (a GGUF naming none) splits otherwise than any implemented here."""
+    path = tmp_path / "model.gguf"
+    write_gguf("qwen2", built["qwen2"][1], path, pre=pre)
+    with pytest.raises(UnsupportedModel, match=named):
+        load_model(path)

@@ -78,6 +78,7 @@ def test_a_gguf_with_end_of_turn_and_end_of_message_ids(tmp_path: Path) -> None:
     control = gguf.TokenType.CONTROL
     writer = gguf.GGUFWriter(tmp_path / "tiny.gguf", "llama")
     writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
     writer.add_token_list(tokens)
     writer.add_token_types([control] * len(LLAMA3_SPECIAL) + [gguf.TokenType.NORMAL] * (len(tokens) - 4))
     writer.add_token_merges([])

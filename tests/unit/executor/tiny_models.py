@@ -60,7 +60,10 @@ def tiny_tokenizer():
         vocab_size=512, special_tokens=["<unk>", "<s>", "</s>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
-    lines = ["the quick brown fox jumps over the lazy dog", "def fibonacci(n): return n", "hello world"] * 20
+    # Numbers and contractions, so that merges cross what each pre-tokenizer splits (digits one by one,
+    # in threes, or in runs; "'s" apart or not): a wrong pre-tokenizer then encodes differently.
+    lines = ["the quick brown fox jumps over the lazy dog", "def fibonacci(n): return n", "hello world",
+             "in 2024 it's 12345 and 678, it'll be 1000000 don't", "x = 31415926 + 27182818\n\n\tdone"] * 20
     tokenizer.train_from_iterator(lines, trainer)
     return tokenizer
 
@@ -109,10 +112,13 @@ def write_gguf(
     arch: str | None = None,
     extra_keys: dict[str, int] | None = None,
     int8_tensors: tuple[str, ...] = (),
+    pre: str = "gpt-2",
+    tokenizer_model: str = "gpt2",
 ) -> None:
     """`model` (from `build_hf`) as llama.cpp lays it out: Mistral as `llama` with its window; 2-D
     weights of the layers in `quant` (F32, Q8_0, Q4_1, Q4_0, Q5_0, ...), the rest F32. For refusal
-    tests: another `arch` name, `extra_keys` (uint32 metadata), tensors stored as I8."""
+    tests: another `arch` name, `extra_keys` (uint32 metadata), tensors stored as I8; `pre` is the
+    tokenizer's `tokenizer.ggml.pre`, `tokenizer_model` its `tokenizer.ggml.model`."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
 
@@ -136,8 +142,8 @@ def write_gguf(
     vocab = tokenizer["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.get)
     tokens += [f"<unused{i}>" for i in range(VOCAB - len(tokens))]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_model(tokenizer_model)
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([3 if t in ("<unk>", "<s>", "</s>") else 1 for t in tokens])
     writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tokenizer["model"]["merges"]])

@@ -7,6 +7,7 @@ import grpc
 import pytest
 
 from l4m.scheduler import requests as rq
+from l4m.scheduler.errors import TooManyInstances
 from l4m.scheduler.models import UnknownModel
 from l4m.scheduler.server import SessionRefused, admit_session
 from l4m.v1 import l4m_pb2
@@ -132,3 +133,14 @@ async def test_a_controller_opens_one_session_per_model_each_its_own_tables(harn
     assert "main session ended" in again_sink.trap.reason
     assert h.free_pages(0) == 64 and h.free_pages(1) == 64
     assert not main.companions and "ctl@beta" not in {i.instance_id for i in h.scheduler.instances}
+
+
+async def test_a_companion_counts_against_max_instances(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    """A session on a second model registers an instance: past --max-instances it is refused (the servers
+    answer RESOURCE_EXHAUSTED), the main session untouched."""
+    h = _two_models(harness_factory, config={"max_instances": 1})
+    await h.settle()
+    main, sink = h.open("m")
+    with pytest.raises(TooManyInstances):
+        h.scheduler.open_session(main, ListSink(), model=h.scheduler.served_model("beta"))
+    assert main.is_alive and not main.companions and sink.trap is None
