@@ -63,7 +63,7 @@ ROLES = ("executor", "scheduler", "spawner", "controller")
 
 
 def stack_config(args: argparse.Namespace) -> ClusterConfig:
-    return ClusterConfig(state_dir=Path(args.state_dir), spawner_port=args.spawner_port,
+    return ClusterConfig(state_dir=Path(args.state_dir), spawner_port=args.spawner_port, gateway_port=-1,
                          scheduler_port=args.scheduler_port, metrics_port_base=args.metrics_port_base,
                          batching=args.batching, warm_pool_size=args.warm_pool_size,
                          session_transport=args.session_transport, executor_transport=args.executor_transport,

@@ -93,7 +93,7 @@ async def bench_mode(args: argparse.Namespace, mode: str) -> list[dict[str, floa
     """Every `--streams` count on a cluster of its own, started for `mode`."""
     transport, attach = mode.split("/")
     batch_events = attach == "batched"
-    config = ClusterConfig(state_dir=Path(args.state_dir), spawner_port=args.spawner_port,
+    config = ClusterConfig(state_dir=Path(args.state_dir), spawner_port=args.spawner_port, gateway_port=-1,
                            scheduler_port=args.scheduler_port, metrics_port_base=0, echo_logs=False,
                            session_transport=transport)
     cluster = Cluster(config, say=lambda line: None)

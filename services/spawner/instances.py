@@ -40,6 +40,7 @@ from typing import Protocol
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
+from l4m.common.users import ADMIN, User
 from l4m.spawner import tracing
 from l4m.spawner.config import MiB, SpawnerConfig
 from l4m.spawner.metrics import SpawnerMetrics
@@ -54,7 +55,7 @@ from l4m.spawner.sandbox import (
     SandboxSpec,
 )
 from l4m.spawner.supervisor import ITEM_OVERHEAD_BYTES, InstanceState, InstanceSupervisor
-from l4m.spawner.users import ADMIN, ProgramOwners, User
+from l4m.spawner.users import ProgramOwners
 from l4m.spawner.variables import VariableStore
 
 log = logging.getLogger(__name__)

@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
 from l4m.common.serving import GrpcServer, Service, build_server
+from l4m.common.users import Authenticator, Unauthenticated, User
 from l4m.spawner.config import SpawnerConfig
 from l4m.spawner.framed_runtime import FramedRuntimeServer
 from l4m.spawner.instances import (
@@ -62,7 +63,6 @@ from l4m.spawner.registry_client import GrpcInstanceRegistry
 from l4m.spawner.sandbox import ExitInfo, ExitReason, Limits, OutputStream, Sandbox
 from l4m.spawner.span_forwarder import SpanForwarder
 from l4m.spawner.supervisor import ExitEvent, InstanceState, MessageEvent, OutputEvent
-from l4m.spawner.users import Authenticator, Unauthenticated, User
 from l4m.spawner.validate_upload import UploadValidator, ValidatorLimits
 from l4m.spawner.variables import VariableError, VariableQuotaExceeded
 from l4m.v1 import spawner_pb2, spawner_pb2_grpc

@@ -172,11 +172,13 @@ class UpCluster:
                  metrics: bool = True, echo_logs: bool = False) -> None:
         self.state_dir = work_dir / "state"
         self.log_path = work_dir / "l4m-up.log"
-        spawner_port, scheduler_port = free_ports(2)
+        spawner_port, scheduler_port, gateway_port = free_ports(3)
+        self.gateway_url = f"http://127.0.0.1:{gateway_port}/v1"
         self.metrics_port_base = free_metrics_port_base() if metrics else 0
         self.spawner_address, self.scheduler_address = f"127.0.0.1:{spawner_port}", f"127.0.0.1:{scheduler_port}"
         argv = [str(L4M_CLI), "up", "--state-dir", str(self.state_dir), "--spawner-port", str(spawner_port),
-                "--scheduler-port", str(scheduler_port), "--metrics-port-base", str(self.metrics_port_base),
+                "--scheduler-port", str(scheduler_port), "--gateway-port", str(gateway_port),
+                "--metrics-port-base", str(self.metrics_port_base),
                 *([] if echo_logs else ["--quiet"]), *extra_args]
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,

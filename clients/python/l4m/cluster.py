@@ -25,6 +25,7 @@ import signal
 import stat
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,7 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     spawner_port: int = 7410
     scheduler_port: int = 7411
+    gateway_port: int = 7412  # the OpenAI-compatible HTTP API (l4m.gateway); -1: no gateway
     metrics_port_base: int = 9410  # spawner +0, scheduler +1, executor i +10+i; 0 = no metrics
     devices: tuple[str, ...] = ("cpu",)
     dtype: str = "auto"
@@ -101,6 +103,10 @@ class ClusterConfig:
     @property
     def spawner_address(self) -> str:
         return f"{self.host}:{self.spawner_port}"
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://{self.host}:{self.gateway_port}"
 
     @property
     def scheduler_address(self) -> str:
@@ -169,6 +175,8 @@ class ServiceSpec:
     metrics_port: int = 0
     tls_ca: Path | None = None  # the health check's TLS trust; None: a plain channel
     model: str = ""  # an executor's `--model` as given to `l4m up` ("" = the embedded default)
+    # "grpc": grpc.health.v1 on `health_address`; "http": GET `health_address` answers 200 (the gateway)
+    health_check: str = "grpc"
 
 
 @dataclass
@@ -178,6 +186,23 @@ class RunningService:
     log_path: Path
     log_tail: list[str] = field(default_factory=list)
     pump: asyncio.Task[None] | None = None  # copies its output to the log file (and the terminal)
+
+
+async def _is_healthy(spec: ServiceSpec, stub: health_pb2_grpc.HealthStub | None) -> bool:
+    if stub is None:  # an HTTP service
+        def get() -> bool:
+            with urllib.request.urlopen(spec.health_address, timeout=1.0) as response:
+                return response.status == 200
+
+        try:
+            return await asyncio.to_thread(get)
+        except OSError:
+            return False
+    try:
+        reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+    except grpc.aio.AioRpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
@@ -220,6 +245,12 @@ def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
         argv += ["--max-continuation-steps", str(config.max_continuation_steps)]
     # Its health is checked on the L4M socket: plain (a Unix socket), whatever the TCP listener's TLS.
     specs.append(ServiceSpec("scheduler", tuple(argv), f"unix:{config.scheduler_socket}", config.metrics_port(1)))
+    if config.gateway_port >= 0:
+        sessions = f"framed:{config.scheduler_framed_socket}" if framed else f"unix:{config.scheduler_socket}"
+        argv = [python, "-m", "l4m.gateway", "--host", config.host, "--port", str(config.gateway_port)]
+        argv += ["--scheduler", sessions, "--registry", f"unix:{config.registry_socket}", *secret]
+        argv += ["--insecure-local"] if config.insecure_local else ["--keys-file", str(config.api_keys_file)]
+        specs.append(ServiceSpec("gateway", tuple(argv), f"{config.gateway_url}/health", health_check="http"))
     argv = [python, "-m", "l4m.spawner", "--listen", config.spawner_address, *tls]
     argv += ["--scheduler", f"unix:{config.registry_socket}", *secret, "--socket-dir", str(config.socket_dir)]
     argv += ["--state-dir", str(config.state_dir / "spawner"), "--sandbox", config.sandbox]
@@ -322,6 +353,8 @@ class Cluster:
             f"registry   unix:{self.config.registry_socket}   (the spawner's only; cluster secret "
             f"{self.config.cluster_secret_file})",
         ]
+        if self.config.gateway_port >= 0:
+            lines.append(f"gateway    {self.config.gateway_url}/v1   (the OpenAI API: base_url, with an API key)")
         lines += [f"{s.spec.name} {s.spec.health_address}   (model {s.spec.model or 'SmolLM2-135M-Instruct'}"
                   f"{', the default' if i == 0 else ''})"
                   for i, s in enumerate(e for e in self._services if e.spec.name.startswith("executor"))]
@@ -417,17 +450,19 @@ class Cluster:
         started = time.monotonic()
         deadline = started + self.config.start_timeout_s
         next_note = started + 5.0
-        async with open_channel(service.spec.health_address, service.spec.tls_ca, _HEALTH_CHANNEL_OPTIONS) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
+        async with contextlib.AsyncExitStack() as stack:
+            stub = None
+            if service.spec.health_check == "grpc":
+                channel = await stack.enter_async_context(
+                    open_channel(service.spec.health_address, service.spec.tls_ca, _HEALTH_CHANNEL_OPTIONS))
+                stub = health_pb2_grpc.HealthStub(channel)
             while True:
                 if service.process.returncode is not None:
                     await asyncio.sleep(0.2)  # let the log pump drain the last lines
                     raise ClusterError(self.describe_exit(service))
-                with contextlib.suppress(grpc.aio.AioRpcError):
-                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        self._say(f"[l4m up] {service.spec.name} is healthy after {time.monotonic() - started:.1f} s")
-                        return
+                if await _is_healthy(service.spec, stub):
+                    self._say(f"[l4m up] {service.spec.name} is healthy after {time.monotonic() - started:.1f} s")
+                    return
                 now = time.monotonic()
                 if now > deadline:
                     raise ClusterError(

@@ -192,6 +192,7 @@ class FakeL4M:
             max_command_bytes=limits.MAX_COMMAND_BYTES,
             max_response_bytes=limits.MAX_RESPONSE_BYTES,
             max_mask_runs_per_command=limits.DEFAULT_MAX_MASK_RUNS_PER_COMMAND,
+            model_names=["fake-tiny"],
         )
 
     @property

@@ -36,7 +36,9 @@ class ForwardStats:
 class Model:
     """The served model, as a controller sees it."""
 
-    def __init__(self, session: Session, info: l4m_pb2.GetInfoResponse) -> None:
+    def __init__(self, session: Session, info: l4m_pb2.GetInfoResponse, tokenizer: Tokenizer | None = None) -> None:
+        """`tokenizer`: one already built for this model (a service opening many sessions on one model
+        builds it once); None: built from `info` on first use."""
         self.session = session
         self.info = info.model
         self.kv_page_size = info.kv_page_size
@@ -57,7 +59,7 @@ class Model:
         # Pages other holders may read outside this instance's refcounts (exported or imported): read-only.
         self.frozen_kv_pages: set[int] = set()
         self.stats = ForwardStats()
-        self._tokenizer: Tokenizer | None = None
+        self._tokenizer: Tokenizer | None = tokenizer
         session.add_sync_listener(self.kv_pages.unquarantine)
 
     @classmethod

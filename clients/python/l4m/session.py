@@ -159,11 +159,13 @@ class Session:
             raise SessionClosed("this session was not opened by Session.connect: it cannot open another")
         return await self._connect_to(model)
 
-    async def get_info(self, omit_tokenizer_json: bool = False) -> l4m_pb2.GetInfoResponse:
-        """Model and capacities (a unary call with a deadline; needs no open stream)."""
+    async def get_info(self, omit_tokenizer_json: bool = False, model: str | None = None) -> l4m_pb2.GetInfoResponse:
+        """Model and capacities (a unary call with a deadline; needs no open stream): of `model`, by
+        default the session's own."""
         try:
             return await self._stub.GetInfo(
-                l4m_pb2.GetInfoRequest(omit_tokenizer_json=omit_tokenizer_json, model=self.model),
+                l4m_pb2.GetInfoRequest(omit_tokenizer_json=omit_tokenizer_json,
+                                       model=self.model if model is None else model),
                 timeout=self._call_timeout_s,
                 metadata=self._metadata,
             )

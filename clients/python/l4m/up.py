@@ -35,6 +35,8 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address the user-facing services listen on")
     parser.add_argument("--spawner-port", type=int, default=7410)
     parser.add_argument("--scheduler-port", type=int, default=7411)
+    parser.add_argument("--gateway-port", type=int, default=7412,
+                        help="the OpenAI-compatible HTTP API (http://HOST:PORT/v1); -1: no gateway")
     parser.add_argument("--metrics-port-base", type=int, default=9410, help="0 disables the metrics endpoints")
     parser.add_argument(
         "--devices", default="cpu", help="one executor per device, comma separated: cpu | cuda:0,cuda:1 ..."
@@ -93,6 +95,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         host=args.host,
         spawner_port=args.spawner_port,
         scheduler_port=args.scheduler_port,
+        gateway_port=args.gateway_port,
         metrics_port_base=args.metrics_port_base,
         devices=tuple(d.strip() for d in args.devices.split(",") if d.strip()),
         dtype=args.dtype,

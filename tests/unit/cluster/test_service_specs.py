@@ -19,7 +19,7 @@ def _config(tmp_path: Path, **overrides: object) -> ClusterConfig:
 
 def test_executors_start_first_and_the_scheduler_knows_each(tmp_path: Path) -> None:
     specs = service_specs(_config(tmp_path))
-    assert [s.name for s in specs] == ["executor-0", "executor-1", "scheduler", "spawner"]
+    assert [s.name for s in specs] == ["executor-0", "executor-1", "scheduler", "gateway", "spawner"]
     scheduler_argv = specs[2].argv
     executors = [scheduler_argv[i + 1] for i, a in enumerate(scheduler_argv) if a == "--executor"]
     assert executors == [specs[0].health_address, specs[1].health_address]
@@ -42,7 +42,7 @@ def test_sandboxes_cannot_reach_executor_sockets(tmp_path: Path) -> None:
 def test_metrics_ports_follow_the_base(tmp_path: Path) -> None:
     specs = service_specs(_config(tmp_path, metrics_port_base=9000))
     assert {s.name: s.metrics_port for s in specs} == {
-        "executor-0": 9010, "executor-1": 9011, "scheduler": 9001, "spawner": 9000,
+        "executor-0": 9010, "executor-1": 9011, "scheduler": 9001, "spawner": 9000, "gateway": 0,
     }
     assert all(s.metrics_port == 0 for s in service_specs(_config(tmp_path, metrics_port_base=0)))
 
@@ -213,3 +213,19 @@ def test_each_model_gets_one_executor_per_device_the_first_the_default(tmp_path:
         s.health_address for s in executors]
     default = service_specs(_config(tmp_path))  # no --model: the embedded default, no --model flag
     assert all("--model" not in s.argv for s in default)
+
+
+def test_the_gateway_takes_the_spawners_keys_and_the_registry_and_can_be_left_out(tmp_path: Path) -> None:
+    """Who may use the gateway's port: holders of the cluster's API keys (the spawner's store), or anyone
+    local with --insecure-local; it registers each request with the registry, under the cluster secret."""
+    config = _config(tmp_path, gateway_port=7999)
+    gateway = next(s for s in service_specs(config) if s.name == "gateway")
+    argv = gateway.argv
+    assert argv[argv.index("--keys-file") + 1] == str(config.api_keys_file) and "--insecure-local" not in argv
+    assert argv[argv.index("--registry") + 1] == f"unix:{config.registry_socket}"
+    assert argv[argv.index("--cluster-secret-file") + 1] == str(config.cluster_secret_file)
+    assert argv[argv.index("--scheduler") + 1] == f"framed:{config.scheduler_framed_socket}"
+    assert (gateway.health_check, gateway.health_address) == ("http", "http://127.0.0.1:7999/health")
+    local = next(s for s in service_specs(_config(tmp_path, insecure_local=True)) if s.name == "gateway")
+    assert "--insecure-local" in local.argv and "--keys-file" not in local.argv
+    assert all(s.name != "gateway" for s in service_specs(_config(tmp_path, gateway_port=-1)))

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from l4m.common.users import Authenticator, Unauthenticated
 from l4m.keys import ADMIN_KEY_FILE_NAME, KEYS_FILE_NAME, KeyStore, KeyStoreError, ensure_admin_key
-from l4m.spawner.users import Authenticator, Unauthenticated
 
 
 def test_a_key_is_stored_only_as_its_sha256_in_an_owner_only_file(tmp_path: Path) -> None:

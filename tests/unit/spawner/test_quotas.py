@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from l4m.common.users import User
 from l4m.spawner.config import MiB
 from l4m.spawner.instances import (
     ArgsTooLarge,
@@ -22,7 +23,6 @@ from l4m.spawner.instances import (
 )
 from l4m.spawner.sandbox import Limits
 from l4m.spawner.supervisor import ITEM_OVERHEAD_BYTES, InstanceState
-from l4m.spawner.users import User
 from tests.unit.spawner.test_instances import FakeRegistry
 from tests.unit.spawner.test_instances import _manager as _admin_manager
 from tests.unit.spawner.test_supervisor import FakeSandbox

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from l4m.common.users import User
 from l4m.spawner.config import SpawnerConfig
 from l4m.spawner.instances import (
     CLIENT_GONE_MESSAGE,
@@ -21,7 +22,6 @@ from l4m.spawner.programs import ProgramNotFound
 from l4m.spawner.sandbox import ExitReason, Limits
 from l4m.spawner.server import ConfigError, is_loopback_address, make_authenticator
 from l4m.spawner.supervisor import InstanceState
-from l4m.spawner.users import User
 from tests.unit.spawner.test_instances import FakeRegistry, _manager
 from tests.unit.spawner.test_supervisor import FakeSandbox
 

@@ -1,0 +1,95 @@
+"""`python -m l4m.gateway`: the OpenAI-compatible HTTP API over a scheduler; prints the bound address."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import uvicorn
+
+from l4m import eventloop
+from l4m.common.serving import serve_until_signal
+from l4m.common.users import Authenticator
+from l4m.gateway.backend import ClusterBackend
+from l4m.gateway.config import GatewayConfig
+from l4m.gateway.server import create_app
+from l4m.wire.credentials import CredentialError, read_secret_file
+
+log = logging.getLogger("l4m.gateway")
+
+
+def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
+    parser = argparse.ArgumentParser(prog="python -m l4m.gateway", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (HTTP)")
+    parser.add_argument("--port", type=int, default=7412, help="port (0 picks one)")
+    parser.add_argument("--scheduler", default="127.0.0.1:7411",
+                        help="the scheduler's L4M service: host:port, unix:PATH or framed:PATH")
+    parser.add_argument("--registry", default="", help="the scheduler's InstanceRegistryService (unix:PATH or "
+                        "host:port): every request runs as an instance of its caller's user, registered there")
+    parser.add_argument("--cluster-secret-file", type=Path, default=None, help="the registry's secret (mode 0600)")
+    parser.add_argument("--registry-tls-ca", type=Path, default=None, help="CA of a TLS registry address")
+    parser.add_argument("--keys-file", type=Path, default=None,
+                        help="API keys (`l4m keys`): the same store as the spawner's; callers send `authorization: "
+                        "Bearer <key>`")
+    parser.add_argument("--insecure-local", action="store_true",
+                        help="a request without a key is the admin user 'local' (a one-person machine only)")
+    parser.add_argument("--max-n", type=int, default=8, help="most choices one request may ask for")
+    parser.add_argument("--max-tokens-default", type=int, default=4096,
+                        help="completion tokens of a chat request that names no max_tokens (at most what the "
+                        "context leaves)")
+    args = parser.parse_args(argv)
+    if not args.keys_file and not args.insecure_local:
+        parser.error("give --keys-file (API keys) or --insecure-local")
+    if args.max_n < 1:
+        parser.error(f"--max-n must be at least 1, got {args.max_n}")
+    try:
+        secret = read_secret_file(args.cluster_secret_file) if args.cluster_secret_file else ""
+    except CredentialError as error:
+        parser.error(str(error))
+    return GatewayConfig(host=args.host, port=args.port, scheduler_address=args.scheduler,
+                         registry_address=args.registry, cluster_secret=secret, registry_tls_ca=args.registry_tls_ca,
+                         keys_path=args.keys_file, insecure_local=args.insecure_local, max_n=args.max_n,
+                         max_tokens_default=args.max_tokens_default)
+
+
+async def serve(config: GatewayConfig) -> None:
+    backend = await ClusterBackend.connect(config)
+    app = create_app(config, backend, Authenticator(config.keys_path, config.insecure_local))
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                           lifespan="off", access_log=False))
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # serve_until_signal's
+    task: asyncio.Task[None] | None = None
+
+    async def start() -> None:
+        nonlocal task
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            if task.done():
+                await task  # raises why it could not start
+                raise RuntimeError(f"the gateway could not listen on {config.host}:{config.port}")
+            await asyncio.sleep(0.05)
+        host, port = server.servers[0].sockets[0].getsockname()[:2]
+        print(f"l4m gateway listening on http://{host}:{port}", flush=True)
+
+    async def stop() -> None:
+        server.should_exit = True
+        if task is not None:
+            await task
+        await backend.close()
+
+    await serve_until_signal(start, stop)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = parse_config(argv)
+    with contextlib.suppress(KeyboardInterrupt):
+        eventloop.run(serve(config))
+
+
+if __name__ == "__main__":
+    main()

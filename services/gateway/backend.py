@@ -1,0 +1,170 @@
+"""Where the gateway's handlers get a model: an L4M session per request, as an instance of the caller's user.
+
+`ClusterBackend` registers each request as an instance with the scheduler's registry (the cluster
+secret; the user, role and per-minute quota of the caller's API key, so the scheduler's quotas and
+accounting see the request as that user's), opens a session with its token on the model the request
+names, and destroys the instance when the request ends, which frees whatever it held (a client that
+went away mid-stream included). GetInfo answers are cached briefly and each model's tokenizer is built
+once. Unit tests use `FakeBackend` (over `l4m.fake.FakeL4M`), behind the same `Backend` interface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import grpc
+
+from l4m.common.users import User
+from l4m.gateway.config import GatewayConfig
+from l4m.model import Model
+from l4m.session import Session
+from l4m.tokenizer import Tokenizer
+from l4m.v1 import l4m_pb2, registry_pb2, registry_pb2_grpc
+from l4m.wire.credentials import bearer_metadata, open_channel
+
+INFO_TTL_S = 5.0
+REGISTRY_DEADLINE_S = 10.0
+
+
+class GatewayError(Exception):
+    """A request the gateway answers with an OpenAI-shaped error: HTTP `status`, OpenAI `kind` and `code`."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
+
+
+def unknown_model(name: str, served: list[str]) -> GatewayError:
+    return GatewayError(404, f"The model {name!r} does not exist; served: {', '.join(served)}",
+                        code="model_not_found", param="model")
+
+
+class Backend(Protocol):
+    async def model_names(self) -> list[str]:
+        """The served models, the default first."""
+
+    def open(self, user: User, model: str) -> contextlib.AbstractAsyncContextManager[Model]:
+        """A `Model` on a session of its own for one request of `user`; closed (and freed) on exit."""
+
+    async def close(self) -> None: ...
+
+
+class _ModelCache:
+    """GetInfo per model (refreshed after INFO_TTL_S) and one Tokenizer per model."""
+
+    def __init__(self, info_session: Session) -> None:
+        self._session = info_session
+        self._names: tuple[float, list[str]] | None = None
+        self._infos: dict[str, tuple[float, l4m_pb2.GetInfoResponse]] = {}
+        self._tokenizers: dict[str, Tokenizer] = {}
+
+    async def names(self) -> list[str]:
+        if self._names is None or time.monotonic() - self._names[0] > INFO_TTL_S:
+            info = await self._session.get_info(omit_tokenizer_json=True)
+            self._names = (time.monotonic(), list(info.model_names) or [info.model.name])
+        return self._names[1]
+
+    async def info(self, name: str) -> tuple[l4m_pb2.GetInfoResponse, Tokenizer]:
+        cached = self._infos.get(name)
+        if cached is None or time.monotonic() - cached[0] > INFO_TTL_S:
+            info = await self._session.get_info(omit_tokenizer_json=name in self._tokenizers, model=name)
+            cached = self._infos[name] = (time.monotonic(), info)
+            if name not in self._tokenizers:
+                model = info.model
+                self._tokenizers[name] = Tokenizer(model.tokenizer_json, model.chat_template,
+                                                   model.special_token_ids, model.chat_template_variables)
+        return cached[1], self._tokenizers[name]
+
+
+class ClusterBackend:
+    def __init__(self, config: GatewayConfig, info_session: Session) -> None:
+        if not config.registry_address:
+            raise ValueError("the gateway needs the scheduler's registry (--registry) to run requests as instances")
+        self._config = config
+        self._cache = _ModelCache(info_session)
+        self._info_session = info_session
+        self._registry_channel = open_channel(config.registry_address, config.registry_tls_ca)
+        self._registry = registry_pb2_grpc.InstanceRegistryServiceStub(self._registry_channel)
+        self._registry_metadata = bearer_metadata(config.cluster_secret) if config.cluster_secret else ()
+
+    @classmethod
+    async def connect(cls, config: GatewayConfig) -> ClusterBackend:
+        return cls(config, await Session.connect(config.scheduler_address))
+
+    async def model_names(self) -> list[str]:
+        try:
+            return await self._cache.names()
+        except Exception as error:  # the scheduler is down or has no executor yet
+            raise GatewayError(503, f"the cluster cannot answer: {error}", "server_error", "unavailable") from error
+
+    @contextlib.asynccontextmanager
+    async def open(self, user: User, model: str) -> AsyncIterator[Model]:
+        names = await self.model_names()
+        if model not in names:
+            raise unknown_model(model, names)
+        info, tokenizer = await self._cache.info(model)
+        instance_id, token = f"gateway-{uuid.uuid4().hex[:16]}", secrets.token_urlsafe(24)
+        await self._register(instance_id, token, user)
+        try:
+            session = await Session.connect(self._config.scheduler_address, token, model=model)
+            try:
+                yield Model(session, info, tokenizer)
+            finally:
+                await session.close()
+        finally:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self._registry.DestroyInstance(
+                    registry_pb2.DestroyInstanceRequest(instance_id=instance_id, reason="the request ended"),
+                    timeout=REGISTRY_DEADLINE_S, metadata=self._registry_metadata)
+
+    async def _register(self, instance_id: str, token: str, user: User) -> None:
+        request = registry_pb2.RegisterInstanceRequest(
+            instance_id=instance_id, token=token, launched_at_unix_ms=int(time.time() * 1000), user=user.name,
+            is_admin=user.is_admin, user_max_tokens_per_minute=user.max_tokens_per_minute)
+        try:
+            await self._registry.RegisterInstance(request, timeout=REGISTRY_DEADLINE_S,
+                                                  metadata=self._registry_metadata)
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise GatewayError(429, f"the cluster is at its limit of requests: {error.details()}",
+                                   "rate_limit_error", "too_many_requests") from error
+            raise GatewayError(503, f"the scheduler did not take the request ({error.code().name}): "
+                               f"{error.details()}", "server_error", "unavailable") from error
+
+    async def close(self) -> None:
+        await self._info_session.close()
+        await self._registry_channel.close()
+
+
+class FakeBackend:
+    """Unit tests: every request on `l4m.fake.FakeL4M` (one in-process "model"), no socket."""
+
+    def __init__(self, fake: object, name: str = "fake-tiny") -> None:
+        self._fake = fake
+        self.name = name
+        self.num_open = 0  # requests whose session is open now
+
+    async def model_names(self) -> list[str]:
+        return [self.name]
+
+    @contextlib.asynccontextmanager
+    async def open(self, user: User, model: str) -> AsyncIterator[Model]:
+        if model != self.name:
+            raise unknown_model(model, [self.name])
+        fake = self._fake
+        session = Session(fake.stub(), blocking_get_info=fake.get_info_blocking)  # type: ignore[attr-defined]
+        self.num_open += 1
+        try:
+            yield Model(session, fake.info())  # type: ignore[attr-defined]
+        finally:
+            self.num_open -= 1
+            await session.close()
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,90 @@
+"""The built-in handlers: a completion of a prompt, written against the controller SDK like any controller.
+
+They run inside the gateway process as L4M sessions, not in a sandbox: they are the gateway's own
+trusted code, and a sandboxed controller per request would add a process start (tens of ms warm,
+~50 MiB each) to every request for nothing the scheduler does not already enforce (the session speaks
+for an instance of the caller's user, with its quotas).
+
+`n` choices share the prompt: it is fed once, then forked (full pages shared, docs/controllers.md), and
+the choices generate side by side, batched together by the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from l4m.model import Model
+from l4m.sampler import Greedy, Sample, Sampler
+from l4m.stop import Stop, max_tokens, on_strings, on_tokens
+from l4m.wire.rules import MAX_SEED
+
+# Choice j of a seeded request samples with seed + j * SEED_STRIDE (its steps add 0, 1, 2, ...).
+SEED_STRIDE = 1 << 32
+
+OnDelta = Callable[[int, str], None]  # (choice index, text it adds)
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    n: int
+    max_tokens: int
+    stop_strings: tuple[str, ...] = ()
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def sampler(self, choice: int) -> Sampler:
+        """Greedy at temperature 0 (OpenAI's "deterministic"), else a draw at it after top-p."""
+        if self.temperature == 0:
+            return Greedy()
+        seed = None if self.seed is None else (self.seed + choice * SEED_STRIDE) % (MAX_SEED + 1)
+        return Sample(temperature=self.temperature, top_p=0.0 if self.top_p >= 1 else self.top_p, seed=seed)
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str
+    num_tokens: int
+    finish_reason: str
+
+
+def finish_reason(stop: Stop | None) -> str:
+    """OpenAI's: "length" when max_tokens ended it, "stop" for a stop token or string."""
+    return "length" if stop is None or stop.reason == "length" else "stop"
+
+
+async def complete(model: Model, prompt_ids: Sequence[int], params: GenerationParams, on_delta: OnDelta | None = None,
+                   first_index: int = 0) -> list[Choice]:
+    """`params.n` completions of `prompt_ids`, indexed from `first_index`; `on_delta` gets their text as
+    it is generated (a stop string is never streamed)."""
+    stop = on_tokens(model.stop_token_ids) | max_tokens(params.max_tokens)
+    if params.stop_strings:
+        stop = stop | on_strings(*params.stop_strings)
+    async with model.new_context() as root:
+        root.fill(list(prompt_ids))
+        contexts = [root]
+        if params.n > 1:
+            root.flush()  # the prompt goes in once; every fork shares its full pages
+            contexts += [root.fork() for _ in range(params.n - 1)]
+        try:
+            return list(await asyncio.gather(*(
+                _choice(context, first_index + j, params.sampler(j), stop, on_delta)
+                for j, context in enumerate(contexts))))
+        finally:
+            for context in contexts[1:]:
+                await context.free()
+
+
+async def _choice(context, index: int, sampler: Sampler, stop, on_delta: OnDelta | None) -> Choice:  # type: ignore[no-untyped-def]
+    generation = context.generate(sampler, stop=stop)
+    if on_delta is None:
+        completion = await generation
+    else:
+        async for token in generation:
+            if token.text:
+                on_delta(index, token.text)
+        completion = generation.completion
+    return Choice(index, completion.text, len(completion.token_ids), finish_reason(completion.stop))

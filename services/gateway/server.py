@@ -1,0 +1,300 @@
+"""The gateway's HTTP app (FastAPI): OpenAI's routes over the built-in handlers.
+
+Thin, like the gRPC servicers: each route authenticates (`authorization: Bearer <API key>`, the
+spawner's keys), validates the body (schemas.py), opens a model for the request (backend.py), runs a
+handler (handlers.py) and shapes the answer; errors leave in OpenAI's shape (`error_body`) with the
+status OpenAI uses: 400 bad request, 401 key, 404 unknown model or route, 413 body too large, 429
+quota, 503 no executor. A streamed answer is server-sent events, `data: {chunk}` ... `data: [DONE]`;
+the request's session lives inside the stream, so a client that disconnects mid-stream ends it and
+the scheduler frees its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from l4m.common.users import Authenticator, Unauthenticated, User
+from l4m.errors import ChatTemplateError, SessionClosed, Trapped
+from l4m.gateway.backend import Backend, GatewayError
+from l4m.gateway.config import GatewayConfig
+from l4m.gateway.handlers import Choice, GenerationParams, complete
+from l4m.gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Usage,
+    error_body,
+    unsupported_options,
+)
+from l4m.model import Model
+from l4m.v1 import l4m_pb2
+
+# Traps a request can meet, as OpenAI statuses: quotas are 429, a lost or busy executor 503.
+_TRAP_STATUS = {
+    l4m_pb2.TRAP_KIND_TOKEN_BUDGET: (429, "rate_limit_error", "rate_limit_exceeded"),
+    l4m_pb2.TRAP_KIND_RESOURCE_EXHAUSTED: (429, "rate_limit_error", "insufficient_capacity"),
+    l4m_pb2.TRAP_KIND_EVICTED: (503, "server_error", "evicted"),
+    l4m_pb2.TRAP_KIND_EXECUTOR_LOST: (503, "server_error", "executor_lost"),
+}
+
+
+def _as_gateway_error(error: Exception) -> GatewayError:
+    if isinstance(error, GatewayError):
+        return error
+    if isinstance(error, Trapped):
+        status, kind, code = _TRAP_STATUS.get(error.kind, (500, "server_error", "trapped"))
+        return GatewayError(status, f"the request was stopped ({error.kind_name}): {error.reason}", kind, code)
+    if isinstance(error, ChatTemplateError):
+        return GatewayError(400, str(error), param="messages")
+    if isinstance(error, SessionClosed):
+        return GatewayError(503, str(error), "server_error", "unavailable")
+    return GatewayError(500, f"{type(error).__name__}: {error}", "server_error")
+
+
+def _json_error(error: GatewayError) -> JSONResponse:
+    return JSONResponse(error_body(error.message, error.kind, error.code, error.param), status_code=error.status)
+
+
+def create_app(config: GatewayConfig, backend: Backend, authenticator: Authenticator) -> FastAPI:
+    app = FastAPI(title="l4m gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.backend = backend
+
+    @app.exception_handler(GatewayError)
+    async def on_gateway_error(request: Request, error: GatewayError) -> JSONResponse:
+        return _json_error(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0]
+        where = ".".join(str(p) for p in first["loc"] if p != "body")
+        message = f"{where}: {first['msg']}" if where else first["msg"]
+        if first["type"] == "extra_forbidden":
+            message = f"{where}: unknown field (not part of the API this gateway serves)"
+        return _json_error(GatewayError(400, message, param=where or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return _json_error(GatewayError(error.status_code, f"{request.method} {request.url.path}: {error.detail}",
+                                        kind))
+
+    @app.middleware("http")
+    async def bounded_body(request: Request, call_next):  # type: ignore[no-untyped-def]
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > config.max_request_bytes:
+            return _json_error(GatewayError(413, f"the request body is {length} bytes; at most "
+                                            f"{config.max_request_bytes}", code="request_too_large"))
+        return await call_next(request)
+
+    def user_of(request: Request) -> User:
+        """The caller, before anything of the request is read: a dependency runs before body validation."""
+        header = request.headers.get("authorization", "")
+        key = header[len("Bearer "):].strip() if header.startswith("Bearer ") else None
+        try:
+            return authenticator.authenticate(key)
+        except Unauthenticated as error:
+            raise GatewayError(401, f"{error}", code="invalid_api_key") from None
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(user: User = Depends(user_of)) -> dict[str, Any]:  # noqa: B008 (FastAPI's idiom)
+        created = int(time.time())
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "l4m"}
+                                           for name in await backend.model_names()]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, user: User = Depends(user_of)) -> Any:  # noqa: B008
+        _check_options(body, config)
+        max_new = body.max_completion_tokens or body.max_tokens
+        try:
+            messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                        for m in body.messages]
+            stops = body.stop_strings()
+        except ValueError as error:
+            raise GatewayError(400, str(error)) from None
+
+        def prompts(model: Model) -> list[list[int]]:
+            tokenizer = model.tokenizer
+            return [tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))]
+
+        return await _run(backend, user, body, prompts, max_new, stops, "chat.completion", config)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, user: User = Depends(user_of)) -> Any:  # noqa: B008
+        _check_options(body, config)
+        try:
+            entries = body.prompts()
+            stops = body.stop_strings()
+        except ValueError as error:
+            raise GatewayError(400, str(error), param="prompt") from None
+
+        def prompts(model: Model) -> list[list[int]]:
+            out = []
+            for entry in entries:
+                ids = model.tokenizer.encode(entry) if isinstance(entry, str) else list(entry)
+                bad = [t for t in ids if not 0 <= t < model.vocab_size]
+                if bad:
+                    raise GatewayError(400, f"prompt: token id {bad[0]} is not in [0, {model.vocab_size})",
+                                       param="prompt")
+                out.append(ids)
+            return out
+
+        return await _run(backend, user, body, prompts, body.max_tokens, stops, "text_completion", config)
+
+    return app
+
+
+def _check_options(body: ChatCompletionRequest | CompletionRequest, config: GatewayConfig) -> None:
+    named = unsupported_options(body)
+    if named:
+        raise GatewayError(400, f"{named[0]} is not supported by this gateway yet (unsupported here: "
+                           f"{', '.join(named)})", code="unsupported_option", param=named[0].split()[0])
+    if body.n > config.max_n:
+        raise GatewayError(400, f"n: at most {config.max_n} choices per request, got {body.n}", param="n")
+
+
+async def _run(backend: Backend, user: User, body: ChatCompletionRequest | CompletionRequest, prompts_of,  # type: ignore[no-untyped-def]
+               max_new: int | None, stops: list[str], kind: str, config: GatewayConfig) -> Any:
+    """Open the request's model, tokenize, then answer at once or as a stream that owns the session."""
+    stack = contextlib.AsyncExitStack()
+    try:
+        model = await stack.enter_async_context(backend.open(user, body.model))
+        prompts = prompts_of(model)
+        params = _params(body, model, prompts, max_new, stops, config)
+    except BaseException as error:
+        await stack.aclose()
+        if isinstance(error, Exception):
+            raise _as_gateway_error(error) from error
+        raise
+    answer = _Answer(kind, body.model, len(prompts) * body.n)
+    if not body.stream:
+        async with stack:
+            try:
+                choices = await _complete_all(model, prompts, params, None)
+            except Exception as error:
+                raise _as_gateway_error(error) from error
+        return answer.whole(choices, _usage(prompts, body.n, choices))
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return StreamingResponse(_stream(stack, model, prompts, params, answer, body.n, include_usage),
+                             media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+
+def _params(body: ChatCompletionRequest | CompletionRequest, model: Model, prompts: list[list[int]],
+            max_new: int | None, stops: list[str], config: GatewayConfig) -> GenerationParams:
+    longest = max(len(p) for p in prompts)
+    room = model.max_context_tokens - longest
+    if room <= 0 or (max_new is not None and max_new > room):
+        asked = f" plus {max_new} completion tokens" if max_new is not None else ""
+        raise GatewayError(400, f"This model's maximum context length is {model.max_context_tokens} tokens. However, "
+                           f"you requested {longest} prompt tokens{asked}.", code="context_length_exceeded")
+    if not all(prompts):
+        raise GatewayError(400, "the prompt is empty", param="prompt")
+    temperature = 1.0 if body.temperature is None else body.temperature
+    return GenerationParams(n=body.n, max_tokens=max_new or min(room, config.max_tokens_default),
+                            stop_strings=tuple(stops), temperature=temperature,
+                            top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed)
+
+
+async def _complete_all(model: Model, prompts: Sequence[list[int]], params: GenerationParams, on_delta) -> list[Choice]:  # type: ignore[no-untyped-def]
+    groups = await asyncio.gather(*(complete(model, prompt, params, on_delta, first_index=i * params.n)
+                                    for i, prompt in enumerate(prompts)))
+    return [choice for group in groups for choice in group]
+
+
+def _usage(prompts: Sequence[list[int]], n: int, choices: Sequence[Choice]) -> Usage:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(c.num_tokens for c in choices)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens)
+
+
+class _Answer:
+    """Shapes a chat or text completion, whole or as chunks."""
+
+    def __init__(self, kind: str, model: str, num_choices: int) -> None:
+        self.kind, self.model, self.num_choices = kind, model, num_choices
+        prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.is_chat = kind == "chat.completion"
+
+    def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
+                "system_fingerprint": None}
+
+    def whole(self, choices: Sequence[Choice], usage: Usage) -> dict[str, Any]:
+        if self.is_chat:
+            shaped = [{"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
+                       "logprobs": None, "finish_reason": c.finish_reason} for c in choices]
+        else:
+            shaped = [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+                      for c in choices]
+        return {**self._envelope(self.kind, shaped), "usage": usage.model_dump()}
+
+    def chunk(self, index: int, text: str | None = None, finish_reason: str | None = None,
+              role: bool = False) -> dict[str, Any]:
+        if self.is_chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return self._envelope("chat.completion.chunk", [choice])
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope("text_completion", [choice])
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.is_chat else "text_completion"
+        return {**self._envelope(kind, []), "usage": usage.model_dump()}
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _stream(stack: contextlib.AsyncExitStack, model: Model, prompts: list[list[int]], params: GenerationParams,
+                  answer: _Answer, n: int, include_usage: bool) -> AsyncIterator[str]:
+    """The chunks as the choices generate; the session (in `stack`) ends when the stream does, however."""
+    queue: asyncio.Queue[tuple[int, str] | None] = asyncio.Queue()
+    outcome: list[Any] = []
+
+    async def run() -> None:
+        try:
+            outcome.append(await _complete_all(model, prompts, params, lambda i, text: queue.put_nowait((i, text))))
+        except Exception as error:  # reported in the stream, which has already said 200
+            outcome.append(error)
+        queue.put_nowait(None)
+
+    task = asyncio.create_task(run())
+    try:
+        if answer.is_chat:
+            for index in range(answer.num_choices):
+                yield _event(answer.chunk(index, "", role=True))
+        while (item := await queue.get()) is not None:
+            yield _event(answer.chunk(item[0], item[1]))
+        result = outcome[0]
+        if isinstance(result, Exception):
+            error = _as_gateway_error(result)
+            yield _event(error_body(error.message, error.kind, error.code, error.param))
+        else:
+            for choice in result:
+                yield _event(answer.chunk(choice.index, None if answer.is_chat else "", choice.finish_reason))
+            if include_usage:
+                yield _event(answer.usage_chunk(_usage(prompts, n, result)))
+        yield "data: [DONE]\n\n"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await stack.aclose()

@@ -1,0 +1,207 @@
+"""The gateway's routes through the official `openai` package, in process: the app over `FakeBackend`
+(`l4m.fake`'s model), reached through an ASGI transport (no socket). What a user of the OpenAI API
+sees: answers, streams, choices, stops, usage, and OpenAI-shaped errors for every bad request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx2
+import openai
+import pytest
+
+from l4m.common.users import Authenticator
+from l4m.fake import FakeL4M
+from l4m.gateway.backend import FakeBackend
+from l4m.gateway.config import GatewayConfig
+from l4m.gateway.server import create_app
+from l4m.keys import KeyStore
+from l4m.model import Model
+from l4m.sampler import Greedy
+from l4m.session import Session
+from l4m.stop import max_tokens, on_tokens
+
+MODEL = "fake-tiny"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}]
+
+
+class Gateway:
+    def __init__(self, tmp_path: Path, **config: object) -> None:
+        keys = KeyStore.load(tmp_path / "keys.json")
+        self.key = keys.add("alice")
+        keys.save()
+        self.fake = FakeL4M()
+        self.backend = FakeBackend(self.fake)
+        self.config = GatewayConfig(**config)  # type: ignore[arg-type]
+        self.app = create_app(self.config, self.backend, Authenticator(tmp_path / "keys.json"))
+        self.http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=self.app), base_url="http://gateway")
+
+    def client(self, key: str | None = None) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(api_key=key or self.key, base_url="http://gateway/v1", http_client=self.http,
+                                  max_retries=0)
+
+    async def raw(self, path: str, body: object, key: str | None = None) -> httpx2.Response:
+        headers = {"authorization": f"Bearer {key or self.key}", "content-type": "application/json"}
+        return await self.http.post(path, content=json.dumps(body), headers=headers)
+
+    def assert_freed(self) -> None:
+        assert self.backend.num_open == 0 and self.fake.num_pages_in_use == 0
+
+
+@pytest.fixture
+def gateway(tmp_path: Path) -> Gateway:
+    return Gateway(tmp_path)
+
+
+async def _sdk_greedy(fake: FakeL4M, messages: list[dict[str, str]], num_tokens: int) -> list[int]:
+    """The same completion written as a controller would: the reference for the gateway's answers."""
+    session = Session(fake.stub(), blocking_get_info=fake.get_info_blocking)
+    model = Model(session, fake.info())
+    try:
+        async with model.new_context() as context:
+            context.fill_chat(messages)
+            completion = await context.generate(Greedy(), stop=on_tokens(model.stop_token_ids) | max_tokens(num_tokens))
+            return completion.token_ids
+    finally:
+        await session.close()
+
+
+async def test_models_lists_the_served_model(gateway: Gateway) -> None:
+    models = await gateway.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+async def test_a_greedy_chat_completion_is_the_sdks_greedy_completion(gateway: Gateway) -> None:
+    answer = await gateway.client().chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0,
+                                                            max_tokens=12)
+    reference = await _sdk_greedy(gateway.fake, MESSAGES, 12)
+    tokenizer = Model(Session(gateway.fake.stub(), blocking_get_info=gateway.fake.get_info_blocking),
+                      gateway.fake.info()).tokenizer
+    (choice,) = answer.choices
+    assert choice.message.role == "assistant" and choice.message.content == tokenizer.decode(reference)
+    assert choice.finish_reason == ("length" if len(reference) == 12 else "stop")
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(MESSAGES))
+    assert answer.usage.prompt_tokens == len(prompt) and answer.usage.completion_tokens == len(reference)
+    assert answer.usage.total_tokens == len(prompt) + len(reference)
+    assert answer.object == "chat.completion" and answer.model == MODEL and answer.id.startswith("chatcmpl-")
+    gateway.assert_freed()
+
+
+async def test_a_streamed_chat_spells_the_same_text_then_done(gateway: Gateway) -> None:
+    client = gateway.client()
+    whole = await client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=20)
+    stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=20,
+                                                  stream=True, stream_options={"include_usage": True})
+    chunks = [chunk async for chunk in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    raw = await gateway.raw("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "stream": True,
+                                                      "max_tokens": 3})
+    assert raw.headers["content-type"].startswith("text/event-stream") and raw.text.endswith("data: [DONE]\n\n")
+    gateway.assert_freed()
+
+
+async def test_n_choices_fork_one_prompt(gateway: Gateway) -> None:
+    client = gateway.client()
+    greedy = await client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=8, n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert len({c.message.content for c in greedy.choices}) == 1  # greedy: three times the same
+    sampled = [await client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=1.0, max_tokens=8,
+                                                    n=3, seed=11) for _ in range(2)]
+    texts = [[c.message.content for c in answer.choices] for answer in sampled]
+    assert texts[0] == texts[1]  # a seed makes the whole request reproducible
+    assert len(set(texts[0])) > 1  # and the choices differ from each other
+    assert gateway.fake.stats.num_sessions >= 3
+    gateway.assert_freed()
+
+
+async def test_text_completions_of_several_prompts_stop_strings_and_lengths(gateway: Gateway) -> None:
+    client = gateway.client()
+    answer = await client.completions.create(model=MODEL, prompt=["Once upon", "In 1492"], max_tokens=6, n=2,
+                                             temperature=0)
+    assert [c.index for c in answer.choices] == [0, 1, 2, 3]
+    assert answer.choices[0].text == answer.choices[1].text and answer.choices[2].text == answer.choices[3].text
+    assert all(c.finish_reason in ("length", "stop") for c in answer.choices)
+    long = await client.completions.create(model=MODEL, prompt="Once upon", max_tokens=30, temperature=0)
+    text = long.choices[0].text
+    cut = text[3:5]  # a stop string that occurs in the greedy text
+    stopped = await client.completions.create(model=MODEL, prompt="Once upon", max_tokens=30, temperature=0,
+                                              stop=[cut])
+    assert stopped.choices[0].text == text[: text.find(cut)] and stopped.choices[0].finish_reason == "stop"
+    ids = await client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=4, temperature=0)
+    assert ids.usage.prompt_tokens == 4 and ids.usage.completion_tokens <= 4
+    gateway.assert_freed()
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "words"),
+    [
+        ({"model": "gpt-4", "messages": MESSAGES}, 404, "The model 'gpt-4' does not exist; served: fake-tiny"),
+        ({"model": MODEL, "messages": []}, 400, "messages"),
+        ({"model": MODEL, "messages": MESSAGES, "temperature": 3}, 400, "temperature"),
+        ({"model": MODEL, "messages": MESSAGES, "n": 9}, 400, "n: at most 8 choices"),
+        ({"model": MODEL, "messages": MESSAGES, "logprobs": True}, 400, "logprobs is not supported"),
+        ({"model": MODEL, "messages": MESSAGES, "frequency_penalty": 0.5}, 400, "frequency_penalty is not supported"),
+        ({"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+         "tools is not supported"),
+        ({"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_object"}}, 400,
+         "response_format 'json_object' is not supported"),
+        ({"model": MODEL, "messages": MESSAGES, "colour": "blue"}, 400, "colour: unknown field"),
+        ({"model": MODEL, "messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+         "content part type 'image_url' is not supported"),
+        ({"model": MODEL, "messages": MESSAGES, "max_tokens": 9000}, 400, "maximum context length is 8192"),
+    ],
+)
+async def test_bad_chat_requests_get_openai_shaped_errors(gateway: Gateway, body, status, words) -> None:  # type: ignore[no-untyped-def]
+    response = await gateway.raw("/v1/chat/completions", body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert words in error["message"] and set(error) == {"message", "type", "param", "code"}
+    gateway.assert_freed()
+
+
+async def test_bad_completion_requests_and_routes(gateway: Gateway) -> None:
+    for body, words in (({"model": MODEL, "prompt": [1, 99999]}, "token id 99999 is not in [0, 259)"),
+                        ({"model": MODEL, "prompt": "x", "echo": True}, "echo is not supported"),
+                        ({"model": MODEL, "prompt": "x", "best_of": 3}, "best_of is not supported")):
+        response = await gateway.raw("/v1/completions", body)
+        assert response.status_code == 400 and words in response.json()["error"]["message"], response.text
+    missing = await gateway.raw("/v1/embeddings", {"model": MODEL, "input": "x"})
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    too_big = await gateway.http.post("/v1/completions", content=b"x" * (gateway.config.max_request_bytes + 1),
+                                      headers={"authorization": f"Bearer {gateway.key}"})
+    assert too_big.status_code == 413 and too_big.json()["error"]["code"] == "request_too_large"
+    gateway.assert_freed()
+
+
+async def test_a_key_is_needed_and_must_be_known(gateway: Gateway) -> None:
+    """Who may use the gateway: holders of an API key of the cluster's store (as the spawner's)."""
+    with pytest.raises(openai.AuthenticationError, match="not known to this cluster"):
+        await gateway.client("l4m_not-a-key").models.list()
+    anonymous = await gateway.http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES})
+    assert anonymous.status_code == 401 and "needs an API key" in anonymous.json()["error"]["message"]
+    assert gateway.fake.stats.num_sessions == 0  # refused before any session
+
+
+async def test_insecure_local_lets_requests_without_a_key_in(tmp_path: Path) -> None:
+    fake = FakeL4M()
+    app = create_app(GatewayConfig(insecure_local=True), FakeBackend(fake), Authenticator(None, insecure_local=True))
+    async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://gateway") as http:
+        response = await http.get("/v1/models")
+        assert response.status_code == 200 and response.json()["data"][0]["id"] == MODEL
+
+
+async def test_concurrent_requests_each_get_their_own_session(gateway: Gateway) -> None:
+    client = gateway.client()
+    answers = await asyncio.gather(*(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": f"question {i}"}], temperature=0, max_tokens=5)
+        for i in range(6)))
+    assert len({a.id for a in answers}) == 6
+    gateway.assert_freed()
