@@ -38,6 +38,8 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
     parser.add_argument("--insecure-local", action="store_true",
                         help="a request without a key is the admin user 'local' (a one-person machine only)")
     parser.add_argument("--max-n", type=int, default=8, help="most choices one request may ask for")
+    parser.add_argument("--max-requests-per-user", type=int, default=64,
+                        help="requests of one user in flight at once (a key's max_instances overrides); past it 429")
     parser.add_argument("--max-tokens-default", type=int, default=4096,
                         help="completion tokens of a chat request that names no max_tokens (at most what the "
                         "context leaves)")
@@ -53,6 +55,7 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
     return GatewayConfig(host=args.host, port=args.port, scheduler_address=args.scheduler,
                          registry_address=args.registry, cluster_secret=secret, registry_tls_ca=args.registry_tls_ca,
                          keys_path=args.keys_file, insecure_local=args.insecure_local, max_n=args.max_n,
+                         max_requests_per_user=args.max_requests_per_user,
                          max_tokens_default=args.max_tokens_default)
 
 

@@ -17,5 +17,7 @@ class GatewayConfig:
     keys_path: Path | None = None  # the API keys (`l4m keys`); the same store as the spawner's
     insecure_local: bool = False  # a request without a key is the admin user "local" (one-person machines)
     max_n: int = 8  # most choices one request may ask for (`n`), each a fork of the prompt
+    # Requests of one user in flight at once (its key's max_instances when it sets one); past it: 429.
+    max_requests_per_user: int = 64
     max_tokens_default: int = 4096  # completion tokens when a chat request names no max_tokens
     max_request_bytes: int = 4 << 20

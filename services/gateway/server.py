@@ -67,6 +67,7 @@ def _json_error(error: GatewayError) -> JSONResponse:
 
 def create_app(config: GatewayConfig, backend: Backend, authenticator: Authenticator) -> FastAPI:
     app = FastAPI(title="l4m gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    backend = _PerUserLimit(backend, config.max_requests_per_user)
     app.state.backend = backend
 
     @app.exception_handler(GatewayError)
@@ -155,6 +156,36 @@ def create_app(config: GatewayConfig, backend: Backend, authenticator: Authentic
         return await _run(backend, user, body, prompts, body.max_tokens, stops, "text_completion", config)
 
     return app
+
+
+class _PerUserLimit:
+    """The backend, with at most `limit` requests of one user open at once (a key's own max_instances
+    when it sets one): one user cannot hold every instance of the cluster through the gateway."""
+
+    def __init__(self, backend: Backend, limit: int) -> None:
+        self._backend, self._limit = backend, limit
+        self._open: dict[str, int] = {}
+
+    async def model_names(self) -> list[str]:
+        return await self._backend.model_names()
+
+    @contextlib.asynccontextmanager
+    async def open(self, user: User, model: str) -> AsyncIterator[Model]:
+        limit = user.max_instances or self._limit
+        if self._open.get(user.name, 0) >= limit:
+            raise GatewayError(429, f"user {user.name!r} has {limit} requests in flight, its limit; retry when one "
+                               f"ends", "rate_limit_error", "too_many_requests")
+        self._open[user.name] = self._open.get(user.name, 0) + 1
+        try:
+            async with self._backend.open(user, model) as opened:
+                yield opened
+        finally:
+            self._open[user.name] -= 1
+            if not self._open[user.name]:
+                del self._open[user.name]
+
+    async def close(self) -> None:
+        await self._backend.close()
 
 
 def _check_options(body: ChatCompletionRequest | CompletionRequest, config: GatewayConfig) -> None:

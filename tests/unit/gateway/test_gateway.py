@@ -205,3 +205,22 @@ async def test_concurrent_requests_each_get_their_own_session(gateway: Gateway) 
         for i in range(6)))
     assert len({a.id for a in answers}) == 6
     gateway.assert_freed()
+
+
+async def test_one_user_has_a_bounded_number_of_requests_in_flight(tmp_path: Path) -> None:
+    """Past --max-requests-per-user (or the key's max_instances) a user's next request is 429 while its
+    others run; another user is not affected, and the slot comes back when a request ends."""
+    gateway = Gateway(tmp_path, max_requests_per_user=1)
+    keys = KeyStore.load(tmp_path / "keys.json")
+    bob = keys.add("bob")
+    keys.save()
+    client = gateway.client()
+    alice = Authenticator(tmp_path / "keys.json").authenticate(gateway.key)
+    async with gateway.app.state.backend.open(alice, MODEL):  # one request of alice's in flight
+        with pytest.raises(openai.RateLimitError, match="1 requests in flight"):
+            await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+        answer = await gateway.client(bob).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+        assert answer.choices
+    again = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    assert again.choices
+    gateway.assert_freed()
