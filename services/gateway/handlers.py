@@ -15,6 +15,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from l4m.constraint import Constraint
 from l4m.model import Model
 from l4m.sampler import Greedy, Sample, Sampler
 from l4m.stop import Stop, max_tokens, on_strings, on_tokens
@@ -34,6 +35,17 @@ class GenerationParams:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    # The output's JSON schema (`response_format`): True for any JSON object, None for free text.
+    json_schema: dict | bool | None = None
+
+    def constraint(self, model: Model) -> Constraint | None:
+        """A fresh constraint for one choice (it tracks that choice's tokens); raises ConstraintError for a
+        schema llguidance rejects."""
+        if self.json_schema is None:
+            return None
+        if self.json_schema is True:
+            return Constraint.json_any(model)
+        return Constraint.json_schema(model, self.json_schema)
 
     def sampler(self, choice: int) -> Sampler:
         """Greedy at temperature 0 (OpenAI's "deterministic"), else a draw at it after top-p."""
@@ -52,7 +64,8 @@ class Choice:
 
 
 def finish_reason(stop: Stop | None) -> str:
-    """OpenAI's: "length" when max_tokens ended it, "stop" for a stop token or string."""
+    """OpenAI's: "length" when max_tokens ended it, "stop" for a stop token or string or a finished
+    `response_format` object."""
     return "length" if stop is None or stop.reason == "length" else "stop"
 
 
@@ -71,15 +84,16 @@ async def complete(model: Model, prompt_ids: Sequence[int], params: GenerationPa
             contexts += [root.fork() for _ in range(params.n - 1)]
         try:
             return list(await asyncio.gather(*(
-                _choice(context, first_index + j, params.sampler(j), stop, on_delta)
+                _choice(context, first_index + j, params.sampler(j), stop, params.constraint(model), on_delta)
                 for j, context in enumerate(contexts))))
         finally:
             for context in contexts[1:]:
                 await context.free()
 
 
-async def _choice(context, index: int, sampler: Sampler, stop, on_delta: OnDelta | None) -> Choice:  # type: ignore[no-untyped-def]
-    generation = context.generate(sampler, stop=stop)
+async def _choice(context, index: int, sampler: Sampler, stop, constraint: Constraint | None,  # type: ignore[no-untyped-def]
+                  on_delta: OnDelta | None) -> Choice:
+    generation = context.generate(sampler, stop=stop, constraint=constraint)
     if on_delta is None:
         completion = await generation
     else:

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_STOP_STRINGS = 4  # as OpenAI
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
 class StreamOptions(BaseModel):
@@ -77,6 +78,20 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+
+    def json_schema(self) -> dict[str, Any] | bool | None:
+        """What `response_format` asks the output to be: a JSON schema, True for any JSON object
+        (`json_object`), None for free text."""
+        response_format = self.response_format or {}
+        kind = response_format.get("type", "text")
+        if kind == "json_object":
+            return True
+        if kind != "json_schema":
+            return None
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ValueError("response_format.json_schema.schema: a JSON schema object is required")
+        return spec["schema"]
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
 
@@ -114,8 +129,9 @@ def unsupported_options(request: _Sampling) -> list[str]:
     if request.logit_bias:
         named.append("logit_bias")
     if isinstance(request, ChatCompletionRequest):
-        if request.response_format and request.response_format.get("type", "text") != "text":
-            named.append(f"response_format {request.response_format.get('type')!r}")
+        kind = (request.response_format or {}).get("type", "text")
+        if kind not in RESPONSE_FORMATS:
+            named.append(f"response_format {kind!r}")
         if request.tools:
             named.append("tools")
         if request.tool_choice not in (None, "none"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -25,7 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from l4m.common.users import Authenticator, Unauthenticated, User
-from l4m.errors import ChatTemplateError, SessionClosed, Trapped
+from l4m.errors import ChatTemplateError, ConstraintError, SessionClosed, Trapped
 from l4m.gateway.backend import Backend, GatewayError
 from l4m.gateway.config import GatewayConfig
 from l4m.gateway.handlers import Choice, GenerationParams, complete
@@ -56,6 +57,8 @@ def _as_gateway_error(error: Exception) -> GatewayError:
         return GatewayError(status, f"the request was stopped ({error.kind_name}): {error.reason}", kind, code)
     if isinstance(error, ChatTemplateError):
         return GatewayError(400, str(error), param="messages")
+    if isinstance(error, ConstraintError):
+        return GatewayError(400, f"response_format: {error}", param="response_format")
     if isinstance(error, SessionClosed):
         return GatewayError(503, str(error), "server_error", "unavailable")
     return GatewayError(500, f"{type(error).__name__}: {error}", "server_error")
@@ -124,6 +127,7 @@ def create_app(config: GatewayConfig, backend: Backend, authenticator: Authentic
             messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                         for m in body.messages]
             stops = body.stop_strings()
+            schema = body.json_schema()
         except ValueError as error:
             raise GatewayError(400, str(error)) from None
 
@@ -131,7 +135,7 @@ def create_app(config: GatewayConfig, backend: Backend, authenticator: Authentic
             tokenizer = model.tokenizer
             return [tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))]
 
-        return await _run(backend, user, body, prompts, max_new, stops, "chat.completion", config)
+        return await _run(backend, user, body, prompts, max_new, stops, "chat.completion", config, schema)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, user: User = Depends(user_of)) -> Any:  # noqa: B008
@@ -198,13 +202,15 @@ def _check_options(body: ChatCompletionRequest | CompletionRequest, config: Gate
 
 
 async def _run(backend: Backend, user: User, body: ChatCompletionRequest | CompletionRequest, prompts_of,  # type: ignore[no-untyped-def]
-               max_new: int | None, stops: list[str], kind: str, config: GatewayConfig) -> Any:
+               max_new: int | None, stops: list[str], kind: str, config: GatewayConfig,
+               json_schema: dict | bool | None = None) -> Any:
     """Open the request's model, tokenize, then answer at once or as a stream that owns the session."""
     stack = contextlib.AsyncExitStack()
     try:
         model = await stack.enter_async_context(backend.open(user, body.model))
         prompts = prompts_of(model)
-        params = _params(body, model, prompts, max_new, stops, config)
+        params = dataclasses.replace(_params(body, model, prompts, max_new, stops, config), json_schema=json_schema)
+        params.constraint(model)  # a schema llguidance rejects is a 400 before anything runs
     except BaseException as error:
         await stack.aclose()
         if isinstance(error, Exception):

@@ -81,3 +81,18 @@ def test_a_client_that_leaves_mid_stream_frees_its_pages(client, l4m_up: UpClust
     while _free_pages(l4m_up) < before and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _free_pages(l4m_up) == before
+
+
+def test_response_format_json_schema_validates(client) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                               "country": {"type": "string", "maxLength": 30}},
+              "required": ["city", "country"], "additionalProperties": False}
+    answer = client.chat.completions.create(
+        model=_model(client), temperature=0, max_tokens=60,
+        messages=[{"role": "user", "content": "Name the capital of France as JSON with city and country."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(answer.choices[0].message.content), schema)

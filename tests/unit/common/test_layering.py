@@ -23,7 +23,8 @@ EXTRA_MODULES = {
     # `l4m` itself for its location (the SDK mounted into sandboxes); the key store `l4m keys` writes.
     "spawner": frozenset({"l4m", "l4m.keys"}),
     # The gateway's handlers are controllers: they use the SDK's model, sessions, samplers and stops.
-    "gateway": frozenset({"l4m.model", "l4m.session", "l4m.sampler", "l4m.stop", "l4m.tokenizer", "l4m.errors"}),
+    "gateway": frozenset({"l4m.model", "l4m.session", "l4m.sampler", "l4m.stop", "l4m.tokenizer", "l4m.errors",
+                          "l4m.constraint"}),
 }
 # The key store `l4m keys` writes, which `l4m.common.users` reads for the spawner and the gateway.
 COMMON_EXTRA_MODULES = frozenset({"l4m.keys"})

@@ -150,8 +150,13 @@ async def test_text_completions_of_several_prompts_stop_strings_and_lengths(gate
         ({"model": MODEL, "messages": MESSAGES, "frequency_penalty": 0.5}, 400, "frequency_penalty is not supported"),
         ({"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
          "tools is not supported"),
-        ({"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_object"}}, 400,
-         "response_format 'json_object' is not supported"),
+        ({"model": MODEL, "messages": MESSAGES, "response_format": {"type": "xml"}}, 400,
+         "response_format 'xml' is not supported"),
+        ({"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {}}}, 400,
+         "a JSON schema object is required"),
+        ({"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "wrong"}}}}}}, 400,
+         "response_format: the JSON schema was rejected by llguidance"),
         ({"model": MODEL, "messages": MESSAGES, "colour": "blue"}, 400, "colour: unknown field"),
         ({"model": MODEL, "messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
         ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
@@ -223,4 +228,32 @@ async def test_one_user_has_a_bounded_number_of_requests_in_flight(tmp_path: Pat
         assert answer.choices
     again = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
     assert again.choices
+    gateway.assert_freed()
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+async def test_response_format_json_schema_and_json_object_are_followed(gateway: Gateway) -> None:
+    """The output validates against the schema (llguidance masks every step), for every choice and
+    streamed too; `json_object` gives a JSON object."""
+    import jsonschema
+
+    client = gateway.client()
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    answer = await client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=1.0, seed=5, n=2,
+                                                  max_tokens=60, response_format=response_format)
+    for choice in answer.choices:
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+        assert choice.finish_reason == "stop"
+    stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=60,
+                                                  response_format=response_format, stream=True)
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    jsonschema.validate(json.loads(text), SCHEMA)
+    anything = await client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=400,
+                                                    response_format={"type": "json_object"})
+    assert anything.choices[0].finish_reason == "stop", anything.choices[0].message.content
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
     gateway.assert_freed()
