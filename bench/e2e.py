@@ -7,7 +7,9 @@ against peers on the same model and the same token-exact prompts, all in one run
 
 Engines: `l4m` (the full stack, started here like `l4m up` with its own state directory and ports; each
 stream is one launch of bench/controllers/completion.py through `l4m.client`), `l4m-stepwise` (the same,
-one executor round trip per token: no continuation) and the engines of
+one executor round trip per token: no continuation), `l4m-gateway` (the same workload as streamed OpenAI
+`/v1/completions` requests through the stack's gateway, the official `openai` package as the client, with
+the `ignore_eos` and `return_token_ids` extensions; the ratio to `l4m` is reported) and the engines of
 bench/peers.py (`l4m-executor`, `hf-fp32`, `hf-bf16`, `llama-cpp-f32`, `llama-cpp-f16`), each run in a
 fresh process. An engine whose package is missing is skipped with a printed note.
 
@@ -56,14 +58,17 @@ COMPLETION_CONTROLLER = BENCH_DIR / "controllers" / "completion.py"
 # The full stack: controllers with the SDK's default (continuation: up to 9 tokens per round trip from the
 # executor), and with one round trip per token (max_continuation_steps=0, the controller's third argument).
 STACK_ENGINES = {"l4m": None, "l4m-stepwise": 0}
-ALL_ENGINES = (*STACK_ENGINES, *peers.ENGINES)
+# The same workload as OpenAI API requests through the stack's gateway (no sandbox: its built-in handler).
+GATEWAY_ENGINE = "l4m-gateway"
+ALL_ENGINES = (*STACK_ENGINES, GATEWAY_ENGINE, *peers.ENGINES)
 STACK_SAMPLE_PERIOD_S = 0.25  # enumerating the stack's processes costs CPU the stack is measured on
 LIMITS = spawner_pb2.Limits(wall_time_ms=900_000, cpu_time_ms=600_000)
-ROLES = ("executor", "scheduler", "spawner", "controller")
+ROLES = ("executor", "scheduler", "spawner", "gateway", "controller")
 
 
 def stack_config(args: argparse.Namespace) -> ClusterConfig:
-    return ClusterConfig(state_dir=Path(args.state_dir), spawner_port=args.spawner_port, gateway_port=-1,
+    gateway_port = args.gateway_port if GATEWAY_ENGINE in args.engines.split(",") else -1
+    return ClusterConfig(state_dir=Path(args.state_dir), spawner_port=args.spawner_port, gateway_port=gateway_port,
                          scheduler_port=args.scheduler_port, metrics_port_base=args.metrics_port_base,
                          batching=args.batching, warm_pool_size=args.warm_pool_size,
                          session_transport=args.session_transport, executor_transport=args.executor_transport,
@@ -257,6 +262,40 @@ async def run_stack(client: Client, program: str, config: ClusterConfig, prompts
     return timeline, extra
 
 
+async def gateway_stream(client: object, model: str, prompt: list[int], new_tokens: int,
+                         origin_s: float) -> tuple[list[int], list[float]]:
+    """One streamed /v1/completions request: its token ids and when each chunk carrying them arrived."""
+    stream = await client.completions.create(  # type: ignore[attr-defined]
+        model=model, prompt=prompt, max_tokens=new_tokens, temperature=0, stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True})
+    token_ids: list[int] = []
+    times_s: list[float] = []
+    async for chunk in stream:
+        for choice in chunk.choices:
+            ids = (choice.model_extra or {}).get("token_ids") or []
+            token_ids.extend(ids)
+            times_s.extend([time.time() - origin_s] * len(ids))
+    return token_ids, times_s
+
+
+async def run_gateway(config: ClusterConfig, prompts: list[list[int]], new_tokens: int) -> tuple[Timeline, dict]:
+    """N concurrent OpenAI completion requests through the gateway (the official `openai` package)."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{config.gateway_url}/v1", api_key=config.admin_key() or "none",
+                                max_retries=0, timeout=3600)
+    model = (await client.models.list()).data[0].id
+    await gateway_stream(client, model, prompts[0][:16], 1, time.time())  # its tokenizer cached, imports done
+    own_cpu_before_s = sum(os.times()[:2])
+    with StackSampler() as sampler:
+        origin_s = time.time()
+        streams = await asyncio.gather(*(gateway_stream(client, model, p, new_tokens, origin_s) for p in prompts))
+    await client.close()
+    cpu_s_by_role = {**sampler.cpu_s_by_role(), "bench": round(sum(os.times()[:2]) - own_cpu_before_s, 2)}
+    timeline = Timeline(GATEWAY_ENGINE, [s[0] for s in streams], [s[1] for s in streams], sampler.peak_rss_bytes)
+    return timeline, {"cpu_s_by_role": cpu_s_by_role, "peak_rss_mib_by_role": sampler.peak_rss_mib_by_role}
+
+
 def run_peer(engine: str, num_streams: int, args: argparse.Namespace) -> Timeline | None:
     """bench/peers.py in a fresh process (its RSS and threads its own); None when the engine is missing."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
@@ -321,7 +360,7 @@ async def sweep(args: argparse.Namespace) -> dict[str, object]:
     engines = args.engines.split(",")
     sizes = [int(n) for n in args.n.split(",")]
     config = stack_config(args)
-    has_stack = any(engine in STACK_ENGINES for engine in engines)
+    has_stack = any(engine in STACK_ENGINES or engine == GATEWAY_ENGINE for engine in engines)
     cluster = Cluster(config, say=lambda line: print(line, flush=True)) if has_stack else None
     results: dict[str, object] = {"rows": [], "token_checks": {}, "ratios": {}}
     try:
@@ -342,6 +381,8 @@ async def sweep(args: argparse.Namespace) -> dict[str, object]:
                         print(f"[e2e] N={num_streams} {engine} run {repeat + 1}/{args.repeats} ...", flush=True)
                         if engine in STACK_ENGINES:
                             run = await run_stack(client, program, config, prompts, args.new_tokens, engine)
+                        elif engine == GATEWAY_ENGINE:
+                            run = await run_gateway(config, prompts, args.new_tokens)
                         else:
                             run = run_peer(engine, num_streams, args), None
                         if run[0] is None:  # a peer that is not installed here
@@ -359,10 +400,13 @@ async def sweep(args: argparse.Namespace) -> dict[str, object]:
                            "tok_s_runs": [round(summarize(run[0])["tok_s"], 1) for run in engine_runs]}
                     results["rows"].append(row)
                 results["token_checks"][num_streams] = compare_tokens(timelines)
-                for engine in STACK_ENGINES:
+                for engine in (*STACK_ENGINES, GATEWAY_ENGINE):
                     if engine in timelines and "l4m-executor" in timelines:
                         ratio = summarize(timelines[engine])["tok_s"] / summarize(timelines["l4m-executor"])["tok_s"]
                         results["ratios"].setdefault(engine, {})[num_streams] = ratio
+                if GATEWAY_ENGINE in timelines and "l4m" in timelines:  # issue #22: within 5 % of `l4m run`
+                    ratio = summarize(timelines[GATEWAY_ENGINE])["tok_s"] / summarize(timelines["l4m"])["tok_s"]
+                    results["ratios"].setdefault("l4m-gateway/l4m", {})[num_streams] = ratio
     finally:
         if cluster is not None:
             await cluster.stop()
@@ -381,7 +425,8 @@ def print_table(results: dict[str, object]) -> None:
             print(f"{r['engine']} N={r['n']}: tok/s of every run {r['tok_s_runs']}")
     for engine, ratios in results["ratios"].items():
         for n, ratio in ratios.items():
-            print(f"{engine} (full stack) / executor alone at N={n}: {100 * ratio:.0f} %")
+            what = engine if "/" in engine else f"{engine} (full stack) / executor alone"
+            print(f"{what} at N={n}: {100 * ratio:.0f} %")
     for r in results["rows"]:
         if r["engine"] in STACK_ENGINES:
             print(f"{r['engine']} N={r['n']}: TTFT from controller start p50 {r['ttft_controller_p50_ms']:.0f} ms; "
@@ -427,6 +472,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--state-dir", default="/tmp/l4m-e2e", help="the benchmark cluster's state directory")
     parser.add_argument("--spawner-port", type=int, default=7510)
     parser.add_argument("--scheduler-port", type=int, default=7511)
+    parser.add_argument("--gateway-port", type=int, default=7512, help="the gateway's, when l4m-gateway runs")
     parser.add_argument("--metrics-port-base", type=int, default=9510)
     parser.add_argument("--peer-timeout-s", type=float, default=1800.0)
     parser.add_argument("--batching", default="adaptive", help="the l4m scheduler's forward-batch strategy")

@@ -24,7 +24,7 @@ from l4m.wire.rules import MAX_SEED
 # Choice j of a seeded request samples with seed + j * SEED_STRIDE (its steps add 0, 1, 2, ...).
 SEED_STRIDE = 1 << 32
 
-OnDelta = Callable[[int, str], None]  # (choice index, text it adds)
+OnDelta = Callable[[int, str, list[int]], None]  # (choice index, text it adds, the tokens that made it)
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class GenerationParams:
     seed: int | None = None
     # The output's JSON schema (`response_format`): True for any JSON object, None for free text.
     json_schema: dict | bool | None = None
+    ignore_eos: bool = False  # only max_tokens and stop strings end a choice
 
     def constraint(self, model: Model) -> Constraint | None:
         """A fresh constraint for one choice (it tracks that choice's tokens); raises ConstraintError for a
@@ -59,7 +60,7 @@ class GenerationParams:
 class Choice:
     index: int
     text: str
-    num_tokens: int
+    token_ids: list[int]
     finish_reason: str
 
 
@@ -73,7 +74,8 @@ async def complete(model: Model, prompt_ids: Sequence[int], params: GenerationPa
                    first_index: int = 0) -> list[Choice]:
     """`params.n` completions of `prompt_ids`, indexed from `first_index`; `on_delta` gets their text as
     it is generated (a stop string is never streamed)."""
-    stop = on_tokens(model.stop_token_ids) | max_tokens(params.max_tokens)
+    stop = max_tokens(params.max_tokens) if params.ignore_eos else on_tokens(model.stop_token_ids) | max_tokens(
+        params.max_tokens)
     if params.stop_strings:
         stop = stop | on_strings(*params.stop_strings)
     async with model.new_context() as root:
@@ -97,8 +99,13 @@ async def _choice(context, index: int, sampler: Sampler, stop, constraint: Const
     if on_delta is None:
         completion = await generation
     else:
+        pending: list[int] = []  # tokens whose text is held back (a possible stop string, a split character)
         async for token in generation:
+            pending.append(token.token_id)
             if token.text:
-                on_delta(index, token.text)
+                on_delta(index, token.text, pending)
+                pending = []
+        if pending:
+            on_delta(index, "", pending)
         completion = generation.completion
-    return Choice(index, completion.text, len(completion.token_ids), finish_reason(completion.stop))
+    return Choice(index, completion.text, completion.token_ids, finish_reason(completion.stop))

@@ -41,6 +41,11 @@ class _Sampling(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # Extensions (vLLM's names; `extra_body` in the openai package): generate past the model's stop
+    # tokens (benchmarks decode a fixed count), and return each choice's token ids (`token_ids` on a
+    # choice, and on each streamed chunk the ids of the text it adds).
+    ignore_eos: bool = False
+    return_token_ids: bool = False
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

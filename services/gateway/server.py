@@ -216,7 +216,7 @@ async def _run(backend: Backend, user: User, body: ChatCompletionRequest | Compl
         if isinstance(error, Exception):
             raise _as_gateway_error(error) from error
         raise
-    answer = _Answer(kind, body.model, len(prompts) * body.n)
+    answer = _Answer(kind, body.model, len(prompts) * body.n, body.return_token_ids)
     if not body.stream:
         async with stack:
             try:
@@ -242,7 +242,8 @@ def _params(body: ChatCompletionRequest | CompletionRequest, model: Model, promp
     temperature = 1.0 if body.temperature is None else body.temperature
     return GenerationParams(n=body.n, max_tokens=max_new or min(room, config.max_tokens_default),
                             stop_strings=tuple(stops), temperature=temperature,
-                            top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed)
+                            top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
+                            ignore_eos=body.ignore_eos)
 
 
 async def _complete_all(model: Model, prompts: Sequence[list[int]], params: GenerationParams, on_delta) -> list[Choice]:  # type: ignore[no-untyped-def]
@@ -253,7 +254,7 @@ async def _complete_all(model: Model, prompts: Sequence[list[int]], params: Gene
 
 def _usage(prompts: Sequence[list[int]], n: int, choices: Sequence[Choice]) -> Usage:
     prompt_tokens = sum(len(p) for p in prompts)
-    completion_tokens = sum(c.num_tokens for c in choices)
+    completion_tokens = sum(len(c.token_ids) for c in choices)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                  total_tokens=prompt_tokens + completion_tokens)
 
@@ -261,8 +262,9 @@ def _usage(prompts: Sequence[list[int]], n: int, choices: Sequence[Choice]) -> U
 class _Answer:
     """Shapes a chat or text completion, whole or as chunks."""
 
-    def __init__(self, kind: str, model: str, num_choices: int) -> None:
+    def __init__(self, kind: str, model: str, num_choices: int, with_token_ids: bool = False) -> None:
         self.kind, self.model, self.num_choices = kind, model, num_choices
+        self.with_token_ids = with_token_ids
         prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -279,18 +281,23 @@ class _Answer:
         else:
             shaped = [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
                       for c in choices]
+        if self.with_token_ids:
+            for shape, choice in zip(shaped, choices, strict=True):
+                shape["token_ids"] = choice.token_ids
         return {**self._envelope(self.kind, shaped), "usage": usage.model_dump()}
 
     def chunk(self, index: int, text: str | None = None, finish_reason: str | None = None,
-              role: bool = False) -> dict[str, Any]:
+              role: bool = False, token_ids: list[int] | None = None) -> dict[str, Any]:
         if self.is_chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
             choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return self._envelope("text_completion", [choice])
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        if self.with_token_ids and token_ids is not None:
+            choice["token_ids"] = token_ids
+        return self._envelope("chat.completion.chunk" if self.is_chat else "text_completion", [choice])
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.is_chat else "text_completion"
@@ -304,12 +311,13 @@ def _event(payload: dict[str, Any]) -> str:
 async def _stream(stack: contextlib.AsyncExitStack, model: Model, prompts: list[list[int]], params: GenerationParams,
                   answer: _Answer, n: int, include_usage: bool) -> AsyncIterator[str]:
     """The chunks as the choices generate; the session (in `stack`) ends when the stream does, however."""
-    queue: asyncio.Queue[tuple[int, str] | None] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, str, list[int]] | None] = asyncio.Queue()
     outcome: list[Any] = []
 
     async def run() -> None:
         try:
-            outcome.append(await _complete_all(model, prompts, params, lambda i, text: queue.put_nowait((i, text))))
+            outcome.append(await _complete_all(model, prompts, params,
+                                               lambda i, text, ids: queue.put_nowait((i, text, ids))))
         except Exception as error:  # reported in the stream, which has already said 200
             outcome.append(error)
         queue.put_nowait(None)
@@ -320,7 +328,7 @@ async def _stream(stack: contextlib.AsyncExitStack, model: Model, prompts: list[
             for index in range(answer.num_choices):
                 yield _event(answer.chunk(index, "", role=True))
         while (item := await queue.get()) is not None:
-            yield _event(answer.chunk(item[0], item[1]))
+            yield _event(answer.chunk(item[0], item[1], token_ids=item[2]))
         result = outcome[0]
         if isinstance(result, Exception):
             error = _as_gateway_error(result)

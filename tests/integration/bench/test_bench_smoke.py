@@ -27,12 +27,16 @@ def cluster_flags(tmp_path: Path) -> list[str]:
 @pytest.mark.slow
 def test_e2e_full_stack_and_executor_alone(tmp_path: Path) -> None:
     out = tmp_path / "e2e.json"
-    done = run_bench("e2e.py", "--n", "2", "--new-tokens", "4", "--engines", "l4m,l4m-stepwise,l4m-executor",
-                     "--out", str(out), *cluster_flags(tmp_path))
+    done = run_bench("e2e.py", "--n", "2", "--new-tokens", "4", "--engines",
+                     "l4m,l4m-stepwise,l4m-gateway,l4m-executor", "--out", str(out), *cluster_flags(tmp_path),
+                     "--gateway-port", str(free_ports(1)[0]))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())
     rows = {row["engine"]: row for row in results["rows"]}
-    assert set(rows) == {"l4m", "l4m-stepwise", "l4m-executor"}
+    assert set(rows) == {"l4m", "l4m-stepwise", "l4m-gateway", "l4m-executor"}
+    # The OpenAI requests through the gateway decode the same tokens, and the ratio to `l4m run` is there.
+    assert results["token_checks"]["2"]["l4m-gateway"]["num_streams_identical"] == 2
+    assert results["ratios"]["l4m-gateway/l4m"]["2"] > 0 and "gateway" in rows["l4m-gateway"]["cpu_s_by_role"]
     for row in rows.values():
         assert row["n"] == 2 and row["generated_tokens"] == 8
         assert row["tok_s"] > 0 and row["peak_rss_mib"] > 0

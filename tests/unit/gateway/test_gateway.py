@@ -257,3 +257,25 @@ async def test_response_format_json_schema_and_json_object_are_followed(gateway:
     assert anything.choices[0].finish_reason == "stop", anything.choices[0].message.content
     assert isinstance(json.loads(anything.choices[0].message.content), dict)
     gateway.assert_freed()
+
+
+async def test_token_ids_and_ignore_eos_extensions(tmp_path: Path) -> None:
+    """`return_token_ids` (whole and per chunk) gives the SDK's greedy ids; `ignore_eos` decodes the full
+    max_tokens where the model would have stopped (a fake whose stop token wins early)."""
+    gateway = Gateway(tmp_path)
+    gateway.fake.stop_bias = 6.0  # the stop token (2) comes after a few tokens
+    client = gateway.client()
+    extra = {"return_token_ids": True}
+    whole = await client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=40, temperature=0,
+                                            extra_body=extra)
+    ids = whole.choices[0].model_extra["token_ids"]
+    assert whole.choices[0].finish_reason == "stop" and ids[-1] == 2 and len(ids) < 40
+    stream = await client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=40, temperature=0, stream=True,
+                                             extra_body=extra)
+    streamed = [i async for chunk in stream for c in chunk.choices for i in (c.model_extra or {}).get("token_ids", [])]
+    assert streamed == ids
+    full = await client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=40, temperature=0,
+                                           extra_body={**extra, "ignore_eos": True})
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 40
+    assert full.choices[0].model_extra["token_ids"][: len(ids)] == ids
+    gateway.assert_freed()
