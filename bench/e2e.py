@@ -67,7 +67,9 @@ ROLES = ("executor", "scheduler", "spawner", "gateway", "controller")
 
 
 def stack_config(args: argparse.Namespace) -> ClusterConfig:
-    gateway_port = args.gateway_port if GATEWAY_ENGINE in args.engines.split(",") else -1
+    # Only e2e.py's own `--engines` may ask for a gateway (bench/agentic.py shares this config).
+    wants_gateway = GATEWAY_ENGINE in getattr(args, "engines", "").split(",")
+    gateway_port = args.gateway_port if wants_gateway else -1
     return ClusterConfig(state_dir=Path(args.state_dir), spawner_port=args.spawner_port, gateway_port=gateway_port,
                          scheduler_port=args.scheduler_port, metrics_port_base=args.metrics_port_base,
                          batching=args.batching, warm_pool_size=args.warm_pool_size,

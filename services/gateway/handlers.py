@@ -24,7 +24,8 @@ from l4m.wire.rules import MAX_SEED
 # Choice j of a seeded request samples with seed + j * SEED_STRIDE (its steps add 0, 1, 2, ...).
 SEED_STRIDE = 1 << 32
 
-OnDelta = Callable[[int, str, list[int]], None]  # (choice index, text it adds, the tokens that made it)
+# (choice index, text it adds, the tokens that made it, their logprobs)
+OnDelta = Callable[[int, str, list[int], list[float]], None]
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class Choice:
     text: str
     token_ids: list[int]
     finish_reason: str
+    logprobs: list[float]  # of each token in `token_ids` (natural log)
 
 
 def finish_reason(stop: Stop | None) -> str:
@@ -100,12 +102,14 @@ async def _choice(context, index: int, sampler: Sampler, stop, constraint: Const
         completion = await generation
     else:
         pending: list[int] = []  # tokens whose text is held back (a possible stop string, a split character)
+        pending_logprobs: list[float] = []
         async for token in generation:
             pending.append(token.token_id)
+            pending_logprobs.append(token.logprob)
             if token.text:
-                on_delta(index, token.text, pending)
-                pending = []
+                on_delta(index, token.text, pending, pending_logprobs)
+                pending, pending_logprobs = [], []
         if pending:
-            on_delta(index, "", pending)
+            on_delta(index, "", pending, pending_logprobs)
         completion = generation.completion
-    return Choice(index, completion.text, completion.token_ids, finish_reason(completion.stop))
+    return Choice(index, completion.text, completion.token_ids, finish_reason(completion.stop), completion.logprobs)

@@ -1,7 +1,8 @@
 """The request and response shapes of the OpenAI API the gateway speaks (pydantic), and its error shape.
 
 Requests are strict: a field the gateway does not know is a 400 naming it, and a known option it does
-not implement yet (logprobs, penalties, logit_bias, response_format other than text, tools, echo, ...)
+not implement yet (top_logprobs, penalties, logit_bias, response formats other than text/JSON, tools, echo,
+...)
 is a 400 naming the option when it asks for anything but the default (`unsupported_options`): never
 silently ignored.
 """
@@ -46,6 +47,11 @@ class _Sampling(BaseModel):
     # choice, and on each streamed chunk the ids of the text it adds).
     ignore_eos: bool = False
     return_token_ids: bool = False
+
+    def wants_logprobs(self) -> bool:
+        """The sampled tokens' logprobs: chat `logprobs: true`, a completion's `logprobs: 0`."""
+        return self.logprobs is True or (self.logprobs == 0 and self.logprobs is not False
+                                          and isinstance(self, CompletionRequest))
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -123,8 +129,12 @@ class CompletionRequest(_Sampling):
 def unsupported_options(request: _Sampling) -> list[str]:
     """The options `request` sets to something the gateway does not implement yet, by name."""
     named = []
-    if request.logprobs not in (None, False, 0):
-        named.append("logprobs")
+    # The sampled token's logprob comes with every token; alternatives (top_logprobs, a completion's
+    # `logprobs` N > 0) need a distribution beside the sample, not implemented yet.
+    if isinstance(request, CompletionRequest) and request.logprobs not in (None, 0, False):
+        named.append("logprobs (alternatives: only logprobs=0)")
+    if isinstance(request, ChatCompletionRequest) and request.logprobs not in (None, True, False):
+        named.append(f"logprobs {request.logprobs!r}")
     if request.top_logprobs:
         named.append("top_logprobs")
     if request.presence_penalty:

@@ -38,6 +38,7 @@ from l4m.gateway.schemas import (
     unsupported_options,
 )
 from l4m.model import Model
+from l4m.tokenizer import Tokenizer
 from l4m.v1 import l4m_pb2
 
 # Traps a request can meet, as OpenAI statuses: quotas are 429, a lost or busy executor 503.
@@ -216,7 +217,8 @@ async def _run(backend: Backend, user: User, body: ChatCompletionRequest | Compl
         if isinstance(error, Exception):
             raise _as_gateway_error(error) from error
         raise
-    answer = _Answer(kind, body.model, len(prompts) * body.n, body.return_token_ids)
+    answer = _Answer(kind, body.model, len(prompts) * body.n, body.return_token_ids,
+                     model.tokenizer if body.wants_logprobs() else None)
     if not body.stream:
         async with stack:
             try:
@@ -262,13 +264,26 @@ def _usage(prompts: Sequence[list[int]], n: int, choices: Sequence[Choice]) -> U
 class _Answer:
     """Shapes a chat or text completion, whole or as chunks."""
 
-    def __init__(self, kind: str, model: str, num_choices: int, with_token_ids: bool = False) -> None:
+    def __init__(self, kind: str, model: str, num_choices: int, with_token_ids: bool = False,
+                 tokenizer: Tokenizer | None = None) -> None:
         self.kind, self.model, self.num_choices = kind, model, num_choices
         self.with_token_ids = with_token_ids
+        self.tokenizer = tokenizer  # set when the request asked for logprobs
         prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.is_chat = kind == "chat.completion"
+
+    def logprobs(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> dict[str, Any] | None:
+        """OpenAI's logprobs object of these tokens (no alternatives), or None when not asked for."""
+        if self.tokenizer is None:
+            return None
+        texts = [self.tokenizer.token_to_str(t) for t in token_ids]
+        if self.is_chat:
+            return {"content": [{"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
+                                for text, lp in zip(texts, logprobs, strict=True)], "refusal": None}
+        offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+        return {"tokens": texts, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
@@ -277,24 +292,27 @@ class _Answer:
     def whole(self, choices: Sequence[Choice], usage: Usage) -> dict[str, Any]:
         if self.is_chat:
             shaped = [{"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                       "logprobs": None, "finish_reason": c.finish_reason} for c in choices]
-        else:
-            shaped = [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+                       "logprobs": self.logprobs(c.token_ids, c.logprobs), "finish_reason": c.finish_reason}
                       for c in choices]
+        else:
+            shaped = [{"index": c.index, "text": c.text, "logprobs": self.logprobs(c.token_ids, c.logprobs),
+                       "finish_reason": c.finish_reason} for c in choices]
         if self.with_token_ids:
             for shape, choice in zip(shaped, choices, strict=True):
                 shape["token_ids"] = choice.token_ids
         return {**self._envelope(self.kind, shaped), "usage": usage.model_dump()}
 
     def chunk(self, index: int, text: str | None = None, finish_reason: str | None = None,
-              role: bool = False, token_ids: list[int] | None = None) -> dict[str, Any]:
+              role: bool = False, token_ids: list[int] | None = None,
+              logprobs: list[float] | None = None) -> dict[str, Any]:
+        shaped_logprobs = self.logprobs(token_ids, logprobs) if token_ids and logprobs is not None else None
         if self.is_chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": shaped_logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": shaped_logprobs, "finish_reason": finish_reason}
         if self.with_token_ids and token_ids is not None:
             choice["token_ids"] = token_ids
         return self._envelope("chat.completion.chunk" if self.is_chat else "text_completion", [choice])
@@ -311,13 +329,13 @@ def _event(payload: dict[str, Any]) -> str:
 async def _stream(stack: contextlib.AsyncExitStack, model: Model, prompts: list[list[int]], params: GenerationParams,
                   answer: _Answer, n: int, include_usage: bool) -> AsyncIterator[str]:
     """The chunks as the choices generate; the session (in `stack`) ends when the stream does, however."""
-    queue: asyncio.Queue[tuple[int, str, list[int]] | None] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, str, list[int], list[float]] | None] = asyncio.Queue()
     outcome: list[Any] = []
 
     async def run() -> None:
         try:
             outcome.append(await _complete_all(model, prompts, params,
-                                               lambda i, text, ids: queue.put_nowait((i, text, ids))))
+                                               lambda i, text, ids, lps: queue.put_nowait((i, text, ids, lps))))
         except Exception as error:  # reported in the stream, which has already said 200
             outcome.append(error)
         queue.put_nowait(None)
@@ -328,7 +346,7 @@ async def _stream(stack: contextlib.AsyncExitStack, model: Model, prompts: list[
             for index in range(answer.num_choices):
                 yield _event(answer.chunk(index, "", role=True))
         while (item := await queue.get()) is not None:
-            yield _event(answer.chunk(item[0], item[1], token_ids=item[2]))
+            yield _event(answer.chunk(item[0], item[1], token_ids=item[2], logprobs=item[3]))
         result = outcome[0]
         if isinstance(result, Exception):
             error = _as_gateway_error(result)

@@ -57,9 +57,9 @@ def test_n_choices_and_text_completions(client) -> None:  # type: ignore[no-unty
 def test_errors_are_openais(client, l4m_up: UpCluster) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
-    with pytest.raises(openai.BadRequestError, match="logprobs is not supported"):
+    with pytest.raises(openai.BadRequestError, match="top_logprobs is not supported"):
         client.chat.completions.create(model=_model(client), messages=[{"role": "user", "content": "hi"}],
-                                       logprobs=True)
+                                       logprobs=True, top_logprobs=3)
     stranger = openai.OpenAI(base_url=l4m_up.gateway_url, api_key="l4m_unknown", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         stranger.models.list()

@@ -146,7 +146,8 @@ async def test_text_completions_of_several_prompts_stop_strings_and_lengths(gate
         ({"model": MODEL, "messages": []}, 400, "messages"),
         ({"model": MODEL, "messages": MESSAGES, "temperature": 3}, 400, "temperature"),
         ({"model": MODEL, "messages": MESSAGES, "n": 9}, 400, "n: at most 8 choices"),
-        ({"model": MODEL, "messages": MESSAGES, "logprobs": True}, 400, "logprobs is not supported"),
+        ({"model": MODEL, "messages": MESSAGES, "logprobs": True, "top_logprobs": 2}, 400,
+         "top_logprobs is not supported"),
         ({"model": MODEL, "messages": MESSAGES, "frequency_penalty": 0.5}, 400, "frequency_penalty is not supported"),
         ({"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
          "tools is not supported"),
@@ -278,4 +279,33 @@ async def test_token_ids_and_ignore_eos_extensions(tmp_path: Path) -> None:
                                            extra_body={**extra, "ignore_eos": True})
     assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 40
     assert full.choices[0].model_extra["token_ids"][: len(ids)] == ids
+    gateway.assert_freed()
+
+
+async def test_logprobs_are_the_sampled_tokens_own(gateway: Gateway) -> None:
+    """`logprobs: true` gives each generated token's logprob (the SDK's), whole and over the stream's chunks;
+    a completion's `logprobs: 0` the same in its own shape."""
+    client = gateway.client()
+    session = Session(gateway.fake.stub(), blocking_get_info=gateway.fake.get_info_blocking)
+    model = Model(session, gateway.fake.info())
+    async with model.new_context() as context:
+        context.fill_chat(MESSAGES)
+        reference = await context.generate(Greedy(), stop=on_tokens(model.stop_token_ids) | max_tokens(10))
+    await session.close()
+    answer = await client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=10,
+                                                  logprobs=True)
+    entries = answer.choices[0].logprobs.content
+    assert [e.logprob for e in entries] == pytest.approx(reference.logprobs)
+    assert all(e.top_logprobs == [] and e.bytes == list(e.token.encode()) for e in entries)
+    stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=10,
+                                                  logprobs=True, stream=True)
+    streamed = [e.logprob async for c in stream if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert streamed == pytest.approx(reference.logprobs)
+    text = await client.completions.create(model=MODEL, prompt="Once upon", temperature=0, max_tokens=5, logprobs=0)
+    shaped = text.choices[0].logprobs
+    assert len(shaped.token_logprobs) == len(shaped.tokens) == text.usage.completion_tokens
+    assert shaped.text_offset[0] == 0 and all(lp <= 0 for lp in shaped.token_logprobs)
+    refused = await gateway.raw("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 3})
+    assert refused.status_code == 400 and "only logprobs=0" in refused.json()["error"]["message"]
     gateway.assert_freed()
