@@ -95,6 +95,12 @@ async def test_the_commands_of_one_message_run_in_order_and_each_is_answered(har
         rq.forward_text([0], 2, [20], [1], outputs=[0], request_id=4, stream_id=0),  # stream 0's next step
     ))
     await _settle()
+    # The adaptive batcher may hold a batch for a timer of a few ms: on a busy machine 30 loop turns are
+    # not always enough, so wait (bounded) for the four replies.
+    for _ in range(200):
+        if len(transport.responses()) >= 4:
+            break
+        await asyncio.sleep(0.01)
     assert transport.statuses() == [(grpc.StatusCode.OK, "")]  # the opening's answer; the session is open
     replies = transport.responses()
     assert [r.request_id for r in replies if r.stream_id == 0] == [1, 4]  # a stream's replies in order
