@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The executor's checks and measurements on a machine with an NVIDIA GPU, as one script.
 #
-#   scripts/gpu-check.sh kernels   # the Triton decode kernels against the torch reference on cuda:0
-#   scripts/gpu-check.sh all       # + the engine tests on cuda:0 and bench/executor.py (steps, continuation)
+#   scripts/gpu-check.sh kernels   # the Triton decode kernels against the torch reference on cuda:0, and timed alone
+#   scripts/gpu-check.sh all       # + the engine tests on cuda:0, bench/executor.py (steps, continuation), the stack
 #   scripts/gpu-check.sh setup     # only install the wheels and l4m, and gather the model pieces
 #   scripts/gpu-check.sh attention # bench/executor.py: blocked, split and auto decode attention, 100 and 1000 prompt tokens
 #   scripts/gpu-check.sh stack     # bench/scheduler.py: SDK sessions -> scheduler -> the executor on cuda:0
@@ -73,7 +73,9 @@ export L4M_TEST_DEVICE=cuda:0 TQDM_DISABLE=1
 tests=(tests/unit/executor/test_decode_graphs.py)
 if [ "$what" = kernels ]; then
   "$python" -m pytest -q -p no:cacheprovider -k "kernels or test_buckets or auto_attention" "${tests[@]}" 2>&1 | tee "$out/kernels.log"
-  exit "${PIPESTATUS[0]}"
+  status=${PIPESTATUS[0]}
+  "$python" bench/decode_attention.py --device cuda:0 --out "$out/decode-attention.json" 2>&1 | tee "$out/decode-attention.log"
+  exit "$status"
 fi
 bench() { "$python" bench/executor.py --device cuda:0 --new-tokens 128 "$@"; }
 if [ "$what" = stack ]; then
@@ -93,14 +95,13 @@ if [ "$what" = attention ]; then
   exit 0
 fi
 tests+=(tests/unit/executor/test_forward.py tests/unit/executor/test_paths.py tests/unit/executor/test_errors.py
-        tests/unit/executor/test_samplers.py tests/unit/executor/test_loading.py)
+        tests/unit/executor/test_samplers.py tests/unit/executor/test_loading.py tests/unit/executor/test_architectures.py)
 "$python" -m pytest -q -p no:cacheprovider "${tests[@]}" 2>&1 | tail -40 | tee "$out/tests.log"
-bench --prompt-tokens 100 --batches 1,16,64 --engines l4m-fp32,l4m-bf16,l4m-fp32-eager,l4m-bf16-eager,hf-fp32,hf-bf16 \
+# Decode attention is `auto` (the split kernel up to batch 64 for this model): steps against HF, then
+# continuation (all steps on the device), then the scheduler in front of the executor.
+bench --prompt-tokens 100 --batches 1,16,64 --engines l4m-fp32,l4m-bf16,hf-fp32,hf-bf16 \
   --out "$out/executor-steps.json" 2>&1 | tee "$out/executor-steps.log"
-bench --prompt-tokens 100 --batches 1,16,64 --engines l4m-fp32,l4m-bf16,l4m-bf16-eager --decode continuation --new-tokens 66 --repeats 2 \
-  --out "$out/executor-continuation.json" 2>&1 | tee "$out/executor-continuation.log"
-# The split (flash-decoding) attention against the blocked one above: decode steps and continuation.
-bench --prompt-tokens 100 --batches 1,16,64 --engines l4m-fp32,l4m-bf16 --decode-attention split \
-  --out "$out/executor-steps-split.json" 2>&1 | tee "$out/executor-steps-split.log"
 bench --prompt-tokens 100 --batches 1,16,64 --engines l4m-fp32,l4m-bf16 --decode continuation --new-tokens 66 --repeats 2 \
-  --decode-attention split --out "$out/executor-continuation-split.json" 2>&1 | tee "$out/executor-continuation-split.log"
+  --out "$out/executor-continuation.json" 2>&1 | tee "$out/executor-continuation.log"
+"$python" bench/scheduler.py --grpc --framed --sdk --executor-device cuda:0 --strategies adaptive \
+  --sizes 1,16,64 --duration-s 3 2>&1 | tee "$out/scheduler-stack.log"

@@ -12,11 +12,16 @@ import triton.language as tl
 
 @triton.jit
 def _attend_block(q, kv_ptr, table_ptr, page_vis_ptr, row_vis_ptr, b, kvh, ctx_len, first_page, m, total, acc,
-                  NUM_PAGES: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
-                  BLOCK_PAGES: tl.constexpr):
-    """Online-softmax update of query rows `q` [R, D] (scaled) of item b with the BLOCK_PAGES pages from
+                  scale, NUM_PAGES: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
+                  BLOCK_PAGES: tl.constexpr, DOT: tl.constexpr):
+    """Online-softmax update of query rows `q` [R, D] of item b with the BLOCK_PAGES pages from
     `first_page` of its table: a slot counts when before ctx_len, visible in its page and in the item's
-    row. Returns the new (running max [R], sum [R], weighted values [R, D])."""
+    row. Returns the new (running max [R], sum [R], weighted values [R, D]).
+
+    DOT 0: `q` is float32, already scaled, and the products are broadcast multiplies and sums. DOT 1 and 2
+    (R, D and the block's slots all >= 16): `q` is unscaled and both products are `tl.dot`s, p·v in IEEE
+    float32, q·kᵀ with float32 sums: on float32 operands (1) or on the cache's dtype (2: exact products,
+    so the same numbers, on tensor cores for bf16/fp16; Triton's interpreter cannot run it)."""
     dims = tl.arange(0, D)
     cols = tl.arange(0, BLOCK_PAGES * S)  # slot of the block
     col_slot = cols % S
@@ -26,15 +31,23 @@ def _attend_block(q, kv_ptr, table_ptr, page_vis_ptr, row_vis_ptr, b, kvh, ctx_l
     seen &= tl.load(page_vis_ptr + page * S + col_slot, mask=seen, other=0) != 0
     seen &= tl.load(row_vis_ptr + b * NUM_PAGES * S + slot, mask=seen, other=0) != 0
     k_rows = kv_ptr + ((page * 2 * S + col_slot) * KVH + kvh)[:, None] * D + dims[None, :]  # [pages, 2, S, KVH, D]
-    k = tl.load(k_rows, mask=seen[:, None], other=0.0).to(tl.float32)
+    k = tl.load(k_rows, mask=seen[:, None], other=0.0)
     v = tl.load(k_rows + S * KVH * D, mask=seen[:, None], other=0.0).to(tl.float32)
-    scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [R, BLOCK_PAGES * S]
+    if DOT == 2:
+        scores = tl.dot(q, tl.trans(k)) * scale  # [R, BLOCK_PAGES * S], float32 sums
+    elif DOT == 1:
+        scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+    else:
+        scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [R, BLOCK_PAGES * S]
     scores = tl.where(seen[None, :], scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, axis=1))
     p = tl.exp(scores - m_new[:, None])
     alpha = tl.exp(m - m_new)
     total = total * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    if DOT > 0:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
     return m_new, total, acc
 
 
@@ -97,21 +110,27 @@ def rope_write_kv_kernel(
 def _attend_group(q_ptr, kv_ptr, table_ptr, ctx_ptr, page_vis_ptr, row_vis_ptr, scale, b, kvh, first_page,
                   NUM_BLOCKS: tl.constexpr, NUM_PAGES: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr,
                   D: tl.constexpr, S: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                  BLOCK_PAGES: tl.constexpr):
+                  BLOCK_PAGES: tl.constexpr, DOT: tl.constexpr):
     """The G query heads of item b that share key head kvh (rows past G are padding), over NUM_BLOCKS
     blocks of BLOCK_PAGES pages from `first_page`, each page read once for all of them. Returns the
     online softmax's (running max [BLOCK_G], sum [BLOCK_G], weighted values [BLOCK_G, D])."""
     heads = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, D)
     q = tl.load(q_ptr + (b * H + kvh * G + heads)[:, None] * D + dims[None, :], mask=(heads < G)[:, None], other=0.0)
-    q = q.to(tl.float32) * scale
+    if DOT == 2:
+        q = q.to(kv_ptr.dtype.element_ty)  # the cache's dtype (q is stored in it): exact
+    elif DOT == 1:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(tl.float32) * scale
     ctx_len = tl.load(ctx_ptr + b)
     m = tl.full([BLOCK_G], -1.0e30, tl.float32)
     total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     for i in range(0, NUM_BLOCKS):
         m, total, acc = _attend_block(q, kv_ptr, table_ptr, page_vis_ptr, row_vis_ptr, b, kvh, ctx_len,
-                                      first_page + i * BLOCK_PAGES, m, total, acc, NUM_PAGES, KVH, D, S, BLOCK_PAGES)
+                                      first_page + i * BLOCK_PAGES, m, total, acc, scale, NUM_PAGES, KVH, D, S,
+                                      BLOCK_PAGES, DOT)
     return m, total, acc
 
 
@@ -119,13 +138,13 @@ def _attend_group(q_ptr, kv_ptr, table_ptr, ctx_ptr, page_vis_ptr, row_vis_ptr, 
 def decode_attention_kernel(
     q_ptr, kv_ptr, table_ptr, ctx_ptr, page_vis_ptr, row_vis_ptr, out_ptr, scale,
     NUM_PAGES: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
-    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_PAGES: tl.constexpr,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_PAGES: tl.constexpr, DOT: tl.constexpr,
 ):
     # program (b, kvh): the G query heads sharing key head kvh, over all the item's pages.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     m, total, acc = _attend_group(q_ptr, kv_ptr, table_ptr, ctx_ptr, page_vis_ptr, row_vis_ptr, scale, b, kvh, 0,
-                                  NUM_PAGES // BLOCK_PAGES, NUM_PAGES, H, KVH, D, S, G, BLOCK_G, BLOCK_PAGES)
+                                  NUM_PAGES // BLOCK_PAGES, NUM_PAGES, H, KVH, D, S, G, BLOCK_G, BLOCK_PAGES, DOT)
     heads = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, D)
     result = tl.where(total[:, None] > 0, acc / tl.maximum(total, 1e-30)[:, None], 0.0)
@@ -137,7 +156,7 @@ def decode_attention_kernel(
 def decode_attention_split_kernel(
     q_ptr, kv_ptr, table_ptr, ctx_ptr, page_vis_ptr, row_vis_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, scale,
     NUM_PAGES: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
-    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_PAGES: tl.constexpr, SPLITS: tl.constexpr,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_PAGES: tl.constexpr, SPLITS: tl.constexpr, DOT: tl.constexpr,
 ):
     # program (b, kvh, split): as decode_attention_kernel over the split's NUM_PAGES // SPLITS pages;
     # writes each head's running max, sum and weighted values for `decode_attention_combine_kernel`.
@@ -147,7 +166,7 @@ def decode_attention_split_kernel(
     PER_SPLIT: tl.constexpr = NUM_PAGES // SPLITS
     m, total, acc = _attend_group(q_ptr, kv_ptr, table_ptr, ctx_ptr, page_vis_ptr, row_vis_ptr, scale, b, kvh,
                                   split * PER_SPLIT, PER_SPLIT // BLOCK_PAGES, NUM_PAGES, H, KVH, D, S, G, BLOCK_G,
-                                  BLOCK_PAGES)
+                                  BLOCK_PAGES, DOT)
     heads = tl.arange(0, BLOCK_G)
     head_ok = heads < G
     dims = tl.arange(0, D)

@@ -119,6 +119,20 @@ DECODE_BLOCK_SLOTS = 64
 # 2-7x with 1000, and level at 64 items.
 DECODE_ATTENTION = "auto"
 SPLIT_TARGET_PROGRAMS = 264  # about two per multiprocessor of an H100 / H200
+# How the attention multiplies: "dot" (`tl.dot`, the query heads of a group padded to 16 rows; tensor
+# cores for q·kᵀ in bf16/fp16) wherever a block has 16 slots or more and head_dim >= 16, "broadcast"
+# (multiplies and sums on [heads, slots, head_dim]) otherwise or everywhere.
+DECODE_SCORES = "dot"
+DOT_MIN = 16  # tl.dot's smallest M, N and K
+
+
+def _dot_shape(group: int, block_slots: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(the attention kernels' DOT: 0 broadcast, 1 tl.dot on float32, 2 q·kᵀ on the cache's dtype; the
+    rows of a query group's block)."""
+    if DECODE_SCORES != "dot" or block_slots < DOT_MIN or head_dim < DOT_MIN:
+        return 0, _next_pow2(group)
+    # Triton's interpreter (the CPU tests) computes bf16 dots wrongly: float32 operands there.
+    return 2 if dtype != torch.float32 and not interpreting() else 1, max(DOT_MIN, _next_pow2(group))
 
 
 def _next_pow2(n: int) -> int:
@@ -169,10 +183,12 @@ class TritonOps:
         num_kv_heads, page_size = kv.shape[-2], kv.shape[2]
         group = num_heads // num_kv_heads
         num_pages = page_table.shape[1]  # a power of two (a page bucket), as is page_size
+        block_pages = max(1, min(num_pages, DECODE_BLOCK_SLOTS // page_size))
+        dot, block_g = _dot_shape(group, block_pages * page_size, head_dim, kv.dtype)
         kernel[(batch, num_kv_heads)](
             q, kv, page_table, ctx_len, page_visible, row_visible, out, 1.0 / math.sqrt(head_dim),
-            NUM_PAGES=num_pages, BLOCK_PAGES=max(1, min(num_pages, DECODE_BLOCK_SLOTS // page_size)),
-            H=num_heads, KVH=num_kv_heads, D=head_dim, S=page_size, G=group, BLOCK_G=_next_pow2(group),
+            NUM_PAGES=num_pages, BLOCK_PAGES=block_pages,
+            H=num_heads, KVH=num_kv_heads, D=head_dim, S=page_size, G=group, BLOCK_G=block_g, DOT=dot,
         )
 
     @staticmethod
@@ -184,13 +200,14 @@ class TritonOps:
         group = num_heads // num_kv_heads
         splits = split_count(batch, num_kv_heads, num_pages)
         block_pages = max(1, min(num_pages // splits, DECODE_BLOCK_SLOTS // page_size))
+        dot, block_g = _dot_shape(group, block_pages * page_size, head_dim, kv.dtype)
         part_m = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         split_kernel[(batch, num_kv_heads, splits)](
             q, kv, page_table, ctx_len, page_visible, row_visible, part_m, part_l, part_acc,
             1.0 / math.sqrt(head_dim), NUM_PAGES=num_pages, H=num_heads, KVH=num_kv_heads, D=head_dim,
-            S=page_size, G=group, BLOCK_G=_next_pow2(group), BLOCK_PAGES=block_pages, SPLITS=splits,
+            S=page_size, G=group, BLOCK_G=block_g, BLOCK_PAGES=block_pages, SPLITS=splits, DOT=dot,
         )
         combine_kernel[(batch, num_heads)](part_m, part_l, part_acc, out, H=num_heads, D=head_dim, SPLITS=splits)
 

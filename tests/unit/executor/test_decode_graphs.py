@@ -93,9 +93,12 @@ def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("attention", ["blocked", "split", "split once"])
 @pytest.mark.parametrize("block_slots", [4, 64], ids=["a page per iteration", "every page at once"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernels_match_the_torch_reference(triton_ops, dtype, block_slots, attention, monkeypatch) -> None:
+@pytest.mark.parametrize("scores", ["dot", "broadcast"])
+def test_kernels_match_the_torch_reference(triton_ops, scores, dtype, block_slots, attention, monkeypatch) -> None:
     """Every kernel; the attention in both variants ("split": 4 splits of one page here, "split once":
-    one split walking every page)."""
+    one split walking every page), its products as tl.dot (where a block has 16 slots: every page at
+    once, blocked or split once) or as broadcast sums."""
+    monkeypatch.setattr(decode_ops, "DECODE_SCORES", scores)
     monkeypatch.setattr(decode_ops, "DECODE_BLOCK_SLOTS", block_slots)
     monkeypatch.setattr(decode_ops, "DECODE_ATTENTION", attention.split()[0])
     if attention == "split once":
