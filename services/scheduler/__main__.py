@@ -52,6 +52,9 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, in
     parser.add_argument("--max-continuation-steps", type=int, default=MAX_CONTINUATION_STEPS,
                         help="decode steps one forward_text may ask the executor to run on its own "
                         f"(0..{MAX_CONTINUATION_STEPS}; 0 turns continuation off)")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=0,
+                        help="a forward_text with more tokens runs as chunks of at most this many, each batched "
+                        "beside other streams' decode steps (0: half the executors' max_batch_tokens, at most 2048)")
     parser.add_argument("--max-export-pages-per-user", type=int, default=None,
                         help="distinct KV pages one user's persistent exports may hold together; one more traps the "
                         "export RESOURCE_EXHAUSTED (default: half of the smallest executor's pages; 0: unlimited)")
@@ -68,6 +71,8 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, in
         parser.error(f"--max-continuation-steps must be in 0..{MAX_CONTINUATION_STEPS}")
     if args.registry_listen and not args.cluster_secret_file:
         parser.error("--registry-listen needs --cluster-secret-file: the registry never runs unauthenticated")
+    if args.prefill_chunk_tokens < 0:
+        parser.error("--prefill-chunk-tokens must be 0 (the default) or more")
     if args.max_instances < 1:
         parser.error("--max-instances must be at least 1")
     if args.max_export_pages_per_user is not None and args.max_export_pages_per_user < 0:
@@ -85,7 +90,7 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, in
         max_embed_slots_per_instance=args.slot_budget, allow_anonymous=args.allow_anonymous,
         max_continuation_steps=args.max_continuation_steps, registry_listen=args.registry_listen,
         cluster_secret=secret, tls=tls, executor_tls_ca=args.executor_tls_ca, max_instances=args.max_instances,
-        max_export_pages_per_user=args.max_export_pages_per_user,
+        max_export_pages_per_user=args.max_export_pages_per_user, prefill_chunk_tokens=args.prefill_chunk_tokens,
     )
     return config, args.metrics_port
 

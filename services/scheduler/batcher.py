@@ -2,7 +2,9 @@
 
 Vertical batching: a stream's consecutive commands of one kind move together into that kind's batch
 queue (one queue per executor and kind). While any of them is still queued the stream does not move
-on, so a stream's commands reach its executor in the order it sent them, across kinds.
+on, so a stream's commands reach its executor in the order it sent them, across kinds. A chunk of a
+long forward_text (prefill.py) ends its group: the next chunk moves once this one was fired, so each
+chunk joins a batch of its own beside other streams' work.
 Horizontal batching: a queue's strategy decides when and how many items (from any instances) fire
 as one batch. HIGH streams' items fire before NORMAL, NORMAL before LOW.
 
@@ -60,7 +62,7 @@ class Command:
     costs a batch: tokens, distribution entries, and request and reply bytes at their worst case."""
 
     __slots__ = ("stream", "request_id", "kind", "item", "arrived_at", "num_tokens", "num_entries",
-                 "request_bytes", "reply_bytes", "has_reply", "span")
+                 "request_bytes", "reply_bytes", "has_reply", "span", "chunk")
 
     def __init__(self, stream: Stream, request_id: int, kind: str, item: Any, arrived_at: float, num_tokens: int, *,
                  is_executor_kind: bool) -> None:
@@ -77,6 +79,9 @@ class Command:
             self.num_entries = self.reply_bytes = self.request_bytes = 0
         self.has_reply = False
         self.span: Any = None
+        # A chunk of a long forward_text (prefill.py): it moves into its batch queue alone, so that the
+        # stream's next chunk joins a later batch, and nothing of the stream overtakes it.
+        self.chunk: Any = None
 
 
 class Stream:
@@ -417,8 +422,11 @@ class Batcher:
                 continue
             kind, level, num_moved = command.kind, stream.level, 0
             while pending and pending[0].kind == kind:
-                queue.push(pending.popleft(), level)
+                moved = pending.popleft()
+                queue.push(moved, level)
                 num_moved += 1
+                if moved.chunk is not None:  # its next chunk waits until this one was fired
+                    break
             stream.num_queued = num_moved
             return
 

@@ -45,6 +45,10 @@ class SchedulerConfig:
     # Continuation steps one forward_text may ask for (0 turns continuation off): each step makes the
     # batch carrying it, and so every instance in that batch, wait one more decode step for its reply.
     max_continuation_steps: int = MAX_CONTINUATION_STEPS
+    # Tokens one chunk of a long forward_text carries at most (prefill.py): a forward_text with more runs
+    # as consecutive chunks, each batched beside other streams' decode steps. 0: half the executors'
+    # max_batch_tokens, at most 2048; never more than max_batch_tokens.
+    prefill_chunk_tokens: int = 0
     max_export_name_bytes: int = 256
     # Distinct KV pages one user's persistent exports may hold together (they outlive the user's
     # instances, so nothing else bounds them); past it export_kv_pages traps RESOURCE_EXHAUSTED.

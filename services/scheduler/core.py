@@ -5,9 +5,10 @@ it on its stream; the batcher moves it into its executor's batch queue when it r
 stream; when the queue fires, `_fire` makes room (an allocate batch evicts before it is built), translates
 virtual ids to physical ones *in send order* (translate.py; so the tables always describe exactly what
 the executor has been told), sends one `ExecuteRequest`, and the reply, if the batch has one, is
-dispatched back to the commands by position. Scheduler-local commands (exports.py, local.py) run when
-they reach the head of their stream, after everything the stream sent before them was sent; they return
-a `LocalOutcome` (outbound.py) that the core acts on.
+dispatched back to the commands by position. A forward_text longer than the chunk budget queues as
+consecutive chunks and is answered once, when its last chunk is (prefill.py). Scheduler-local commands
+(exports.py, local.py) run when they reach the head of their stream, after everything the stream sent
+before them was sent; they return a `LocalOutcome` (outbound.py) that the core acts on.
 
 Freeing: a deallocate returns physical ids to the pool when it is sent; any later allocate that
 reuses them is sent after it, and the executor runs batches in order. A trapped or closed instance
@@ -58,6 +59,7 @@ from l4m.scheduler.kinds import KINDS
 from l4m.scheduler.metrics import SchedulerMetrics
 from l4m.scheduler.models import ServedModel, UnknownModel
 from l4m.scheduler.outbound import LocalOutcome
+from l4m.scheduler.prefill import Chunk, ChunkedPrefill, chunk_budget
 from l4m.scheduler.quotas import UserQuotas, spend_tokens
 from l4m.scheduler.tracing import SchedulerTracer
 from l4m.scheduler.translate import claim_allocation
@@ -301,8 +303,23 @@ class Scheduler:
                  "l4m.kv_pages": kind.num_kv_pages(item),
                  "l4m.instance.kv_pages_held": len(instance.table.kv_pages)},
             )
-        self.batcher.submit(command)
+        chunked = kind.split(item, limits) if kind.split is not None else None
+        if chunked is None:
+            self.batcher.submit(command)
+        else:
+            self._submit_chunks(command, chunked)
         self._schedule_step()
+
+    def _submit_chunks(self, command: Command, prefill: ChunkedPrefill) -> None:
+        """A forward_text too long for one batch queues as its chunks, in order (prefill.py). Each links
+        the command's span to its batch; the last chunk's answer ends it and answers the command."""
+        kind = KINDS[command.kind]
+        for index, item in enumerate(prefill.items):
+            chunk = Command(command.stream, command.request_id, command.kind, item, command.arrived_at,
+                            kind.num_tokens(item), is_executor_kind=True)
+            chunk.chunk = Chunk(prefill, index)
+            chunk.span = command.span
+            self.batcher.submit(chunk)
 
     def _schedule_step(self) -> None:
         if not self._step_scheduled and self._loop is not None:
@@ -540,8 +557,12 @@ class Scheduler:
         if spec.is_replied:
             has_reply = spec.has_reply
             for command in commands:
-                command.has_reply = has_reply(command.item)
-                if command.has_reply and not is_resend:
+                command.has_reply = counts = has_reply(command.item)
+                chunk = command.chunk
+                if chunk is not None:  # every chunk's answer is kept; the last one answers the command
+                    counts = chunk.is_last and chunk.prefill.has_outputs
+                    command.has_reply = counts or not chunk.is_last
+                if counts and not is_resend:
                     command.stream.num_replies_sent += 1
             executor.inflight[correlation_id] = InflightBatch(kind, commands, batch_span, self.clock(), seq, items)
             if spec.is_forward:
@@ -602,7 +623,10 @@ class Scheduler:
                 self._fail_batch(executor, batch, f"executor answered {len(results)} results for {len(commands)} items")
                 pairs = []
             for command, item_result in pairs:
-                self._reply(command, forward_text=item_result)
+                if command.chunk is None:
+                    self._reply(command, forward_text=item_result)
+                else:
+                    self._chunk_answered(command, item_result)
         elif result == "forward":
             for command in commands:
                 self._reply(command, forward=l4m_pb2.ForwardDone())
@@ -635,6 +659,15 @@ class Scheduler:
         waiters = stream.sync_waiters
         while waiters and waiters[0][0] <= stream.num_replies_done:
             self._resolve_sync(waiters.popleft()[1])
+
+    def _chunk_answered(self, command: Command, result: common_pb2.ForwardTextResult) -> None:
+        """A chunk of a long forward_text was answered: its outputs are kept; the last chunk answers the
+        command with all of them (a last chunk is answered only when the command has outputs)."""
+        chunk = cast(Chunk, command.chunk)
+        prefill = chunk.prefill
+        prefill.collect(chunk.index, result)
+        if chunk.is_last:
+            self._reply(command, forward_text=prefill.result())
 
     def _on_batch_error(self, executor: Executor, batch: InflightBatch, error: executor_pb2.BatchError) -> None:
         """The executor rejected a whole batch (it should not: we validate what it checks); a rejected
@@ -845,11 +878,13 @@ class Scheduler:
         max_pages = min(i.num_kv_pages for i in infos)
         max_slots = min(i.num_embed_slots for i in infos)
         config = self.config
+        max_batch_tokens = min(i.max_batch_tokens or (1 << 30) for i in infos)
         served.limits = ModelLimits(
             vocab_size=model.vocab_size,
             kv_page_size=infos[0].kv_page_size,
             max_context_tokens=model.max_context_tokens,
-            max_batch_tokens=min(i.max_batch_tokens or (1 << 30) for i in infos),
+            max_batch_tokens=max_batch_tokens,
+            prefill_chunk_tokens=chunk_budget(config.prefill_chunk_tokens, max_batch_tokens),
             max_kv_pages_per_instance=min(max_pages, config.max_kv_pages_per_instance or max_pages),
             max_embed_slots_per_instance=min(max_slots, config.max_embed_slots_per_instance or max_slots),
             capabilities=frozenset(model.capabilities),
@@ -886,6 +921,10 @@ class Scheduler:
             max_continuation_steps=limits.max_continuation_steps,
             max_distribution_entries_per_command=limits.max_distribution_entries_per_command,
             max_tokens_per_command=limits.max_batch_tokens,
+            max_batch_tokens=limits.max_batch_tokens,
+            prefill_chunk_tokens=limits.prefill_chunk_tokens,
+            max_tokens_per_forward_text=min(limits.max_context_tokens,
+                                            limits.max_kv_pages_per_instance * limits.kv_page_size),
             max_command_bytes=bounds.MAX_COMMAND_BYTES,
             max_response_bytes=bounds.MAX_RESPONSE_BYTES,
             max_mask_runs_per_command=limits.max_mask_runs_per_command,

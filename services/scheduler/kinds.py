@@ -3,7 +3,7 @@
 One `Kind` per field of `SessionRequest.command`, typed by its message: its shape check (validation.py),
 the capability and trust checks it needs, where it runs (translated and sent to an executor, or run here
 as a local command), whether its batches are answered, whether it is a forward pass, the tokens it feeds
-and the kv pages it names. This module and the functions it names are the only ones that read the
+and the kv pages it names, and the chunks a command too long for one batch runs as. This module and the functions it names are the only ones that read the
 commands' protobuf fields; the core looks a kind up here instead of testing its name.
 """
 
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from google.protobuf.message import Message
 
-from l4m.scheduler import exports, local, translate, validation
+from l4m.scheduler import exports, local, prefill, translate, validation
 from l4m.scheduler.errors import Unsupported
 from l4m.scheduler.validation import KV_PAGE, ModelLimits
 from l4m.v1 import common_pb2, l4m_pb2
@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # the handlers' argument types; those modules import this one
     from l4m.scheduler.instances import Instance
     from l4m.scheduler.local import SchedulerView
     from l4m.scheduler.outbound import LocalOutcome
+    from l4m.scheduler.prefill import ChunkedPrefill
     from l4m.scheduler.resources import ResourceTable
 
 M = TypeVar("M", bound=Message)
@@ -36,6 +37,8 @@ Check = Callable[[M, ModelLimits], None]
 Translate = Callable[[M, "ResourceTable", "Executor | None", ModelLimits], "M | None"]
 RunLocal = Callable[["SchedulerView", "Command", M], "LocalOutcome"]
 Permit = Callable[["Instance", M], None]
+# A command too long for one batch as consecutive chunks (prefill.py); None when it fits one.
+Split = Callable[[M, ModelLimits], "ChunkedPrefill | None"]
 
 
 def _zero(item: Message) -> int:
@@ -69,6 +72,7 @@ class Kind(Generic[M]):
     frees_when_translated: bool = False
     num_tokens: Callable[[M], int] = _zero  # tokens it feeds (charged to the budgets when sent)
     num_kv_pages: Callable[[M], int] = _zero  # kv pages it names (a span attribute)
+    split: Split[M] | None = None  # chunks it runs as when it is too long for one batch
 
     @property
     def is_executor_kind(self) -> bool:
@@ -87,6 +91,10 @@ def _forward_text_tokens(item: common_pb2.ForwardTextItem) -> int:
 
 def _forward_tokens(item: common_pb2.ForwardItem) -> int:
     return len(item.input_embed_slot_ids)
+
+
+def _split_forward_text(item: common_pb2.ForwardTextItem, limits: ModelLimits) -> ChunkedPrefill | None:
+    return prefill.split_forward_text(item, limits.kv_page_size, limits.prefill_chunk_tokens)
 
 
 def _has_outputs(item: common_pb2.ForwardTextItem) -> bool:
@@ -116,7 +124,8 @@ _KINDS: tuple[Kind[Any], ...] = (  # executor kinds first, in the order their ba
         has_reply=_always, num_tokens=_forward_tokens, num_kv_pages=_kv_page_list),
     Kind[common_pb2.ForwardTextItem](
         "forward_text", validation.check_forward_text, translate.translate_forward_text, is_forward=True,
-        is_replied=True, has_reply=_has_outputs, num_tokens=_forward_text_tokens, num_kv_pages=_kv_page_list),
+        is_replied=True, has_reply=_has_outputs, num_tokens=_forward_text_tokens, num_kv_pages=_kv_page_list,
+        split=_split_forward_text),
     Kind[common_pb2.SampleTopKItem](
         "sample_top_k", validation.check_sample_top_k, translate.translate_sample_top_k, is_replied=True,
         has_reply=_always),

@@ -49,6 +49,9 @@ class ModelLimits:
     max_reply_bytes: int = bounds.MAX_RESPONSE_BYTES - bounds.MESSAGE_MARGIN_BYTES
     # BRLE runs in all of one command's masks (each mask is also bounded by its length).
     max_mask_runs_per_command: int = bounds.DEFAULT_MAX_MASK_RUNS_PER_COMMAND
+    # A forward_text with more tokens runs as chunks of at most this many (prefill.py), so it may carry up
+    # to the context window; 0: never split, a forward_text is bounded by `max_batch_tokens` like a forward.
+    prefill_chunk_tokens: int = 0
 
 
 # `with _obeys():` a broken rule as an `InvalidCommand` trap (the hot path, forward_text, has its own try).
@@ -66,12 +69,18 @@ def check_forward_text(item: common_pb2.ForwardTextItem, limits: ModelLimits) ->
         token_ids = item.token_ids
         num_tokens = len(token_ids)
         vocab_size = limits.vocab_size
+        max_tokens: int | None = limits.max_batch_tokens
+        if limits.prefill_chunk_tokens:  # chunked: the context window bounds it, not one batch
+            if num_tokens > limits.max_context_tokens:
+                raise rules.RuleViolation(f"{num_tokens} token_ids exceed the context window, max_context_tokens "
+                                          f"{limits.max_context_tokens}")
+            max_tokens = None
         num_context = rules.check_forward_text(
             kv_page_ids=item.kv_page_ids, kv_last_page_length=item.kv_last_page_length, token_ids=token_ids,
             position_ids=item.position_ids, attention_masks=(), output_indices=item.output_indices,
             num_samplers=len(samplers), num_continuation_steps=num_steps, vocab_size=vocab_size,
             max_context=limits.max_context_tokens, page_size=limits.kv_page_size,
-            max_pages=limits.max_kv_pages_per_instance, max_batch_tokens=limits.max_batch_tokens)
+            max_pages=limits.max_kv_pages_per_instance, max_batch_tokens=max_tokens)
         # Every mask's runs counted against the per-command bound before any row is summed.
         masks = item.attention_masks
         num_runs = 0

@@ -53,6 +53,10 @@ class Model:
         # Per command: outputs x distribution_top_k (or a sample_top_k's k), and tokens fed (0: not told).
         self.max_distribution_entries_per_command = info.max_distribution_entries_per_command
         self.max_tokens_per_command = info.max_tokens_per_command
+        # Tokens one forward_text may carry (0: not told): a longer prompt than one batch is fine, the
+        # scheduler runs it as chunks of `prefill_chunk_tokens` (chunked prefill), so `Context` never splits.
+        self.max_tokens_per_forward_text = info.max_tokens_per_forward_text
+        self.prefill_chunk_tokens = info.prefill_chunk_tokens
         self.max_mask_runs_per_command = info.max_mask_runs_per_command
         self.kv_pages = IdPool(info.max_kv_pages_per_instance or 1 << 20)
         self.streams = IdPool(MAX_STREAMS)

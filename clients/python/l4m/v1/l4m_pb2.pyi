@@ -49,7 +49,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self, omit_tokenizer_json: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("protocol_version", "model", "kv_page_size", "max_kv_pages_per_instance", "max_embed_slots_per_instance", "num_free_kv_pages", "num_executors", "max_continuation_steps", "max_distribution_entries_per_command", "max_tokens_per_command", "max_command_bytes", "max_response_bytes", "max_mask_runs_per_command", "model_names")
+    __slots__ = ("protocol_version", "model", "kv_page_size", "max_kv_pages_per_instance", "max_embed_slots_per_instance", "num_free_kv_pages", "num_executors", "max_continuation_steps", "max_distribution_entries_per_command", "max_tokens_per_command", "max_command_bytes", "max_response_bytes", "max_mask_runs_per_command", "model_names", "max_batch_tokens", "prefill_chunk_tokens", "max_tokens_per_forward_text")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,9 @@ class GetInfoResponse(_message.Message):
     MAX_RESPONSE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_MASK_RUNS_PER_COMMAND_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_PER_FORWARD_TEXT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: str
     model: _common_pb2.ModelInfo
     kv_page_size: int
@@ -78,7 +81,10 @@ class GetInfoResponse(_message.Message):
     max_response_bytes: int
     max_mask_runs_per_command: int
     model_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, protocol_version: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., kv_page_size: _Optional[int] = ..., max_kv_pages_per_instance: _Optional[int] = ..., max_embed_slots_per_instance: _Optional[int] = ..., num_free_kv_pages: _Optional[int] = ..., num_executors: _Optional[int] = ..., max_continuation_steps: _Optional[int] = ..., max_distribution_entries_per_command: _Optional[int] = ..., max_tokens_per_command: _Optional[int] = ..., max_command_bytes: _Optional[int] = ..., max_response_bytes: _Optional[int] = ..., max_mask_runs_per_command: _Optional[int] = ..., model_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    max_batch_tokens: int
+    prefill_chunk_tokens: int
+    max_tokens_per_forward_text: int
+    def __init__(self, protocol_version: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., kv_page_size: _Optional[int] = ..., max_kv_pages_per_instance: _Optional[int] = ..., max_embed_slots_per_instance: _Optional[int] = ..., num_free_kv_pages: _Optional[int] = ..., num_executors: _Optional[int] = ..., max_continuation_steps: _Optional[int] = ..., max_distribution_entries_per_command: _Optional[int] = ..., max_tokens_per_command: _Optional[int] = ..., max_command_bytes: _Optional[int] = ..., max_response_bytes: _Optional[int] = ..., max_mask_runs_per_command: _Optional[int] = ..., model_names: _Optional[_Iterable[str]] = ..., max_batch_tokens: _Optional[int] = ..., prefill_chunk_tokens: _Optional[int] = ..., max_tokens_per_forward_text: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("stream_id", "request_id", "get_info", "allocate", "deallocate", "embed_text", "forward", "forward_text", "sample_top_k", "copy_kv_page", "mask_kv_page", "export_kv_pages", "unexport_kv_pages", "import_kv_pages", "list_exports", "synchronize", "set_stream_priority", "embed_image", "debug_query")

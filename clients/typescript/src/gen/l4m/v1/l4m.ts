@@ -234,8 +234,8 @@ export interface GetInfoResponse {
    */
   maxDistributionEntriesPerCommand: number;
   /**
-   * Most tokens one command may feed: a forward_text's `token_ids` (its output indices and samplers are
-   * at most as many), or a forward's inputs (the executors' largest batch).
+   * Most inputs one forward may feed (the executors' largest batch, `max_batch_tokens`). A forward_text
+   * may carry more: `max_tokens_per_forward_text`.
    */
   maxTokensPerCommand: number;
   /**
@@ -259,6 +259,21 @@ export interface GetInfoResponse {
    * default; an unknown name refuses the session with NOT_FOUND.
    */
   modelNames: string[];
+  /** New tokens one forward batch of this model's executors carries at most (the smallest executor's). */
+  maxBatchTokens: number;
+  /**
+   * A forward_text with more `token_ids` than this runs as consecutive chunks of at most this many
+   * tokens (chunked prefill): each chunk a forward pass over its slice of the tokens, batched beside
+   * other streams' decode steps, in order on the command's stream (nothing of the stream overtakes
+   * them). The command gets one reply, the same as one pass's, when its last chunk is done; its
+   * continuation steps run with the last chunk. At most `max_batch_tokens`.
+   */
+  prefillChunkTokens: number;
+  /**
+   * Most `token_ids` one forward_text may carry: the context window (`ModelInfo.max_context_tokens`),
+   * or what `max_kv_pages_per_instance` pages hold if that is less. More traps INVALID_COMMAND.
+   */
+  maxTokensPerForwardText: number;
 }
 
 /**
@@ -550,6 +565,9 @@ function createBaseGetInfoResponse(): GetInfoResponse {
     maxResponseBytes: 0,
     maxMaskRunsPerCommand: 0,
     modelNames: [],
+    maxBatchTokens: 0,
+    prefillChunkTokens: 0,
+    maxTokensPerForwardText: 0,
   };
 }
 
@@ -596,6 +614,15 @@ export const GetInfoResponse: MessageFns<GetInfoResponse> = {
     }
     for (const v of message.modelNames) {
       writer.uint32(114).string(v!);
+    }
+    if (message.maxBatchTokens !== 0) {
+      writer.uint32(120).uint32(message.maxBatchTokens);
+    }
+    if (message.prefillChunkTokens !== 0) {
+      writer.uint32(128).uint32(message.prefillChunkTokens);
+    }
+    if (message.maxTokensPerForwardText !== 0) {
+      writer.uint32(136).uint32(message.maxTokensPerForwardText);
     }
     return writer;
   },
@@ -725,6 +752,30 @@ export const GetInfoResponse: MessageFns<GetInfoResponse> = {
             message.modelNames.push(reader.string());
             continue;
           }
+          case 15: {
+            if (tag !== 120) {
+              break;
+            }
+
+            message.maxBatchTokens = reader.uint32();
+            continue;
+          }
+          case 16: {
+            if (tag !== 128) {
+              break;
+            }
+
+            message.prefillChunkTokens = reader.uint32();
+            continue;
+          }
+          case 17: {
+            if (tag !== 136) {
+              break;
+            }
+
+            message.maxTokensPerForwardText = reader.uint32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -805,6 +856,21 @@ export const GetInfoResponse: MessageFns<GetInfoResponse> = {
         : globalThis.Array.isArray(object?.model_names)
         ? object.model_names.map((e: any) => globalThis.String(e))
         : [],
+      maxBatchTokens: isSet(object.maxBatchTokens)
+        ? globalThis.Number(object.maxBatchTokens)
+        : isSet(object.max_batch_tokens)
+        ? globalThis.Number(object.max_batch_tokens)
+        : 0,
+      prefillChunkTokens: isSet(object.prefillChunkTokens)
+        ? globalThis.Number(object.prefillChunkTokens)
+        : isSet(object.prefill_chunk_tokens)
+        ? globalThis.Number(object.prefill_chunk_tokens)
+        : 0,
+      maxTokensPerForwardText: isSet(object.maxTokensPerForwardText)
+        ? globalThis.Number(object.maxTokensPerForwardText)
+        : isSet(object.max_tokens_per_forward_text)
+        ? globalThis.Number(object.max_tokens_per_forward_text)
+        : 0,
     };
   },
 
@@ -852,6 +918,15 @@ export const GetInfoResponse: MessageFns<GetInfoResponse> = {
     if (message.modelNames?.length) {
       obj.modelNames = message.modelNames;
     }
+    if (message.maxBatchTokens !== 0) {
+      obj.maxBatchTokens = Math.round(message.maxBatchTokens);
+    }
+    if (message.prefillChunkTokens !== 0) {
+      obj.prefillChunkTokens = Math.round(message.prefillChunkTokens);
+    }
+    if (message.maxTokensPerForwardText !== 0) {
+      obj.maxTokensPerForwardText = Math.round(message.maxTokensPerForwardText);
+    }
     return obj;
   },
 
@@ -876,6 +951,9 @@ export const GetInfoResponse: MessageFns<GetInfoResponse> = {
     message.maxResponseBytes = object.maxResponseBytes ?? 0;
     message.maxMaskRunsPerCommand = object.maxMaskRunsPerCommand ?? 0;
     message.modelNames = object.modelNames?.map((e) => e) || [];
+    message.maxBatchTokens = object.maxBatchTokens ?? 0;
+    message.prefillChunkTokens = object.prefillChunkTokens ?? 0;
+    message.maxTokensPerForwardText = object.maxTokensPerForwardText ?? 0;
     return message;
   },
 };
