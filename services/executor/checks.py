@@ -172,7 +172,8 @@ def check_sampler(spec: SamplerSpec, vocab_size: int, field: str) -> None:
         rules.check_sampler(
             spec.kind, distribution_top_k=spec.distribution_top_k, temperature=spec.temperature, top_k=spec.top_k,
             top_p=spec.top_p, min_p=spec.min_p, seed=spec.seed, vocabulary_mask=spec.vocab_mask or (),
-            vocab_size=vocab_size,
+            vocab_size=vocab_size, logit_bias_token_ids=spec.logit_bias_token_ids,
+            logit_bias_values=spec.logit_bias_values, top_logprobs=spec.top_logprobs,
         )
 
 

@@ -34,6 +34,9 @@ class SamplerSpec:
     `vocab_mask` is a BRLE over the vocabulary (first run = allowed); masked tokens get -inf before
     anything else, including the returned logprob (log-softmax at temperature 1).
     `top_k == 0`, `top_p` of 0 or >= 1 and `min_p == 0` switch that filter off.
+    `logit_bias_values[i]` is added to the logit of `logit_bias_token_ids[i]` before the mask (so every
+    probability and logprob returned is of the biased distribution); `top_logprobs` > 0 (GREEDY, SAMPLE)
+    returns that many most probable tokens of the step beside the sampled one.
     """
 
     kind: SamplerKind = SamplerKind.GREEDY
@@ -44,6 +47,9 @@ class SamplerSpec:
     seed: int | None = None
     distribution_top_k: int = 0
     vocab_mask: tuple[int, ...] | None = None
+    logit_bias_token_ids: tuple[int, ...] = ()
+    logit_bias_values: tuple[float, ...] = ()
+    top_logprobs: int = 0
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,9 @@ class Distribution:
 class SampledToken:
     token_id: int
     logprob: float
+    # The sampler's top_logprobs alternatives, most probable first (empty when it asked for none).
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 SamplerResult = Distribution | SampledToken

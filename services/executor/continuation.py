@@ -59,9 +59,12 @@ class Continuation:
 
     @property
     def greedy(self) -> bool:
-        """Every step samples greedily with no vocabulary mask (what the device loop runs)."""
+        """Every step samples greedily with no vocabulary mask, logit bias or top logprobs: what the device
+        loop runs (its step is a plain argmax and one logprob; anything else takes the host loop, whose
+        steps still run through the static decode step)."""
         (sampler,) = self.item.samplers
-        return sampler.kind is SamplerKind.GREEDY and not sampler.vocab_mask
+        return (sampler.kind is SamplerKind.GREEDY and not sampler.vocab_mask
+                and not sampler.logit_bias_token_ids and not sampler.top_logprobs)
 
     def stops(self, output: object) -> bool:
         return getattr(output, "token_id", None) in self.item.continuation_stop_token_ids

@@ -60,6 +60,9 @@ def sampler_from_pb(spec: common_pb2.SamplerSpec, index: int) -> c.SamplerSpec:
         seed=spec.seed if spec.HasField("seed") else None,
         distribution_top_k=spec.distribution_top_k,
         vocab_mask=mask or None,
+        logit_bias_token_ids=tuple(spec.logit_bias_token_ids),
+        logit_bias_values=tuple(spec.logit_bias_values),
+        top_logprobs=spec.top_logprobs,
     )
 
 
@@ -147,7 +150,8 @@ def output_to_pb(result: c.SamplerResult) -> common_pb2.OutputResult:
     if isinstance(result, c.Distribution):
         return common_pb2.OutputResult(distribution=distribution_to_pb(result))
     return common_pb2.OutputResult(
-        token=common_pb2.SampledToken(token_id=result.token_id, logprob=result.logprob)
+        token=common_pb2.SampledToken(token_id=result.token_id, logprob=result.logprob,
+                                      top_token_ids=result.top_token_ids, top_logprobs=result.top_logprobs)
     )
 
 

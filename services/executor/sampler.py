@@ -1,7 +1,7 @@
 """Samplers applied on the device to a batch of logits, vectorized across outputs.
 
-Order per output: vocabulary mask (-inf outside it) -> logprobs at temperature 1 (returned with each
-sampled token) -> the sampler: DISTRIBUTION (top-k ids + probabilities, sorted descending), GREEDY
+Order per output: logit bias (added, sparse) -> vocabulary mask (-inf outside it) -> logprobs at
+temperature 1 (returned with each sampled token, with its `top_logprobs` alternatives) -> the sampler: DISTRIBUTION (top-k ids + probabilities, sorted descending), GREEDY
 (argmax), SAMPLE (temperature, then top-k, top-p and min-p truncations, each renormalized, then a
 draw). A seeded output draws its noise from its own `torch.Generator`, so it is reproducible
 whatever else shares the batch. A SAMPLE temperature below `MIN_SAMPLE_TEMPERATURE` (the smallest
@@ -85,11 +85,40 @@ def _draw(logits: torch.Tensor, specs: Sequence[SamplerSpec]) -> torch.Tensor:
     return sorted_ids.gather(-1, choice)[:, 0]
 
 
+def add_logit_bias(logits: torch.Tensor, specs: Sequence[SamplerSpec]) -> torch.Tensor:
+    """`logits` `[M, V]` with each spec's logit bias added to its row (a new tensor when any has one):
+    one scatter-add over every row's entries together."""
+    biased = [i for i, s in enumerate(specs) if s.logit_bias_token_ids]
+    if not biased:
+        return logits
+    rows = [i for i in biased for _ in specs[i].logit_bias_token_ids]
+    cols = [t for i in biased for t in specs[i].logit_bias_token_ids]
+    values = [v for i in biased for v in specs[i].logit_bias_values]
+    device = logits.device
+    flat = torch.tensor(rows, device=device) * logits.shape[1] + torch.tensor(cols, device=device)
+    bias = torch.tensor(values, dtype=logits.dtype, device=device)
+    return logits.flatten().index_add(0, flat, bias).view_as(logits)  # ids are unique per row (rules)
+
+
+def _top_logprobs(logprobs: torch.Tensor, specs: Sequence[SamplerSpec], rows: Sequence[int]
+                  ) -> list[tuple[tuple[int, ...], tuple[float, ...]]]:
+    """Per row in `rows`, its spec's `top_logprobs` most probable (ids, logprobs), most probable first;
+    one topk for all of them at the largest k."""
+    max_k = max((specs[i].top_logprobs for i in rows), default=0)
+    if max_k == 0:
+        return [((), ())] * len(rows)
+    values, ids = logprobs[list(rows)].topk(max_k, dim=-1, sorted=True)
+    values, ids = values.cpu().tolist(), ids.cpu().tolist()
+    return [(tuple(ids[r][: specs[i].top_logprobs]), tuple(values[r][: specs[i].top_logprobs]))
+            for r, i in enumerate(rows)]
+
+
 def apply_samplers(
     logits: torch.Tensor, specs: Sequence[SamplerSpec], allowed: np.ndarray | None
 ) -> list[SamplerResult]:
     """One result per row of `logits` `[M, V]` (float32), in order."""
     device = logits.device
+    logits = add_logit_bias(logits, specs)
     if allowed is not None:
         logits = logits.masked_fill(~torch.from_numpy(allowed).to(device), -math.inf)
     logprobs = torch.log_softmax(logits, dim=-1)
@@ -118,6 +147,8 @@ def apply_samplers(
             )
             tokens[sample_rows] = drawn
         chosen = logprobs[token_rows].gather(-1, tokens[:, None])[:, 0]
-        for i, token, logprob in zip(token_rows, tokens.cpu().tolist(), chosen.cpu().tolist(), strict=True):
-            results[i] = SampledToken(token, logprob)
+        tops = _top_logprobs(logprobs, specs, token_rows)
+        for i, token, logprob, (top_ids, top_values) in zip(
+                token_rows, tokens.cpu().tolist(), chosen.cpu().tolist(), tops, strict=True):
+            results[i] = SampledToken(token, logprob, top_ids, top_values)
     return results  # type: ignore[return-value]

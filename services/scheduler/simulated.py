@@ -198,6 +198,8 @@ class SimulatedExecutor:
                     else:
                         output.token.token_id = token
                         output.token.logprob = -0.5
+                        output.token.top_token_ids.extend((token + i) % vocab_size for i in range(sampler.top_logprobs))
+                        output.token.top_logprobs.extend(-0.5 - i for i in range(sampler.top_logprobs))
                 # Continuation: the sampled token is fed back at the next position, as on the executor.
                 position = item.position_ids[-1] if item.position_ids else 0
                 stops = set(item.continuation_stop_token_ids)

@@ -96,7 +96,9 @@ def check_forward_text(item: common_pb2.ForwardTextItem, limits: ModelLimits) ->
             rules.check_sampler(
                 sampler.kind, distribution_top_k=sampler.distribution_top_k, temperature=sampler.temperature,
                 top_k=sampler.top_k, top_p=sampler.top_p, min_p=sampler.min_p, seed=None,
-                vocabulary_mask=sampler.vocabulary_mask.run_lengths, vocab_size=vocab_size)
+                vocabulary_mask=sampler.vocabulary_mask.run_lengths, vocab_size=vocab_size,
+                logit_bias_token_ids=sampler.logit_bias_token_ids, logit_bias_values=sampler.logit_bias_values,
+                top_logprobs=sampler.top_logprobs)
         sampler_index = -1
         if num_steps or item.continuation_stop_token_ids:
             rules.check_continuation(

@@ -51,10 +51,12 @@ GREEDY = Greedy()  # the default sampler
 
 @dataclass(frozen=True, slots=True)
 class SampledToken:
-    """A token the executor sampled, with its natural-log probability (temperature 1, after the mask)."""
+    """A token the executor sampled, with its natural-log probability (temperature 1, after the logit bias
+    and the mask), and the sampler's `top_logprobs` alternatives: (token id, logprob), most probable first."""
 
     token_id: int
     logprob: float
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,8 +211,7 @@ class Context:
         future = self._send_pending(len(self._pending), [len(self._pending) - 1], [sampler.to_pb(None, step_index)],
                                     num_continuation_steps, stop_token_ids)
         assert future is not None
-        sampled = [SampledToken(output.token.token_id, output.token.logprob)
-                   for output in (await future).forward_text.outputs]
+        sampled = [_sampled_token_from_pb(output.token) for output in (await future).forward_text.outputs]
         for token in sampled[:-1]:  # fed by the executor
             self._slot_token_ids.append(token.token_id)
             self._slot_positions.append(self._next_position)
@@ -358,12 +359,22 @@ class Context:
             child._wait_before_send = self._wait_before_send
         return child
 
-    async def export(self, name: str, persistent: bool = False, is_public: bool = False) -> None:
+    async def export(self, name: str, persistent: bool = False, is_public: bool = False,
+                     num_pages: int | None = None) -> None:
         """Publish this context's pages under `name` (copy-free). Another instance of the same user, or a
         later run with `persistent=True`, continues from here with `Context.import_(model, name)`;
         `is_public=True` lets every user's instances import it. The pages become read-only to every
-        holder (this context keeps writing into fresh pages of its own)."""
+        holder (this context keeps writing into fresh pages of its own).
+
+        `num_pages` publishes only the first `num_pages` pages, which must be full and written (after a
+        `flush`): the context's first `num_pages * kv_page_size` slots, as if it had stopped there (how a
+        prompt's prefix is shared while its context goes on)."""
         self._check_alive()
+        if num_pages is not None:
+            self.flush()
+            if not 0 < num_pages * self._page_size <= self.num_kv_slots:
+                raise ValueError(f"num_pages: {num_pages} full pages of {self._page_size} slots do not fit the "
+                                 f"context's {self.num_kv_slots} written slots")
         # A taken name traps the instance (protocol rule); asking first turns the common case into advice.
         if await self.model.has_export(name):
             raise L4MError(f"an export named {name!r} exists already: pick another name, continue from it "
@@ -371,29 +382,38 @@ class Context:
                            f"`model.unexport({name!r})`")
         await self._wait_dependencies()
         self.flush()
-        metadata = {
-            "version": EXPORT_METADATA_VERSION,
-            "kv_page_size": self._page_size,
-            "slot_token_ids": self._slot_token_ids,
-            "slot_positions": self._slot_positions,
-            "pending": self._pending,
-            "token_ids": self._token_ids,
-            "next_position": self._next_position,
-            "kv_last_page_length": self.kv_last_page_length,
-        }
+        if num_pages is None:
+            page_ids = self._page_ids
+            metadata = {
+                "version": EXPORT_METADATA_VERSION,
+                "kv_page_size": self._page_size,
+                "slot_token_ids": self._slot_token_ids,
+                "slot_positions": self._slot_positions,
+                "pending": self._pending,
+                "token_ids": self._token_ids,
+                "next_position": self._next_position,
+                "kv_last_page_length": self.kv_last_page_length,
+            }
+        else:
+            page_ids = self._page_ids[:num_pages]
+            metadata = _prefix_metadata(self._page_size, num_pages, self._slot_token_ids, self._slot_positions)
         command = l4m_pb2.ExportKvPagesCommand(
-            name=name, kv_page_ids=self._page_ids, persistent=persistent, metadata=json.dumps(metadata).encode(),
+            name=name, kv_page_ids=page_ids, persistent=persistent, metadata=json.dumps(metadata).encode(),
             is_public=is_public,
         )
         self._session.send("export_kv_pages", command, self.stream_id)
-        self.model.frozen_kv_pages.update(self._page_ids)
+        self.model.frozen_kv_pages.update(page_ids)
 
     @classmethod
-    async def import_(cls, model: Model, name: str) -> Context:
-        """A Context continuing from the export `name` (its pages shared read-only)."""
+    async def import_(cls, model: Model, name: str, num_pages: int | None = None) -> Context:
+        """A Context continuing from the export `name` (its pages shared read-only). `num_pages` keeps only
+        its first `num_pages` pages, which must be full: the context as it was after their last slot (the
+        export's slots in the order `fill` writes them, each at the next position; the rest released)."""
         exports = {e.name: e for e in await model.list_exports()}
         if name not in exports:
             raise L4MError(f"no export named {name!r} (exports: {sorted(exports) or 'none'}); export it first")
+        if num_pages is not None and not 0 < num_pages <= exports[name].num_kv_pages:
+            raise ValueError(f"num_pages: export {name!r} has {exports[name].num_kv_pages} pages, asked for {num_pages}")
         context = cls(model)
         page_ids = model.kv_pages.acquire(exports[name].num_kv_pages)
         command = l4m_pb2.ImportKvPagesCommand(name=name, kv_page_ids=page_ids)
@@ -407,6 +427,14 @@ class Context:
             model.release_kv_pages(page_ids, context.stream_id)
             raise L4MError(f"export {name!r} was not made by this SDK's Context.export (or with another page size)")
         model.frozen_kv_pages.update(page_ids)
+        if num_pages is not None and num_pages < len(page_ids):
+            if len(metadata["slot_token_ids"]) < num_pages * model.kv_page_size:
+                model.release_kv_pages(page_ids, context.stream_id)
+                raise L4MError(f"export {name!r}: its first {num_pages} pages are not full")
+            model.release_kv_pages(page_ids[num_pages:], context.stream_id)
+            page_ids = page_ids[:num_pages]
+            metadata = _prefix_metadata(model.kv_page_size, num_pages, metadata["slot_token_ids"],
+                                        metadata["slot_positions"])
         context._page_ids = page_ids
         context._slot_token_ids = list(metadata["slot_token_ids"])
         context._slot_positions = list(metadata["slot_positions"])
@@ -584,4 +612,27 @@ def _step_result_from_pb(result: common_pb2.OutputResult) -> StepResult:
     if result.WhichOneof("result") == "distribution":
         distribution = result.distribution
         return StepResult(distribution=Distribution(tuple(distribution.token_ids), tuple(distribution.probabilities)))
-    return StepResult(token=SampledToken(result.token.token_id, result.token.logprob))
+    return StepResult(token=_sampled_token_from_pb(result.token))
+
+
+def _sampled_token_from_pb(token: common_pb2.SampledToken) -> SampledToken:
+    if not token.top_token_ids:
+        return SampledToken(token.token_id, token.logprob)
+    top = tuple(zip(token.top_token_ids, token.top_logprobs, strict=True))
+    return SampledToken(token.token_id, token.logprob, top)
+
+
+def _prefix_metadata(page_size: int, num_pages: int, slot_token_ids: list[int], slot_positions: list[int]) -> dict:
+    """An export's metadata for a context's first `num_pages` full pages: the context as it was after
+    their last slot, nothing pending."""
+    num_slots = num_pages * page_size
+    return {
+        "version": EXPORT_METADATA_VERSION,
+        "kv_page_size": page_size,
+        "slot_token_ids": list(slot_token_ids[:num_slots]),
+        "slot_positions": list(slot_positions[:num_slots]),
+        "pending": [],
+        "token_ids": list(slot_token_ids[:num_slots]),
+        "next_position": int(slot_positions[num_slots - 1]) + 1,
+        "kv_last_page_length": page_size,
+    }

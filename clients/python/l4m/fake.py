@@ -336,7 +336,9 @@ class FakeCall:
                 rules.check_sampler(
                     spec.kind, distribution_top_k=spec.distribution_top_k, temperature=spec.temperature,
                     top_k=spec.top_k, top_p=spec.top_p, min_p=spec.min_p, seed=None,
-                    vocabulary_mask=spec.vocabulary_mask.run_lengths, vocab_size=backend.vocab_size)
+                    vocabulary_mask=spec.vocabulary_mask.run_lengths, vocab_size=backend.vocab_size,
+                    logit_bias_token_ids=spec.logit_bias_token_ids, logit_bias_values=spec.logit_bias_values,
+                    top_logprobs=spec.top_logprobs)
         if num_steps or item.continuation_stop_token_ids:
             with _obeys("forward_text"):
                 first = item.samplers[0] if item.samplers else None
@@ -400,6 +402,9 @@ class FakeCall:
             outputs.append(self._sample(backend.logits(self._visible(pages, slot + 1, None)), spec))
 
     def _sample(self, logits: np.ndarray, spec: common_pb2.SamplerSpec) -> common_pb2.OutputResult:
+        if spec.logit_bias_token_ids:  # added before anything else, as on the executor
+            logits = logits.astype(np.float64, copy=True)
+            logits[list(spec.logit_bias_token_ids)] += np.asarray(spec.logit_bias_values, dtype=np.float64)
         if spec.vocabulary_mask.run_lengths:  # its shape obeys the rules (checked when the command came)
             allowed = brle.decode(spec.vocabulary_mask.run_lengths)
             logits = np.where(allowed, logits, -np.inf)
@@ -414,7 +419,10 @@ class FakeCall:
             token = _draw(logits, spec)
         else:  # checked when the command came
             raise AssertionError(f"sampler kind {spec.kind}")
-        return common_pb2.OutputResult(token=common_pb2.SampledToken(token_id=token, logprob=float(logprobs[token])))
+        top = np.argsort(-logprobs, kind="stable")[: spec.top_logprobs]
+        return common_pb2.OutputResult(token=common_pb2.SampledToken(
+            token_id=token, logprob=float(logprobs[token]), top_token_ids=top.tolist(),
+            top_logprobs=logprobs[top].tolist()))
 
     def _do_mask_kv_page(self, item: common_pb2.MaskKvPageItem) -> None:
         with _obeys("mask_kv_page"):

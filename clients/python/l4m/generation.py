@@ -41,18 +41,23 @@ class Token:
     Immutable. When no stop condition needs the text, `text` is decoded on first access (a controller
     that only reads token ids never loads the tokenizer); its value is the same either way."""
 
-    __slots__ = ("token_id", "logprob", "forced", "_text", "_generation", "_index")
+    __slots__ = ("token_id", "logprob", "forced", "top_logprobs", "_text", "_generation", "_index")
 
-    def __init__(self, token_id: int, logprob: float, text: str, forced: bool = False) -> None:
+    def __init__(self, token_id: int, logprob: float, text: str, forced: bool = False,
+                 top_logprobs: tuple[tuple[int, float], ...] = ()) -> None:
         object.__setattr__(self, "token_id", token_id)
         object.__setattr__(self, "logprob", logprob)
         object.__setattr__(self, "forced", forced)  # fast-forwarded by a constraint, not sampled
+        # The sampler's `top_logprobs` alternatives of this step, (token id, logprob) most probable first;
+        # empty when it asked for none (and for a forced token).
+        object.__setattr__(self, "top_logprobs", top_logprobs)
         object.__setattr__(self, "_text", text)
         object.__setattr__(self, "_generation", None)
 
     @classmethod
-    def _lazy(cls, token_id: int, logprob: float, forced: bool, generation: Generation, index: int) -> Token:
-        token = cls(token_id, logprob, "", forced)
+    def _lazy(cls, token_id: int, logprob: float, forced: bool, generation: Generation, index: int,
+              top_logprobs: tuple[tuple[int, float], ...] = ()) -> Token:
+        token = cls(token_id, logprob, "", forced, top_logprobs)
         object.__setattr__(token, "_text", None)
         object.__setattr__(token, "_generation", generation)
         object.__setattr__(token, "_index", index)
@@ -68,8 +73,8 @@ class Token:
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"Token is immutable (cannot set {name!r})")
 
-    def _key(self) -> tuple[int, float, str, bool]:
-        return (self.token_id, self.logprob, self.text, self.forced)
+    def _key(self) -> tuple[int, float, str, bool, tuple[tuple[int, float], ...]]:
+        return (self.token_id, self.logprob, self.text, self.forced, self.top_logprobs)
 
     def __eq__(self, other: object) -> bool:
         return self._key() == other._key() if isinstance(other, Token) else NotImplemented
@@ -91,6 +96,9 @@ class Completion:
         self.token_ids: list[int] = [] if token_ids is None else token_ids
         self.logprobs: list[float] = [] if logprobs is None else logprobs
         self.stop = stop
+        # Per token, the sampler's top_logprobs alternatives ((token id, logprob), ...); filled only when
+        # the sampler asks for some (a forced token has none).
+        self.top_logprobs: list[tuple[tuple[int, float], ...]] = []
 
     @property
     def text(self) -> str:
@@ -111,8 +119,8 @@ class Completion:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Completion):
             return NotImplemented
-        return (self.text, self.token_ids, self.logprobs, self.stop) == (other.text, other.token_ids,
-                                                                          other.logprobs, other.stop)
+        return (self.text, self.token_ids, self.logprobs, self.stop, self.top_logprobs) == (
+            other.text, other.token_ids, other.logprobs, other.stop, other.top_logprobs)
 
     __hash__ = None  # mutable, as the dataclass it replaces
 
@@ -135,12 +143,15 @@ class Generation:
         self._stop = stop
         self._constraint = constraint
         # (most tokens the stop lets through or None, its stop token ids) when the executor may decode on
-        # by itself (`step_many`); None when every step must come back here.
+        # by itself (`step_many`); None when every step must come back here (a constraint's mask, or
+        # penalties: each step's bias depends on the tokens before it).
         self._continuation = (
             token_bounds(stop)
             if constraint is None and max_continuation_steps > 0 and isinstance(sampler, (Greedy, Sample))
+            and not sampler.has_penalties
             else None
         )
+        self._with_top_logprobs = bool(getattr(sampler, "top_logprobs", 0))
         self._max_continuation_steps = max_continuation_steps
         # How long the constraint's last mask took (None: none yet). A quick one is computed inline: handing
         # it to a thread and back costs more CPU than it does (bench/sdk.py, json-schema); a slow one goes to
@@ -184,7 +195,7 @@ class Generation:
                 tokens = await context.step_many(sampler, num_steps, self._continuation[1], step_index)  # type: ignore[index]
                 step_index += len(tokens)
                 for index, sampled in enumerate(tokens):
-                    yield self._accept(sampled.token_id, sampled.logprob)
+                    yield self._accept(sampled.token_id, sampled.logprob, top_logprobs=sampled.top_logprobs)
                     if self.completion.stop is not None:
                         # Only the last can stop (the executor stops on the stop tokens and the step
                         # count respects the length); a condition that stops earlier gets the rest back.
@@ -192,11 +203,12 @@ class Generation:
                         return
                 continue
             mask = await self._next_mask(constraint) if constraint is not None else None
-            token = (await context.step(sampler, mask, step_index)).token
+            step_sampler = sampler.penalized(self.completion.token_ids) if sampler.has_penalties else sampler
+            token = (await context.step(step_sampler, mask, step_index)).token
             step_index += 1
             token_id = token.token_id
             context.fill((token_id,))
-            yield self._accept(token_id, token.logprob)
+            yield self._accept(token_id, token.logprob, top_logprobs=token.top_logprobs)
 
     async def _next_mask(self, constraint: Constraint) -> list[int]:
         """The constraint's mask for the next step: inline when the last one was quick (under
@@ -221,21 +233,24 @@ class Generation:
             num_steps = min(num_steps, max_tokens - len(self.completion.token_ids) - 1)
         return max(num_steps, 0)
 
-    def _accept(self, token_id: int, logprob: float, forced: bool = False) -> Token:
+    def _accept(self, token_id: int, logprob: float, forced: bool = False,
+                top_logprobs: tuple[tuple[int, float], ...] = ()) -> Token:
         completion = self.completion
         completion.token_ids.append(token_id)
         completion.logprobs.append(logprob)
+        if self._with_top_logprobs:
+            completion.top_logprobs.append(top_logprobs)
         if self._is_text_lazy:
             stop = self._stop.check(completion.token_ids, "")
             stop = self._check_constraint(token_id, stop)
             if stop is not None:
                 completion.stop = stop
-            return Token._lazy(token_id, logprob, forced, self, len(completion.token_ids) - 1)
+            return Token._lazy(token_id, logprob, forced, self, len(completion.token_ids) - 1, top_logprobs)
         text = self._push_text(token_id)
         stop = self._check_constraint(token_id, self._stop.check(completion.token_ids, text))
         if stop is not None:
             completion.stop = stop
-        return Token(token_id, logprob, self._emit(text, stop), forced)
+        return Token(token_id, logprob, self._emit(text, stop), forced, top_logprobs)
 
     def _check_constraint(self, token_id: int, stop: Stop | None) -> Stop | None:
         if stop is None and self._constraint is not None:

@@ -34,7 +34,7 @@ class Brle(_message.Message):
     def __init__(self, run_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplerSpec(_message.Message):
-    __slots__ = ("kind", "distribution_top_k", "temperature", "top_k", "top_p", "min_p", "seed", "vocabulary_mask")
+    __slots__ = ("kind", "distribution_top_k", "temperature", "top_k", "top_p", "min_p", "seed", "vocabulary_mask", "logit_bias_token_ids", "logit_bias_values", "top_logprobs")
     KIND_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTION_TOP_K_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,9 @@ class SamplerSpec(_message.Message):
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     VOCABULARY_MASK_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     kind: SamplerKind
     distribution_top_k: int
     temperature: float
@@ -51,15 +54,22 @@ class SamplerSpec(_message.Message):
     min_p: float
     seed: int
     vocabulary_mask: Brle
-    def __init__(self, kind: _Optional[_Union[SamplerKind, str]] = ..., distribution_top_k: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., vocabulary_mask: _Optional[_Union[Brle, _Mapping]] = ...) -> None: ...
+    logit_bias_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logit_bias_values: _containers.RepeatedScalarFieldContainer[float]
+    top_logprobs: int
+    def __init__(self, kind: _Optional[_Union[SamplerKind, str]] = ..., distribution_top_k: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., vocabulary_mask: _Optional[_Union[Brle, _Mapping]] = ..., logit_bias_token_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class SampledToken(_message.Message):
-    __slots__ = ("token_id", "logprob")
+    __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Distribution(_message.Message):
     __slots__ = ("token_ids", "probabilities")

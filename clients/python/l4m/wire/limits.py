@@ -74,16 +74,20 @@ def max_brle_runs(num_values: int) -> int:
 def reply_cost(kind: str, item: object) -> tuple[int, int]:
     """What one command (or batch item) asks its reply to hold: (distribution entries, bytes at most).
 
-    Entries: outputs x distribution_top_k summed over a forward_text's DISTRIBUTION samplers, or a
+    Entries: outputs x distribution_top_k summed over a forward_text's DISTRIBUTION samplers plus each
+    other sampler's top_logprobs per token it returns (continuation steps included), or a
     sample_top_k's `k`; 0 for any other kind. Bytes: the item in a batch reply, or the reply in its
     SessionResponse, with every output at its longest and a token output per continuation step."""
     if kind == "forward_text":
         samplers = item.samplers  # type: ignore[attr-defined]
         num_entries = 0
+        num_steps = item.num_continuation_steps  # type: ignore[attr-defined]
         for sampler in samplers:
             if sampler.kind == _DISTRIBUTION:
                 num_entries += sampler.distribution_top_k
-        num_outputs = len(samplers) + item.num_continuation_steps  # type: ignore[attr-defined]
+            else:  # top_logprobs alternatives beside each token: its own and one per continuation step
+                num_entries += getattr(sampler, "top_logprobs", 0) * (1 + num_steps)
+        num_outputs = len(samplers) + num_steps
         return num_entries, ITEM_BYTES + OUTPUT_BYTES * num_outputs + DISTRIBUTION_ENTRY_BYTES * num_entries
     if kind == "sample_top_k":
         k = item.k  # type: ignore[attr-defined]

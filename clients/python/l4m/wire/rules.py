@@ -29,6 +29,12 @@ from l4m.wire import limits
 MAX_CONTINUATION_STEPS = 64
 # A seed is a uint64 on the wire.
 MAX_SEED = (1 << 64) - 1
+# Logit bias entries one sampler may carry: room for a penalty over every distinct token of a long
+# generation (the SDK folds presence / frequency penalties into the bias), while one sampler's bias stays
+# well under a megabyte on the wire.
+MAX_LOGIT_BIAS_ENTRIES = 65536
+# Alternatives a GREEDY or SAMPLE output may return beside its token (OpenAI's top_logprobs bound).
+MAX_TOP_LOGPROBS = 20
 
 DISTRIBUTION, GREEDY, SAMPLE = "distribution", "greedy", "sample"
 KV_PAGE, EMBED_SLOT = "kv_page", "embed_slot"
@@ -235,9 +241,38 @@ def check_vocabulary_mask(runs: Sequence[int], vocab_size: int) -> None:
         _fail("vocabulary_mask allows no token")
 
 
+def check_logit_bias(token_ids: Sequence[int], values: Sequence[float], vocab_size: int | None = None) -> None:
+    """A logit bias: as many values as ids, at most MAX_LOGIT_BIAS_ENTRIES, each id in the vocabulary
+    and listed once, each value finite."""
+    if len(token_ids) != len(values):
+        _fail(f"logit_bias_token_ids has {len(token_ids)} entries but logit_bias_values {len(values)}; they must match")
+    if len(token_ids) > MAX_LOGIT_BIAS_ENTRIES:
+        _fail(f"logit_bias has {len(token_ids)} entries, more than {MAX_LOGIT_BIAS_ENTRIES}")
+    if vocab_size is not None:
+        check_token_ids("logit_bias_token_ids", token_ids, vocab_size)
+    elif any(t < 0 for t in token_ids):
+        _fail("logit_bias_token_ids has a negative token id")
+    if len(set(token_ids)) != len(token_ids):
+        _fail("logit_bias_token_ids lists a token id twice")
+    for token_id, value in zip(token_ids, values, strict=True):
+        if not math.isfinite(value):
+            _fail(f"logit_bias value {value} of token {token_id} is not finite")
+
+
+def check_top_logprobs(top_logprobs: int, kind: int | str = GREEDY) -> None:
+    """top_logprobs in [0, MAX_TOP_LOGPROBS], and 0 for DISTRIBUTION (which returns its own top-k)."""
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        _fail(f"top_logprobs {top_logprobs} is not in [0, {MAX_TOP_LOGPROBS}]")
+    if top_logprobs and sampler_kind_name(kind) == DISTRIBUTION:
+        _fail("top_logprobs must be 0 for a DISTRIBUTION sampler (it returns its own top distribution_top_k)")
+
+
 def check_sampler(kind: int | str, *, distribution_top_k: int, temperature: float, top_k: int, top_p: float,
-                  min_p: float, seed: int | None, vocabulary_mask: Sequence[int], vocab_size: int) -> None:
-    """One SamplerSpec: a known kind, that kind's parameters, the seed and the vocabulary mask."""
+                  min_p: float, seed: int | None, vocabulary_mask: Sequence[int], vocab_size: int,
+                  logit_bias_token_ids: Sequence[int] = (), logit_bias_values: Sequence[float] = (),
+                  top_logprobs: int = 0) -> None:
+    """One SamplerSpec: a known kind, that kind's parameters, the seed, the vocabulary mask, the logit
+    bias and top_logprobs."""
     name = sampler_kind_name(kind)
     if name is None:
         _fail(f"kind {kind!r} is not DISTRIBUTION, GREEDY or SAMPLE")
@@ -247,6 +282,8 @@ def check_sampler(kind: int | str, *, distribution_top_k: int, temperature: floa
         check_sample(temperature, top_k, top_p, min_p, vocab_size)
     check_seed(seed)
     check_vocabulary_mask(vocabulary_mask, vocab_size)
+    check_logit_bias(logit_bias_token_ids, logit_bias_values, vocab_size)
+    check_top_logprobs(top_logprobs, name)
 
 
 # ---- per command kind ----------------------------------------------------------------------------
@@ -357,7 +394,8 @@ def check_resource_kind(kind: int | str) -> str:
 
 
 def check_reply(kind: str, num_entries: int, num_bytes: int, max_entries: int, max_bytes: int) -> None:
-    """What one command's reply may hold (`l4m.wire.limits.reply_cost`): distribution entries and bytes."""
+    """What one command's reply may hold (`l4m.wire.limits.reply_cost`): distribution entries (top_logprobs
+    alternatives count as entries too) and bytes."""
     if num_entries > max_entries:
         what = f"k {num_entries} asks for" if kind == "sample_top_k" else \
             f"samplers ask for {num_entries} distribution entries (outputs x distribution_top_k),"

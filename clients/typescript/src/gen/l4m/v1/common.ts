@@ -148,20 +148,46 @@ export interface SamplerSpec {
    * probability 0 before any sampling; an empty/absent mask allows every token. A mask that allows
    * no token is an error.
    */
-  vocabularyMask: Brle | undefined;
+  vocabularyMask:
+    | Brle
+    | undefined;
+  /**
+   * Optional additive logit bias, any kind: `logit_bias_values[i]` is added to the logit of token
+   * `logit_bias_token_ids[i]` before anything else (before the vocabulary mask, the temperature and the
+   * truncations; GREEDY takes the argmax of the biased logits), so every returned probability and
+   * logprob is of the biased distribution. Same length, at most 65,536 entries, each id < vocab_size
+   * and listed once, each value finite (a large negative value, e.g. -100, all but bans a token; the
+   * vocabulary mask bans exactly). Presence / frequency penalties are biases the controller computes
+   * from the tokens it generated (the SDK does: `l4m.sampler.Sample`). Continuation keeps the same bias
+   * on every step.
+   */
+  logitBiasTokenIds: number[];
+  logitBiasValues: number[];
+  /**
+   * GREEDY and SAMPLE: also return the `top_logprobs` most probable tokens of the same step's
+   * distribution with their logprobs (`SampledToken.top_token_ids` / `top_logprobs`), in [0, 20];
+   * 0 = none. DISTRIBUTION: must be 0.
+   */
+  topLogprobs: number;
 }
 
 /** One sampled token. */
 export interface SampledToken {
   tokenId: number;
-  /** Natural-log probability of `token_id` at temperature 1 after the vocabulary mask. */
+  /** Natural-log probability of `token_id` at temperature 1 after the logit bias and the vocabulary mask. */
   logprob: number;
+  /**
+   * The sampler's `top_logprobs` most probable tokens of the distribution `logprob` is of, most
+   * probable first (ties: the lower id), and their logprobs; empty when it asked for none.
+   */
+  topTokenIds: number[];
+  topLogprobs: number[];
 }
 
 /** Top tokens of a next-token distribution, most probable first. */
 export interface Distribution {
   tokenIds: number[];
-  /** Probabilities at temperature 1 after the vocabulary mask; same length as `token_ids`. */
+  /** Probabilities at temperature 1 after the logit bias and the vocabulary mask; same length as `token_ids`. */
   probabilities: number[];
 }
 
@@ -448,6 +474,9 @@ function createBaseSamplerSpec(): SamplerSpec {
     minP: 0,
     seed: undefined,
     vocabularyMask: undefined,
+    logitBiasTokenIds: [],
+    logitBiasValues: [],
+    topLogprobs: 0,
   };
 }
 
@@ -476,6 +505,23 @@ export const SamplerSpec: MessageFns<SamplerSpec> = {
     }
     if (message.vocabularyMask !== undefined) {
       Brle.encode(message.vocabularyMask, writer.uint32(66).fork()).join();
+    }
+    if (message.logitBiasTokenIds.length !== 0) {
+      writer.uint32(74).fork();
+      for (const v of message.logitBiasTokenIds) {
+        writer.uint32(v);
+      }
+      writer.join();
+    }
+    if (message.logitBiasValues.length !== 0) {
+      writer.uint32(82).fork();
+      for (const v of message.logitBiasValues) {
+        writer.float(v);
+      }
+      writer.join();
+    }
+    if (message.topLogprobs !== 0) {
+      writer.uint32(88).uint32(message.topLogprobs);
     }
     return writer;
   },
@@ -557,6 +603,50 @@ export const SamplerSpec: MessageFns<SamplerSpec> = {
             message.vocabularyMask = Brle.decode(reader, reader.uint32());
             continue;
           }
+          case 9: {
+            if (tag === 72) {
+              message.logitBiasTokenIds.push(reader.uint32());
+
+              continue;
+            }
+
+            if (tag === 74) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.logitBiasTokenIds.push(reader.uint32());
+              }
+
+              continue;
+            }
+
+            break;
+          }
+          case 10: {
+            if (tag === 85) {
+              message.logitBiasValues.push(reader.float());
+
+              continue;
+            }
+
+            if (tag === 82) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.logitBiasValues.push(reader.float());
+              }
+
+              continue;
+            }
+
+            break;
+          }
+          case 11: {
+            if (tag !== 88) {
+              break;
+            }
+
+            message.topLogprobs = reader.uint32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -599,6 +689,21 @@ export const SamplerSpec: MessageFns<SamplerSpec> = {
         : isSet(object.vocabulary_mask)
         ? Brle.fromJSON(object.vocabulary_mask)
         : undefined,
+      logitBiasTokenIds: globalThis.Array.isArray(object?.logitBiasTokenIds)
+        ? object.logitBiasTokenIds.map((e: any) => globalThis.Number(e))
+        : globalThis.Array.isArray(object?.logit_bias_token_ids)
+        ? object.logit_bias_token_ids.map((e: any) => globalThis.Number(e))
+        : [],
+      logitBiasValues: globalThis.Array.isArray(object?.logitBiasValues)
+        ? object.logitBiasValues.map((e: any) => globalThis.Number(e))
+        : globalThis.Array.isArray(object?.logit_bias_values)
+        ? object.logit_bias_values.map((e: any) => globalThis.Number(e))
+        : [],
+      topLogprobs: isSet(object.topLogprobs)
+        ? globalThis.Number(object.topLogprobs)
+        : isSet(object.top_logprobs)
+        ? globalThis.Number(object.top_logprobs)
+        : 0,
     };
   },
 
@@ -628,6 +733,15 @@ export const SamplerSpec: MessageFns<SamplerSpec> = {
     if (message.vocabularyMask !== undefined) {
       obj.vocabularyMask = Brle.toJSON(message.vocabularyMask);
     }
+    if (message.logitBiasTokenIds?.length) {
+      obj.logitBiasTokenIds = message.logitBiasTokenIds.map((e) => Math.round(e));
+    }
+    if (message.logitBiasValues?.length) {
+      obj.logitBiasValues = message.logitBiasValues.map((e) => floatToJson(e));
+    }
+    if (message.topLogprobs !== 0) {
+      obj.topLogprobs = Math.round(message.topLogprobs);
+    }
     return obj;
   },
 
@@ -646,12 +760,15 @@ export const SamplerSpec: MessageFns<SamplerSpec> = {
     message.vocabularyMask = (object.vocabularyMask !== undefined && object.vocabularyMask !== null)
       ? Brle.fromPartial(object.vocabularyMask)
       : undefined;
+    message.logitBiasTokenIds = object.logitBiasTokenIds?.map((e) => e) || [];
+    message.logitBiasValues = object.logitBiasValues?.map((e) => e) || [];
+    message.topLogprobs = object.topLogprobs ?? 0;
     return message;
   },
 };
 
 function createBaseSampledToken(): SampledToken {
-  return { tokenId: 0, logprob: 0 };
+  return { tokenId: 0, logprob: 0, topTokenIds: [], topLogprobs: [] };
 }
 
 export const SampledToken: MessageFns<SampledToken> = {
@@ -661,6 +778,20 @@ export const SampledToken: MessageFns<SampledToken> = {
     }
     if (message.logprob !== 0) {
       writer.uint32(21).float(message.logprob);
+    }
+    if (message.topTokenIds.length !== 0) {
+      writer.uint32(26).fork();
+      for (const v of message.topTokenIds) {
+        writer.uint32(v);
+      }
+      writer.join();
+    }
+    if (message.topLogprobs.length !== 0) {
+      writer.uint32(34).fork();
+      for (const v of message.topLogprobs) {
+        writer.float(v);
+      }
+      writer.join();
     }
     return writer;
   },
@@ -694,6 +825,42 @@ export const SampledToken: MessageFns<SampledToken> = {
             message.logprob = reader.float();
             continue;
           }
+          case 3: {
+            if (tag === 24) {
+              message.topTokenIds.push(reader.uint32());
+
+              continue;
+            }
+
+            if (tag === 26) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.topTokenIds.push(reader.uint32());
+              }
+
+              continue;
+            }
+
+            break;
+          }
+          case 4: {
+            if (tag === 37) {
+              message.topLogprobs.push(reader.float());
+
+              continue;
+            }
+
+            if (tag === 34) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.topLogprobs.push(reader.float());
+              }
+
+              continue;
+            }
+
+            break;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -714,6 +881,16 @@ export const SampledToken: MessageFns<SampledToken> = {
         ? globalThis.Number(object.token_id)
         : 0,
       logprob: isSet(object.logprob) ? globalThis.Number(object.logprob) : 0,
+      topTokenIds: globalThis.Array.isArray(object?.topTokenIds)
+        ? object.topTokenIds.map((e: any) => globalThis.Number(e))
+        : globalThis.Array.isArray(object?.top_token_ids)
+        ? object.top_token_ids.map((e: any) => globalThis.Number(e))
+        : [],
+      topLogprobs: globalThis.Array.isArray(object?.topLogprobs)
+        ? object.topLogprobs.map((e: any) => globalThis.Number(e))
+        : globalThis.Array.isArray(object?.top_logprobs)
+        ? object.top_logprobs.map((e: any) => globalThis.Number(e))
+        : [],
     };
   },
 
@@ -725,6 +902,12 @@ export const SampledToken: MessageFns<SampledToken> = {
     if (message.logprob !== 0) {
       obj.logprob = floatToJson(message.logprob);
     }
+    if (message.topTokenIds?.length) {
+      obj.topTokenIds = message.topTokenIds.map((e) => Math.round(e));
+    }
+    if (message.topLogprobs?.length) {
+      obj.topLogprobs = message.topLogprobs.map((e) => floatToJson(e));
+    }
     return obj;
   },
 
@@ -735,6 +918,8 @@ export const SampledToken: MessageFns<SampledToken> = {
     const message = createBaseSampledToken();
     message.tokenId = object.tokenId ?? 0;
     message.logprob = object.logprob ?? 0;
+    message.topTokenIds = object.topTokenIds?.map((e) => e) || [];
+    message.topLogprobs = object.topLogprobs?.map((e) => e) || [];
     return message;
   },
 };
