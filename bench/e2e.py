@@ -70,7 +70,9 @@ def stack_config(args: argparse.Namespace) -> ClusterConfig:
     # Only e2e.py's own `--engines` may ask for a gateway (bench/agentic.py shares this config).
     wants_gateway = GATEWAY_ENGINE in getattr(args, "engines", "").split(",")
     gateway_port = args.gateway_port if wants_gateway else -1
+    # The gateway without its prefix cache: the same work as `l4m run` (a repeat would find its prompts cached).
     return ClusterConfig(state_dir=Path(args.state_dir), spawner_port=args.spawner_port, gateway_port=gateway_port,
+                         gateway_prefix_cache_pages=0,
                          scheduler_port=args.scheduler_port, metrics_port_base=args.metrics_port_base,
                          batching=args.batching, warm_pool_size=args.warm_pool_size,
                          session_transport=args.session_transport, executor_transport=args.executor_transport,

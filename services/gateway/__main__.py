@@ -16,6 +16,7 @@ from l4m.common.serving import serve_until_signal
 from l4m.common.users import Authenticator
 from l4m.gateway.backend import ClusterBackend
 from l4m.gateway.config import GatewayConfig
+from l4m.gateway.programs import SpawnerClient
 from l4m.gateway.server import create_app
 from l4m.wire.credentials import CredentialError, read_secret_file
 
@@ -30,6 +31,9 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
                         help="the scheduler's L4M service: host:port, unix:PATH or framed:PATH")
     parser.add_argument("--registry", default="", help="the scheduler's InstanceRegistryService (unix:PATH or "
                         "host:port): every request runs as an instance of its caller's user, registered there")
+    parser.add_argument("--spawner", default="", help="the spawner's user API (host:port): a request naming "
+                        "`l4m/<program>` runs that stored program there, as its caller (default: none)")
+    parser.add_argument("--spawner-tls-ca", type=Path, default=None, help="CA of a TLS --spawner")
     parser.add_argument("--cluster-secret-file", type=Path, default=None, help="the registry's secret (mode 0600)")
     parser.add_argument("--registry-tls-ca", type=Path, default=None, help="CA of a TLS registry address")
     parser.add_argument("--keys-file", type=Path, default=None,
@@ -43,25 +47,31 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
     parser.add_argument("--max-tokens-default", type=int, default=4096,
                         help="completion tokens of a chat request that names no max_tokens (at most what the "
                         "context leaves)")
+    parser.add_argument("--prefix-cache-pages", type=int, default=512,
+                        help="KV pages of cached prompt prefixes at most (automatic prefix caching, per user); 0: off")
     args = parser.parse_args(argv)
     if not args.keys_file and not args.insecure_local:
         parser.error("give --keys-file (API keys) or --insecure-local")
     if args.max_n < 1:
         parser.error(f"--max-n must be at least 1, got {args.max_n}")
+    if args.prefix_cache_pages < 0:
+        parser.error(f"--prefix-cache-pages must be 0 (off) or more, got {args.prefix_cache_pages}")
     try:
         secret = read_secret_file(args.cluster_secret_file) if args.cluster_secret_file else ""
     except CredentialError as error:
         parser.error(str(error))
     return GatewayConfig(host=args.host, port=args.port, scheduler_address=args.scheduler,
                          registry_address=args.registry, cluster_secret=secret, registry_tls_ca=args.registry_tls_ca,
-                         keys_path=args.keys_file, insecure_local=args.insecure_local, max_n=args.max_n,
+                         keys_path=args.keys_file, spawner_address=args.spawner, spawner_tls_ca=args.spawner_tls_ca,
+                         insecure_local=args.insecure_local, max_n=args.max_n,
                          max_requests_per_user=args.max_requests_per_user,
-                         max_tokens_default=args.max_tokens_default)
+                         max_tokens_default=args.max_tokens_default, prefix_cache_pages=args.prefix_cache_pages)
 
 
 async def serve(config: GatewayConfig) -> None:
     backend = await ClusterBackend.connect(config)
-    app = create_app(config, backend, Authenticator(config.keys_path, config.insecure_local))
+    spawner = SpawnerClient(config.spawner_address, config.spawner_tls_ca) if config.spawner_address else None
+    app = create_app(config, backend, Authenticator(config.keys_path, config.insecure_local), spawner)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            lifespan="off", access_log=False))
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # serve_until_signal's
@@ -83,6 +93,8 @@ async def serve(config: GatewayConfig) -> None:
         if task is not None:
             await task
         await backend.close()
+        if spawner is not None:
+            await spawner.close()
 
     await serve_until_signal(start, stop)
 

@@ -11,6 +11,7 @@ once. Unit tests use `FakeBackend` (over `l4m.fake.FakeL4M`), behind the same `B
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 import time
 import uuid
@@ -21,6 +22,7 @@ import grpc
 
 from l4m.common.users import User
 from l4m.gateway.config import GatewayConfig
+from l4m.gateway.prefix_cache import PrefixCache, PrefixScope
 from l4m.model import Model
 from l4m.session import Session
 from l4m.tokenizer import Tokenizer
@@ -29,6 +31,9 @@ from l4m.wire.credentials import bearer_metadata, open_channel
 
 INFO_TTL_S = 5.0
 REGISTRY_DEADLINE_S = 10.0
+MAINTENANCE_USER = "l4m-gateway"  # the user of the admin instances that evict cached prefixes
+
+log = logging.getLogger("l4m.gateway")
 
 
 class GatewayError(Exception):
@@ -53,6 +58,9 @@ class Backend(Protocol):
         """A `Model` on a session of its own for one request of `user`; closed (and freed) on exit."""
 
     async def close(self) -> None: ...
+
+    def prefixes(self, user: User, model: str) -> PrefixScope | None:
+        """The request's part in the prefix cache, or None when the cache is off."""
 
 
 class _ModelCache:
@@ -92,6 +100,8 @@ class ClusterBackend:
         self._registry_channel = open_channel(config.registry_address, config.registry_tls_ca)
         self._registry = registry_pb2_grpc.InstanceRegistryServiceStub(self._registry_channel)
         self._registry_metadata = bearer_metadata(config.cluster_secret) if config.cluster_secret else ()
+        self.prefix_cache = PrefixCache(config.prefix_cache_pages, self._unexport)
+        self._maintenance: dict[str, tuple[str, Session]] = {}  # model -> its admin instance and session
 
     @classmethod
     async def connect(cls, config: GatewayConfig) -> ClusterBackend:
@@ -118,10 +128,44 @@ class ClusterBackend:
             finally:
                 await session.close()
         finally:
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                await self._registry.DestroyInstance(
-                    registry_pb2.DestroyInstanceRequest(instance_id=instance_id, reason="the request ended"),
-                    timeout=REGISTRY_DEADLINE_S, metadata=self._registry_metadata)
+            await self._destroy(instance_id, "the request ended")
+
+    def prefixes(self, user: User, model: str) -> PrefixScope | None:
+        return PrefixScope(self.prefix_cache, model, user.name) if self.prefix_cache.enabled else None
+
+    async def _unexport(self, model: str, name: str) -> None:
+        """The prefix cache's evictions, which may be any user's exports: through one admin instance per
+        model (only an export's user or an admin may unexport it), registered on first use and again
+        after a failure. A failed unexport is logged, not retried."""
+        try:
+            if model not in self._maintenance:
+                instance_id, token = f"gateway-maintenance-{uuid.uuid4().hex[:16]}", secrets.token_urlsafe(24)
+                await self._register(instance_id, token, User(MAINTENANCE_USER, is_admin=True))
+                try:
+                    session = await Session.connect(self._config.scheduler_address, token, model=model)
+                except BaseException:
+                    await self._destroy(instance_id, "the gateway's maintenance session did not open")
+                    raise
+                self._maintenance[model] = (instance_id, session)
+            session = self._maintenance[model][1]
+            session.send("unexport_kv_pages", l4m_pb2.UnexportKvPagesCommand(name=name))
+            await session.synchronize()
+        except Exception as error:
+            log.warning("prefix cache: could not unexport %s of %s: %s", name, model, error)
+            await self._close_maintenance(model)
+
+    async def _close_maintenance(self, model: str) -> None:
+        instance_id, session = self._maintenance.pop(model, (None, None))
+        if session is not None:
+            with contextlib.suppress(Exception):
+                await session.close()
+            await self._destroy(instance_id, "the gateway closed its maintenance session")
+
+    async def _destroy(self, instance_id: str, reason: str) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self._registry.DestroyInstance(
+                registry_pb2.DestroyInstanceRequest(instance_id=instance_id, reason=reason),
+                timeout=REGISTRY_DEADLINE_S, metadata=self._registry_metadata)
 
     async def _register(self, instance_id: str, token: str, user: User) -> None:
         request = registry_pb2.RegisterInstanceRequest(
@@ -138,6 +182,8 @@ class ClusterBackend:
                                f"{error.details()}", "server_error", "unavailable") from error
 
     async def close(self) -> None:
+        for model in list(self._maintenance):
+            await self._close_maintenance(model)
         await self._info_session.close()
         await self._registry_channel.close()
 
@@ -145,10 +191,19 @@ class ClusterBackend:
 class FakeBackend:
     """Unit tests: every request on `l4m.fake.FakeL4M` (one in-process "model"), no socket."""
 
-    def __init__(self, fake: object, name: str = "fake-tiny") -> None:
+    def __init__(self, fake: object, name: str = "fake-tiny", prefix_cache_pages: int = 0) -> None:
         self._fake = fake
         self.name = name
         self.num_open = 0  # requests whose session is open now
+        self.prefix_cache = PrefixCache(prefix_cache_pages, self._unexport)
+
+    def prefixes(self, user: User, model: str) -> PrefixScope | None:
+        return PrefixScope(self.prefix_cache, model, user.name) if self.prefix_cache.enabled else None
+
+    async def _unexport(self, model: str, name: str) -> None:
+        async with self.open(User(MAINTENANCE_USER, is_admin=True), model) as opened:
+            opened.unexport(name)
+            await opened.session.synchronize()
 
     async def model_names(self) -> list[str]:
         return [self.name]

@@ -15,9 +15,14 @@ class GatewayConfig:
     cluster_secret: str = ""  # the registry's bearer secret
     registry_tls_ca: Path | None = None
     keys_path: Path | None = None  # the API keys (`l4m keys`); the same store as the spawner's
+    # The spawner's user API (`host:port`): requests naming `l4m/<program>` run there as their caller; "": none.
+    spawner_address: str = ""
+    spawner_tls_ca: Path | None = None  # CA of a TLS spawner
     insecure_local: bool = False  # a request without a key is the admin user "local" (one-person machines)
     max_n: int = 8  # most choices one request may ask for (`n`), each a fork of the prompt
     # Requests of one user in flight at once (its key's max_instances when it sets one); past it: 429.
     max_requests_per_user: int = 64
     max_tokens_default: int = 4096  # completion tokens when a chat request names no max_tokens
     max_request_bytes: int = 4 << 20
+    # Automatic prefix caching (prefix_cache.py): KV pages of cached prompt prefixes at most; 0: off.
+    prefix_cache_pages: int = 512

@@ -1,8 +1,7 @@
 """The request and response shapes of the OpenAI API the gateway speaks (pydantic), and its error shape.
 
 Requests are strict: a field the gateway does not know is a 400 naming it, and a known option it does
-not implement yet (top_logprobs, penalties, logit_bias, response formats other than text/JSON, tools, echo,
-...)
+not implement yet (response formats other than text/JSON, echo, ...)
 is a 400 naming the option when it asks for anything but the default (`unsupported_options`): never
 silently ignored.
 """
@@ -14,6 +13,19 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI (and the executor's rules.MAX_TOP_LOGPROBS)
+MAX_COMPLETION_LOGPROBS = 5  # a text completion's legacy `logprobs` k, as OpenAI
+MAX_LOGIT_BIAS = 100.0  # each logit_bias value in [-100, 100], as OpenAI
+MAX_LOGIT_BIAS_ENTRIES = 300  # as OpenAI; well under the protocol's rules.MAX_LOGIT_BIAS_ENTRIES
+MAX_PENALTY = 2.0  # presence_penalty / frequency_penalty in [-2, 2], as OpenAI
+
+
+class InvalidParam(ValueError):
+    """A request option out of its range: the message, and the option it names (OpenAI's `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
@@ -36,7 +48,7 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Known options not implemented yet: accepted only at their defaults (see `unsupported_options`).
+    # chat: a bool; a text completion: the legacy k in [0, 5] (`top_logprobs` is chat's k in [0, 20]).
     logprobs: Any = None
     top_logprobs: int | None = None
     presence_penalty: float | None = None
@@ -49,9 +61,62 @@ class _Sampling(BaseModel):
     return_token_ids: bool = False
 
     def wants_logprobs(self) -> bool:
-        """The sampled tokens' logprobs: chat `logprobs: true`, a completion's `logprobs: 0`."""
-        return self.logprobs is True or (self.logprobs == 0 and self.logprobs is not False
-                                          and isinstance(self, CompletionRequest))
+        """The sampled tokens' logprobs: chat `logprobs: true`, a completion's `logprobs: k` (any k)."""
+        if isinstance(self, CompletionRequest):
+            return isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+        return self.logprobs is True
+
+    def num_top_logprobs(self) -> int:
+        """The alternatives asked for beside each token (chat `top_logprobs`, a completion's `logprobs`);
+        raises InvalidParam for a value out of OpenAI's range."""
+        if isinstance(self, CompletionRequest):
+            if self.top_logprobs is not None:
+                raise InvalidParam("top_logprobs", "top_logprobs: not a completions option; use logprobs: k")
+            if self.logprobs is None:
+                return 0
+            if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) \
+                    or not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
+                raise InvalidParam("logprobs", f"logprobs: an integer in [0, {MAX_COMPLETION_LOGPROBS}] for "
+                                   f"completions, got {self.logprobs!r}")
+            return self.logprobs
+        if self.logprobs is not None and not isinstance(self.logprobs, bool):
+            raise InvalidParam("logprobs", f"logprobs: a boolean, got {self.logprobs!r}")
+        if self.top_logprobs is None:
+            return 0
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidParam("top_logprobs", f"top_logprobs: an integer in [0, {MAX_TOP_LOGPROBS}], got "
+                               f"{self.top_logprobs}")
+        if self.top_logprobs and self.logprobs is not True:
+            raise InvalidParam("top_logprobs", "top_logprobs: needs logprobs: true")
+        return self.top_logprobs
+
+    def penalties(self) -> tuple[float, float]:
+        """(presence_penalty, frequency_penalty), 0 when not given; raises InvalidParam outside [-2, 2]."""
+        values = []
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value is not None and not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN fails too
+                raise InvalidParam(name, f"{name}: a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+            values.append(value or 0.0)
+        return values[0], values[1]
+
+    def logit_biases(self, vocab_size: int) -> dict[int, float]:
+        """`logit_bias` as {token id: bias}; raises InvalidParam("logit_bias") for a key that is not a token
+        id of the model, a bias outside [-100, 100] (NaN and inf too) or more than 300 entries."""
+        entries = self.logit_bias or {}
+        if len(entries) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidParam("logit_bias", f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got "
+                               f"{len(entries)}")
+        biases = {}
+        for key, value in entries.items():
+            token_id = int(key) if key.isascii() and key.isdigit() else -1
+            if not 0 <= token_id < vocab_size:
+                raise InvalidParam("logit_bias", f"logit_bias: key {key!r} is not a token id in [0, {vocab_size})")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise InvalidParam("logit_bias", f"logit_bias: the bias of token {key} is {value}, not in "
+                                   f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+            biases[token_id] = value
+        return biases
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -68,11 +133,57 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionDefinition(BaseModel):
+    """A tool: a function the model may call (`parameters` is the JSON schema of its arguments)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming the one function to call."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    """A call an assistant made, as a conversation sends it back."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool result's: the call it answers
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -88,7 +199,10 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDefinition] | None = None
+    # "none", "auto", "required" or a NamedToolChoice: checked in tools.py, which names what is wrong.
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def json_schema(self) -> dict[str, Any] | bool | None:
         """What `response_format` asks the output to be: a JSON schema, True for any JSON object
@@ -103,8 +217,6 @@ class ChatCompletionRequest(_Sampling):
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
             raise ValueError("response_format.json_schema.schema: a JSON schema object is required")
         return spec["schema"]
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -129,28 +241,10 @@ class CompletionRequest(_Sampling):
 def unsupported_options(request: _Sampling) -> list[str]:
     """The options `request` sets to something the gateway does not implement yet, by name."""
     named = []
-    # The sampled token's logprob comes with every token; alternatives (top_logprobs, a completion's
-    # `logprobs` N > 0) need a distribution beside the sample, not implemented yet.
-    if isinstance(request, CompletionRequest) and request.logprobs not in (None, 0, False):
-        named.append("logprobs (alternatives: only logprobs=0)")
-    if isinstance(request, ChatCompletionRequest) and request.logprobs not in (None, True, False):
-        named.append(f"logprobs {request.logprobs!r}")
-    if request.top_logprobs:
-        named.append("top_logprobs")
-    if request.presence_penalty:
-        named.append("presence_penalty")
-    if request.frequency_penalty:
-        named.append("frequency_penalty")
-    if request.logit_bias:
-        named.append("logit_bias")
     if isinstance(request, ChatCompletionRequest):
         kind = (request.response_format or {}).get("type", "text")
         if kind not in RESPONSE_FORMATS:
             named.append(f"response_format {kind!r}")
-        if request.tools:
-            named.append("tools")
-        if request.tool_choice not in (None, "none"):
-            named.append("tool_choice")
     if isinstance(request, CompletionRequest):
         if request.echo:
             named.append("echo")

@@ -1,4 +1,5 @@
-"""`docker compose up` brings the cluster up from images built here, `l4m run` works against it, and
+"""`docker compose up` brings the cluster up from images built here, `l4m run` works against it, so does
+the OpenAI gateway (with the admin key the `init` service made; without a key it answers 401), and
 `docker compose down -v` leaves nothing behind.
 
 One test, on purpose: it may take minutes (installing/starting an engine, building the base image and
@@ -21,9 +22,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
 from tests.integration.harness import REPO, free_ports
@@ -85,6 +89,17 @@ def _remove_host_dir(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _anonymous_status(url: str, model: str) -> int:
+    """The HTTP status of a chat completion sent with no `authorization` header at all."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1})
+    request = urllib.request.Request(url, data=body.encode(), headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
 @contextlib.contextmanager
 def _exclusive() -> Iterator[None]:
     with LOCK.open("w") as lock:
@@ -104,13 +119,14 @@ def _compose_up_run_down() -> None:
     print(_must(["scripts/docker-build.sh"], 1800, "building the l4m images (scripts/docker-build.sh)"))
 
     host_dir = Path(tempfile.mkdtemp(prefix="l4m-compose-"))
-    spawner_port, scheduler_port, *metrics_ports = free_ports(5)
+    spawner_port, scheduler_port, gateway_port, *metrics_ports = free_ports(6)
     receiver = OtlpReceiver().__enter__()  # stopped in the finally below
     env = {
         **os.environ,
         "L4M_HOST_DIR": str(host_dir),
         "L4M_SPAWNER_PORT": str(spawner_port),
         "L4M_SCHEDULER_PORT": str(scheduler_port),
+        "L4M_GATEWAY_PORT": str(gateway_port),
         "L4M_SPAWNER_METRICS_PORT": str(metrics_ports[0]),
         "L4M_SCHEDULER_METRICS_PORT": str(metrics_ports[1]),
         "L4M_EXECUTOR_METRICS_PORT": str(metrics_ports[2]),
@@ -145,6 +161,16 @@ def _compose_up_run_down() -> None:
 
         # The controller ran in a container of this spawner, removed when it exited.
         assert not _run(["docker", "ps", "-a", "-q", "--filter", f"label=l4m.spawner={PROJECT}"], 60).stdout.split()
+
+        # The OpenAI gateway, with the same key: a greedy chat completion of a few tokens.
+        gateway_url = f"http://127.0.0.1:{gateway_port}/v1"
+        client = openai.OpenAI(base_url=gateway_url, api_key=key, max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        answer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
+                                                temperature=0, max_tokens=MAX_TOKENS)
+        assert answer.choices[0].message.content.strip(), answer
+        print(f"gateway ({model}) said: {answer.choices[0].message.content!r}")
+        assert _anonymous_status(f"{gateway_url}/chat/completions", model) == 401  # no key, no entry
         passed = True
     finally:
         if not passed:

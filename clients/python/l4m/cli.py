@@ -6,6 +6,7 @@ module adds one with `register(...)` (e.g. `up`, `demo`, service launchers).
                                                         Ctrl-C ends the instance
   l4m run --detach FILE ...                             launch it to run on without a client; print its id
   l4m attach ID                                         stream an instance's output, exit with its status
+  l4m store FILE [--tag NAME[:TAG]]                     store a controller without running it; print its sha256
   l4m keys add|list|remove                              the spawner's API keys (see l4m.keys)
 
 Credentials: the API key comes from --api-key-file, env L4M_API_KEY (the key) or L4M_API_KEY_FILE, else
@@ -20,6 +21,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from l4m.errors import L4MError
@@ -192,6 +194,33 @@ def _attach(options: argparse.Namespace) -> int:
 register("attach", "stream a running instance's output from its start and exit with its status (Ctrl-C "
          "leaves a detached instance running, and ends one launched without --detach)", _add_attach_arguments,
          _attach)
+
+
+# ---- l4m store -----------------------------------------------------------------------------------
+def _add_store_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", help="controller program: a .py file or a zip with __main__.py")
+    parser.add_argument("--tag", default="", help="name it NAME[:TAG] (TAG defaults to latest), e.g. for the "
+                        "gateway's `\"model\": \"l4m/NAME\"` (docs/openai.md)")
+    _add_spawner_arguments(parser)
+
+
+def _store(options: argparse.Namespace) -> int:
+    from l4m.client import Client
+
+    if not Path(options.file).is_file():
+        print(f"l4m store: {options.file}: no such file", file=sys.stderr)
+        return 2
+
+    async def store() -> str:
+        async with Client(options.spawner, api_key=api_key_of(options), tls_ca=options.tls_ca) as client:
+            return await client.upload_file(options.file, options.tag)
+
+    print(asyncio.run(store()), flush=True)
+    return 0
+
+
+register("store", "upload a controller to the spawner (optionally tagged) without running it; print its sha256",
+         _add_store_arguments, _store)
 
 
 # ---- l4m keys ------------------------------------------------------------------------------------

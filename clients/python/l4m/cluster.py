@@ -59,6 +59,7 @@ class ClusterConfig:
     spawner_port: int = 7410
     scheduler_port: int = 7411
     gateway_port: int = 7412  # the OpenAI-compatible HTTP API (l4m.gateway); -1: no gateway
+    gateway_prefix_cache_pages: int | None = None  # the gateway's --prefix-cache-pages (None: its default; 0: off)
     metrics_port_base: int = 9410  # spawner +0, scheduler +1, executor i +10+i; 0 = no metrics
     devices: tuple[str, ...] = ("cpu",)
     dtype: str = "auto"
@@ -250,6 +251,10 @@ def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
         argv = [python, "-m", "l4m.gateway", "--host", config.host, "--port", str(config.gateway_port)]
         argv += ["--scheduler", sessions, "--registry", f"unix:{config.registry_socket}", *secret]
         argv += ["--insecure-local"] if config.insecure_local else ["--keys-file", str(config.api_keys_file)]
+        argv += ["--spawner", config.spawner_address]  # `l4m/<program>` requests (gateway/programs.py)
+        if config.gateway_prefix_cache_pages is not None:
+            argv += ["--prefix-cache-pages", str(config.gateway_prefix_cache_pages)]
+        argv += ["--spawner-tls-ca", str(config.health_ca)] if config.tls_cert and config.health_ca else []
         specs.append(ServiceSpec("gateway", tuple(argv), f"{config.gateway_url}/health", health_check="http"))
     argv = [python, "-m", "l4m.spawner", "--listen", config.spawner_address, *tls]
     argv += ["--scheduler", f"unix:{config.registry_socket}", *secret, "--socket-dir", str(config.socket_dir)]

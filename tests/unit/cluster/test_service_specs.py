@@ -229,3 +229,12 @@ def test_the_gateway_takes_the_spawners_keys_and_the_registry_and_can_be_left_ou
     local = next(s for s in service_specs(_config(tmp_path, insecure_local=True)) if s.name == "gateway")
     assert "--insecure-local" in local.argv and "--keys-file" not in local.argv
     assert all(s.name != "gateway" for s in service_specs(_config(tmp_path, gateway_port=-1)))
+
+
+def test_the_gateways_prefix_cache_is_its_default_unless_the_cluster_sets_it(tmp_path: Path) -> None:
+    def argv(**changes: object) -> tuple[str, ...]:
+        return next(s for s in service_specs(_config(tmp_path, **changes)) if s.name == "gateway").argv
+
+    assert "--prefix-cache-pages" not in argv()
+    off = argv(gateway_prefix_cache_pages=0)
+    assert off[off.index("--prefix-cache-pages") + 1] == "0"

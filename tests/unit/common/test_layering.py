@@ -24,7 +24,7 @@ EXTRA_MODULES = {
     "spawner": frozenset({"l4m", "l4m.keys"}),
     # The gateway's handlers are controllers: they use the SDK's model, sessions, samplers and stops.
     "gateway": frozenset({"l4m.model", "l4m.session", "l4m.sampler", "l4m.stop", "l4m.tokenizer", "l4m.errors",
-                          "l4m.constraint"}),
+                          "l4m.constraint", "l4m.context"}),
 }
 # The key store `l4m keys` writes, which `l4m.common.users` reads for the spawner and the gateway.
 COMMON_EXTRA_MODULES = frozenset({"l4m.keys"})

@@ -196,3 +196,8 @@ def test_l4m_keys_add_prints_the_key_once_and_list_never_shows_it(
     assert "exists already" in capsys.readouterr().err
     assert cli.main(["keys", "--keys-file", str(keys_file), "remove", "alice"]) == 0
     assert KeyStore.load(keys_file).authenticate(key) is None
+
+
+def test_l4m_store_refuses_a_missing_file_before_calling_the_spawner(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["store", "/nonexistent/prog.py", "--spawner", "127.0.0.1:1"]) == 2
+    assert "/nonexistent/prog.py: no such file" in capsys.readouterr().err
