@@ -20,17 +20,16 @@ from typing import Protocol
 
 import grpc
 
+from l4m.common.registry import RegistryClient, RegistryRefused, RegistryUnreachable
 from l4m.common.users import User
 from l4m.gateway.config import GatewayConfig
 from l4m.gateway.prefix_cache import PrefixCache, PrefixScope
 from l4m.model import Model
 from l4m.session import Session
 from l4m.tokenizer import Tokenizer
-from l4m.v1 import l4m_pb2, registry_pb2, registry_pb2_grpc
-from l4m.wire.credentials import bearer_metadata, open_channel
+from l4m.v1 import l4m_pb2
 
 INFO_TTL_S = 5.0
-REGISTRY_DEADLINE_S = 10.0
 MAINTENANCE_USER = "l4m-gateway"  # the user of the admin instances that evict cached prefixes
 
 log = logging.getLogger("l4m.gateway")
@@ -97,9 +96,7 @@ class ClusterBackend:
         self._config = config
         self._cache = _ModelCache(info_session)
         self._info_session = info_session
-        self._registry_channel = open_channel(config.registry_address, config.registry_tls_ca)
-        self._registry = registry_pb2_grpc.InstanceRegistryServiceStub(self._registry_channel)
-        self._registry_metadata = bearer_metadata(config.cluster_secret) if config.cluster_secret else ()
+        self._registry = RegistryClient(config.registry_address, config.cluster_secret, config.registry_tls_ca)
         self.prefix_cache = PrefixCache(config.prefix_cache_pages, self._unexport)
         self._maintenance: dict[str, tuple[str, Session]] = {}  # model -> its admin instance and session
 
@@ -163,29 +160,28 @@ class ClusterBackend:
 
     async def _destroy(self, instance_id: str, reason: str) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):
-            await self._registry.DestroyInstance(
-                registry_pb2.DestroyInstanceRequest(instance_id=instance_id, reason=reason),
-                timeout=REGISTRY_DEADLINE_S, metadata=self._registry_metadata)
+            await self._registry.destroy(instance_id, reason)
 
     async def _register(self, instance_id: str, token: str, user: User) -> None:
-        request = registry_pb2.RegisterInstanceRequest(
-            instance_id=instance_id, token=token, launched_at_unix_ms=int(time.time() * 1000), user=user.name,
-            is_admin=user.is_admin, user_max_tokens_per_minute=user.max_tokens_per_minute)
         try:
-            await self._registry.RegisterInstance(request, timeout=REGISTRY_DEADLINE_S,
-                                                  metadata=self._registry_metadata)
-        except grpc.aio.AioRpcError as error:
-            if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise GatewayError(429, f"the cluster is at its limit of requests: {error.details()}",
+            await self._registry.register(instance_id, token, 0, int(time.time() * 1000), user=user.name,
+                                          is_admin=user.is_admin,
+                                          user_max_tokens_per_minute=user.max_tokens_per_minute)
+        except RegistryRefused as error:
+            if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise GatewayError(429, f"the cluster is at its limit of requests: {error.details}",
                                    "rate_limit_error", "too_many_requests") from error
-            raise GatewayError(503, f"the scheduler did not take the request ({error.code().name}): "
-                               f"{error.details()}", "server_error", "unavailable") from error
+            raise GatewayError(503, f"the scheduler did not take the request ({error.code.name}): {error.details}",
+                               "server_error", "unavailable") from error
+        except RegistryUnreachable as error:
+            raise GatewayError(503, f"the scheduler did not take the request: {error}", "server_error",
+                               "unavailable") from error
 
     async def close(self) -> None:
         for model in list(self._maintenance):
             await self._close_maintenance(model)
         await self._info_session.close()
-        await self._registry_channel.close()
+        await self._registry.close()
 
 
 class FakeBackend:

@@ -1,4 +1,5 @@
-"""The scheduler's InstanceRegistryService as the spawner's core sees it (`InstanceRegistry`).
+"""The scheduler's InstanceRegistryService as the spawner's core sees it (`InstanceRegistry`), on
+`l4m.common.registry`'s client.
 
 Every call has a deadline and a failure becomes a typed error of the core: UNAVAILABLE or a missed
 deadline is `SchedulerUnavailable` (Launch answers UNAVAILABLE, nothing started), any other refusal is
@@ -18,17 +19,14 @@ from pathlib import Path
 
 import grpc
 
+from l4m.common.registry import REGISTRY_DEADLINE_S, RegistryClient, RegistryRefused, RegistryUnreachable
 from l4m.spawner.instances import InstanceManager, RegistrationRefused, SchedulerUnavailable
-from l4m.v1 import registry_pb2, registry_pb2_grpc
-from l4m.wire.credentials import bearer_metadata, open_channel
+from l4m.v1 import registry_pb2
 
 log = logging.getLogger(__name__)
 
-REGISTRY_DEADLINE_S = 10.0
-_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
-
-class GrpcInstanceRegistry:
+class GrpcInstanceRegistry(RegistryClient):
     def __init__(
         self,
         address: str,
@@ -38,44 +36,25 @@ class GrpcInstanceRegistry:
         initial_backoff_s: float = 0.1,
         max_backoff_s: float = 5.0,
     ) -> None:
-        self.address = address
-        self._deadline_s = deadline_s
+        super().__init__(address, secret, tls_ca, deadline_s)
         self._initial_backoff_s = initial_backoff_s
         self._max_backoff_s = max_backoff_s
-        self._metadata = bearer_metadata(secret) if secret else ()
-        self._channel = open_channel(address, tls_ca)
-        self._stub = registry_pb2_grpc.InstanceRegistryServiceStub(self._channel)
         self._trap_tasks: set[asyncio.Task[None]] = set()
 
     async def register(
         self, instance_id: str, token: str, max_tokens: int, launched_at_unix_ms: int, *, user: str = "",
         is_admin: bool = False, parent_instance_id: str = "", user_max_tokens_per_minute: int = 0,
     ) -> None:
-        request = registry_pb2.RegisterInstanceRequest(
-            instance_id=instance_id,
-            token=token,
-            max_tokens=max_tokens,
-            launched_at_unix_ms=launched_at_unix_ms,
-            user=user,
-            is_admin=is_admin,
-            parent_instance_id=parent_instance_id,
-            user_max_tokens_per_minute=user_max_tokens_per_minute,
-        )
         try:
-            await self._stub.RegisterInstance(request, timeout=self._deadline_s, metadata=self._metadata)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in _UNREACHABLE:
-                raise SchedulerUnavailable(
-                    f"the scheduler at {self.address} is unreachable, so the instance was not started: "
-                    f"{exc.details()}"
-                ) from exc
+            await super().register(instance_id, token, max_tokens, launched_at_unix_ms, user=user, is_admin=is_admin,
+                                   parent_instance_id=parent_instance_id,
+                                   user_max_tokens_per_minute=user_max_tokens_per_minute)
+        except RegistryUnreachable as exc:
+            raise SchedulerUnavailable(f"{exc}, so the instance was not started") from exc
+        except RegistryRefused as exc:
             raise RegistrationRefused(
-                f"the scheduler refused to register the instance ({exc.code().name}): {exc.details()}"
+                f"the scheduler refused to register the instance ({exc.code.name}): {exc.details}"
             ) from exc
-
-    async def destroy(self, instance_id: str, reason: str) -> None:
-        request = registry_pb2.DestroyInstanceRequest(instance_id=instance_id, reason=reason)
-        await self._stub.DestroyInstance(request, timeout=self._deadline_s, metadata=self._metadata)
 
     async def forward_traps(self, manager: InstanceManager) -> None:
         """Stops the instances the scheduler traps; runs until cancelled."""
@@ -103,6 +82,3 @@ class GrpcInstanceRegistry:
                 )  # fmt: skip
             await asyncio.sleep(backoff_s)
             backoff_s = min(backoff_s * 2, self._max_backoff_s)
-
-    async def close(self) -> None:
-        await self._channel.close()
