@@ -78,12 +78,19 @@ class OpenAIRequest:
             context.fill(self.prompt)
 
     def sampler(self) -> Sampler:
-        """Greedy at temperature 0, else a draw at `temperature` after `top_p`, seeded by `seed`."""
+        """Greedy at temperature 0, else a draw at `temperature` after `top_p`, seeded by `seed`; either with
+        the request's `logit_bias` and presence / frequency penalties (as the gateway's own handlers)."""
+        shaping: dict[str, Any] = {
+            "logit_bias": {int(token): float(bias) for token, bias in (self.body.get("logit_bias") or {}).items()},
+            "presence_penalty": float(self.body.get("presence_penalty") or 0.0),
+            "frequency_penalty": float(self.body.get("frequency_penalty") or 0.0),
+        }
         temperature = self.body.get("temperature", 1.0)
         if temperature == 0:
-            return Greedy()
+            return Greedy(**shaping)
         top_p = self.body.get("top_p", 1.0)
-        return Sample(temperature=temperature, top_p=0.0 if top_p >= 1 else top_p, seed=self.body.get("seed"))
+        return Sample(temperature=temperature, top_p=0.0 if top_p >= 1 else top_p, seed=self.body.get("seed"),
+                      **shaping)
 
     def stop(self, stop_token_ids: Sequence[int]) -> StopCondition:
         """The model's stop tokens, the request's stop strings and its max_tokens."""

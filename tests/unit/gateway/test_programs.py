@@ -273,5 +273,9 @@ def test_the_sdk_reads_the_request_it_is_sent() -> None:
         "model": "l4m/x", "prompt": ["Once"], "temperature": 0.5, "top_p": 0.9, "seed": 3}}))
     assert not text.is_chat and text.prompt == "Once" and text.max_tokens == 16  # OpenAI's default
     assert text.sampler() == Sample(temperature=0.5, top_p=0.9, seed=3)
+    shaped = OpenAIRequest.parse(json.dumps({"endpoint": "completions", "request": {
+        "model": "l4m/x", "prompt": "Once", "temperature": 0, "logit_bias": {"7": -100, "3": 2.5},
+        "presence_penalty": 0.5, "frequency_penalty": -1}}))
+    assert shaped.sampler() == Greedy(logit_bias={3: 2.5, 7: -100.0}, presence_penalty=0.5, frequency_penalty=-1.0)
     with pytest.raises(Exception, match="not an OpenAI request"):
         OpenAIRequest.parse("hello")
