@@ -28,6 +28,15 @@ For l4m the JSON also holds the scheduler's forward_text batch sizes, the execut
 mean times per batch, and the CPU seconds each part of the stack used during the run ("bench": this
 process, i.e. the user client, log pumps and sampler). --repeats R runs every (N, engine) R times,
 interleaved, and reports the run of median tok/s (every run's tok/s in the JSON). Writes JSON (--out) and, with --plot, a PNG.
+
+--long-prompt TOKENS (issue #21, chunked prefill): the l4m stack only. N streams decode stepwise (one
+round trip, so one batch, per token: every gap between two tokens is a decode step); once every stream
+has `LONG_PROMPT_AFTER_TOKENS` tokens, one more launch of the same controller sends a TOKENS-token prompt
+and asks for 2 tokens. Reported for the N streams: their median step (the gaps outside the window) and
+their ITL p50 / p99 inside the window (the gaps that overlap it), the window being the long launch to
+its first token (the long prompt's TTFT), and p99 / median step. Run chunked (`--prefill-chunk-tokens`,
+default the scheduler's) and unchunked (a chunk as large as the executor's batch: one pass), each run on
+a cluster of its own (the chunk is a scheduler flag), interleaved over --repeats.
 """
 
 from __future__ import annotations
@@ -43,6 +52,8 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import peers
@@ -64,6 +75,11 @@ ALL_ENGINES = (*STACK_ENGINES, GATEWAY_ENGINE, *peers.ENGINES)
 STACK_SAMPLE_PERIOD_S = 0.25  # enumerating the stack's processes costs CPU the stack is measured on
 LIMITS = spawner_pb2.Limits(wall_time_ms=900_000, cpu_time_ms=600_000)
 ROLES = ("executor", "scheduler", "spawner", "gateway", "controller")
+# --long-prompt: the long prompt goes in once every decoding stream has this many tokens, and asks for
+# this many of its own; "unchunked" is a chunk as large as the executor's batch (its --max-batch-tokens).
+LONG_PROMPT_AFTER_TOKENS = 8
+LONG_PROMPT_NEW_TOKENS = 2
+UNCHUNKED_PREFILL_TOKENS = 8192
 
 
 def stack_config(args: argparse.Namespace) -> ClusterConfig:
@@ -204,11 +220,16 @@ def batch_profile(before: dict[str, float], after: dict[str, float]) -> dict[str
 
 
 async def launch_stream(client: Client, program: str, prompt: list[int], new_tokens: int,
-                        origin_s: float, max_continuation_steps: int | None = None) -> dict[str, object]:
-    """One completion through the stack; times are seconds after `origin_s` (wall clock)."""
+                        origin_s: float, max_continuation_steps: int | None = None, notify_at: int = 0,
+                        on_notify: Callable[[], None] | None = None) -> dict[str, object]:
+    """One completion through the stack; times are seconds after `origin_s` (wall clock). With `notify_at`
+    (and `max_continuation_steps`), `on_notify` is called when the controller has that many tokens."""
     args = [",".join(map(str, prompt)), str(new_tokens)]
     if max_continuation_steps is not None:
         args.append(str(max_continuation_steps))
+        if notify_at:
+            args.append(str(notify_at))
+    launched_s = time.time() - origin_s
     instance_id = await client.launch(program, args, LIMITS)
     first_seen_s = summary = None
     log_lines: list[str] = []  # shown only if the controller fails
@@ -218,6 +239,9 @@ async def launch_stream(client: Client, program: str, prompt: list[int], new_tok
             message = json.loads(event.message.text)
             if "first_token_id" in message:
                 first_seen_s = time.time() - origin_s
+            elif "num_tokens" in message:
+                if on_notify is not None:
+                    on_notify()
             else:
                 summary = message
         elif kind == "log":
@@ -229,7 +253,7 @@ async def launch_stream(client: Client, program: str, prompt: list[int], new_tok
                                f"{event.exit.message}\n{logs}")
     if summary is None or first_seen_s is None:
         raise RuntimeError(f"controller {instance_id} exited without reporting its tokens")
-    return {"first_seen_s": first_seen_s, "started_s": summary["started_at_s"] - origin_s,
+    return {"launched_s": launched_s, "first_seen_s": first_seen_s, "started_s": summary["started_at_s"] - origin_s,
             "token_ids": summary["token_ids"], "token_times_s": [t - origin_s for t in summary["token_times_s"]]}
 
 
@@ -298,6 +322,65 @@ async def run_gateway(config: ClusterConfig, prompts: list[list[int]], new_token
     cpu_s_by_role = {**sampler.cpu_s_by_role(), "bench": round(sum(os.times()[:2]) - own_cpu_before_s, 2)}
     timeline = Timeline(GATEWAY_ENGINE, [s[0] for s in streams], [s[1] for s in streams], sampler.peak_rss_bytes)
     return timeline, {"cpu_s_by_role": cpu_s_by_role, "peak_rss_mib_by_role": sampler.peak_rss_mib_by_role}
+
+
+def window_gaps(token_times_s: list[list[float]], start_s: float, end_s: float) -> tuple[list[float], list[float]]:
+    """The streams' gaps between consecutive tokens, pooled: (those overlapping [start_s, end_s], the rest)."""
+    inside, outside = [], []
+    for times in token_times_s:
+        for before, after in zip(times, times[1:], strict=False):
+            (inside if after > start_s and before < end_s else outside).append(after - before)
+    return inside, outside
+
+
+async def run_long_prompt(client: Client, program: str, config: ClusterConfig, prompts: list[list[int]],
+                          new_tokens: int, long_prompt: list[int]) -> dict[str, object]:
+    """N stepwise decoding streams, and a long prompt launched once each has `LONG_PROMPT_AFTER_TOKENS`
+    tokens: the streams' steps outside and inside the window while it fills (seconds after the first launch)."""
+    metrics_before = scrape(config.metrics_port(1))
+    executor_before = scrape(config.metrics_port(10))
+    num_ready = 0
+    all_ready = asyncio.Event()
+
+    def on_notify() -> None:
+        nonlocal num_ready
+        num_ready += 1
+        if num_ready == len(prompts):
+            all_ready.set()
+
+    origin_s = time.time()
+    decoding = asyncio.ensure_future(asyncio.gather(*(
+        launch_stream(client, program, p, new_tokens, origin_s, 0, LONG_PROMPT_AFTER_TOKENS, on_notify)
+        for p in prompts)))
+    ready = asyncio.ensure_future(all_ready.wait())
+    await asyncio.wait({decoding, ready}, return_when=asyncio.FIRST_COMPLETED)
+    ready.cancel()
+    if decoding.done():  # a controller failed (or every stream ended) before the long prompt could go in
+        await decoding
+        raise RuntimeError("the decoding streams ended before the long prompt was launched")
+    long = await launch_stream(client, program, long_prompt, LONG_PROMPT_NEW_TOKENS, origin_s)
+    streams = await decoding
+    start_s, end_s = long["launched_s"], long["token_times_s"][0]
+    inside, outside = window_gaps([s["token_times_s"] for s in streams], start_s, end_s)
+    median_step_s = percentile(outside, 0.5)
+    metrics_after = scrape(config.metrics_port(1))
+    return {
+        "window_start_s": start_s, "window_end_s": end_s,
+        "long_ttft_ms": 1000 * (end_s - start_s),  # launch -> first token, the controller's clock
+        "long_ttft_user_ms": 1000 * (long["first_seen_s"] - start_s),
+        "median_step_ms": 1000 * median_step_s,
+        "window_itl_p50_ms": 1000 * percentile(inside, 0.5),
+        "window_itl_p99_ms": 1000 * percentile(inside, 0.99),
+        "window_itl_max_ms": 1000 * max(inside, default=float("nan")),
+        "p99_over_median_step": percentile(inside, 0.99) / median_step_s,
+        "num_window_gaps": len(inside), "num_other_gaps": len(outside),
+        # the long prompt's whole fill fell among the streams' steps (none had ended before it)
+        "streams_outlast_window": all(s["token_times_s"][-1] >= end_s for s in streams),
+        "generated_tokens": sum(len(s["token_ids"]) for s in streams),
+        **batch_profile(metrics_before, metrics_after),
+        "step_ms": step_profile({**metrics_before, **executor_before},
+                                {**metrics_after, **scrape(config.metrics_port(10))}),
+    }
 
 
 def run_peer(engine: str, num_streams: int, args: argparse.Namespace) -> Timeline | None:
@@ -417,6 +500,43 @@ async def sweep(args: argparse.Namespace) -> dict[str, object]:
     return results
 
 
+async def long_prompt_sweep(args: argparse.Namespace) -> dict[str, object]:
+    """--long-prompt: chunked and unchunked, interleaved over the repeats, each run on a fresh cluster (the
+    chunk is the scheduler's flag); per (N, variant) the run of median p99 / median step stands."""
+    variants = {"chunked": args.prefill_chunk_tokens, "unchunked": UNCHUNKED_PREFILL_TOKENS}
+    long_prompt = make_prompts(1, args.long_prompt, args.seed + 1)[0]
+    runs: dict[tuple[int, str], list[dict[str, object]]] = {}
+    for repeat in range(args.repeats):
+        for num_streams in [int(n) for n in args.n.split(",")]:
+            prompts = make_prompts(num_streams, args.prompt_tokens, args.seed)
+            for variant, chunk_tokens in variants.items():
+                config = replace(stack_config(args), prefill_chunk_tokens=chunk_tokens, gateway_port=-1)
+                cluster = Cluster(config, say=lambda line: print(line, flush=True))
+                try:
+                    await cluster.start()
+                    async with Client(config.spawner_address, api_key=config.admin_key() or None) as client:
+                        program = await client.upload_file(COMPLETION_CONTROLLER)
+                        await warm_up(client, program)
+                        await wait_warm_pool_full(config, args.pool_timeout_s)
+                        print(f"[e2e] N={num_streams} long prompt {args.long_prompt} {variant} run "
+                              f"{repeat + 1}/{args.repeats} ...", flush=True)
+                        run = await run_long_prompt(client, program, config, prompts, args.new_tokens, long_prompt)
+                finally:
+                    await cluster.stop()
+                print(f"[e2e] {variant}: long TTFT {run['long_ttft_ms']:.0f} ms; window ITL p99 "
+                      f"{run['window_itl_p99_ms']:.0f} ms = {run['p99_over_median_step']:.1f}x the median step "
+                      f"{run['median_step_ms']:.1f} ms", flush=True)
+                runs.setdefault((num_streams, variant), []).append(run)
+    rows = []
+    for (num_streams, variant), variant_runs in runs.items():
+        ranked = sorted(variant_runs, key=lambda run: run["p99_over_median_step"])
+        rows.append({"n": num_streams, "variant": variant, "long_prompt_tokens": args.long_prompt,
+                     "prefill_chunk_tokens": variants[variant], **ranked[len(ranked) // 2],
+                     "ratio_runs": [round(run["p99_over_median_step"], 2) for run in variant_runs],
+                     "long_ttft_ms_runs": [round(run["long_ttft_ms"]) for run in variant_runs]})
+    return {"rows": rows}
+
+
 def print_table(results: dict[str, object]) -> None:
     print("\n| engine | N | gen tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | ITL p99 ms "
           "| peak RSS MiB |")
@@ -442,6 +562,21 @@ def print_table(results: dict[str, object]) -> None:
         for engine, check in checks.items():
             print(f"tokens N={n} {engine} vs l4m-executor: prompt 0 shares {check['prompt0_matching_prefix']} "
                   f"leading tokens; {check['num_streams_identical']}/{check['num_streams']} streams identical")
+
+
+def print_long_prompt_table(results: dict[str, object]) -> None:
+    print("\n| variant | chunk tokens | N | long prompt | window = long TTFT ms | median step ms | window ITL p50 ms "
+          "| window ITL p99 ms | p99 / median step | gaps in window |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results["rows"]:
+        chunk = r["prefill_chunk_tokens"] or "default"
+        print(f"| {r['variant']} | {chunk} | {r['n']} | {r['long_prompt_tokens']} | {r['long_ttft_ms']:.0f} | "
+              f"{r['median_step_ms']:.1f} | {r['window_itl_p50_ms']:.1f} | {r['window_itl_p99_ms']:.1f} | "
+              f"{r['p99_over_median_step']:.1f} | {r['num_window_gaps']} |")
+    for r in results["rows"]:
+        print(f"{r['variant']} N={r['n']}: p99 / median step of every run {r['ratio_runs']}, long TTFT ms "
+              f"{r['long_ttft_ms_runs']}; the streams outlast the window: {r['streams_outlast_window']}; "
+              f"{r['num_forward_text_batches']} forward_text batches; per batch {r['step_ms']}")
 
 
 def plot(results: dict[str, object], path: Path) -> None:
@@ -488,6 +623,11 @@ def parse_args() -> argparse.Namespace:
                         help="the spawner's warm sandboxes (default: the largest N); each l4m run starts once "
                         "the pool is full")
     parser.add_argument("--pool-timeout-s", type=float, default=600.0, help="how long to wait for a full pool")
+    parser.add_argument("--long-prompt", type=int, default=0, metavar="TOKENS",
+                        help="issue #21: a TOKENS-token prompt arriving beside N decoding streams, chunked and "
+                        "unchunked (the l4m stack only; --engines and --plot are ignored)")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                        help="--long-prompt's chunked runs: the scheduler's chunk (default: the scheduler's)")
     parser.add_argument("--out", default="bench/results/e2e.json")
     parser.add_argument("--plot", default="", help="write a tok/s vs N PNG here (e.g. docs/img/e2e.png)")
     args = parser.parse_args()
@@ -500,22 +640,30 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--n must be comma-separated integers, got {args.n!r}")
     if min(sizes + [args.prompt_tokens, args.new_tokens, args.repeats]) < 1:
         parser.error("--n values, --prompt-tokens, --new-tokens and --repeats must be at least 1")
+    if args.long_prompt and args.new_tokens <= LONG_PROMPT_AFTER_TOKENS:
+        parser.error(f"--long-prompt needs --new-tokens above {LONG_PROMPT_AFTER_TOKENS}: the streams must still "
+                     "decode when it arrives")
+    if args.long_prompt < 0 or (args.prefill_chunk_tokens or 1) < 1:
+        parser.error("--long-prompt and --prefill-chunk-tokens must be at least 1")
     if args.warm_pool_size is None:
-        args.warm_pool_size = max(sizes)
+        args.warm_pool_size = max(sizes) + (1 if args.long_prompt else 0)
     return args
 
 
 def main() -> None:
     args = parse_args()
     load_before = os.getloadavg()
-    results = asyncio.run(sweep(args))
+    results = asyncio.run(long_prompt_sweep(args) if args.long_prompt else sweep(args))
     results.update(args=vars(args), load_average=[load_before, os.getloadavg()], cpu=peers.cpu_model(),
                    num_cpus=os.cpu_count())
-    print_table(results)
+    if args.long_prompt:
+        print_long_prompt_table(results)
+    else:
+        print_table(results)
     print(f"load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after; {results['cpu']}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2, default=str))
-    if args.plot:
+    if args.plot and not args.long_prompt:
         plot(results, Path(args.plot))
 
 

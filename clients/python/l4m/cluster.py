@@ -71,6 +71,9 @@ class ClusterConfig:
     sandbox: str = "process"
     warm_pool_size: int | None = None  # process sandboxes started ahead of demand; None: the spawner's default
     max_continuation_steps: int | None = None  # per forward_text (0: off); None: the scheduler's default
+    # A forward_text longer than this is filled in chunks of this many tokens, each sharing a batch with other
+    # streams' decode steps; None: the scheduler's default (half the executors' max_batch_tokens, at most 2048).
+    prefill_chunk_tokens: int | None = None
     allow_anonymous: bool = False
     # How sandboxed controllers speak L4M and send their user messages: "framed" (length-prefixed frames on
     # Unix sockets, ~4x less CPU per message) or "grpc"; users' own sessions use the scheduler's gRPC
@@ -244,6 +247,8 @@ def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
         argv += ["--executor-transport", "grpc"]
     if config.max_continuation_steps is not None:
         argv += ["--max-continuation-steps", str(config.max_continuation_steps)]
+    if config.prefill_chunk_tokens is not None:
+        argv += ["--prefill-chunk-tokens", str(config.prefill_chunk_tokens)]
     # Its health is checked on the L4M socket: plain (a Unix socket), whatever the TCP listener's TLS.
     specs.append(ServiceSpec("scheduler", tuple(argv), f"unix:{config.scheduler_socket}", config.metrics_port(1)))
     if config.gateway_port >= 0:

@@ -23,6 +23,13 @@ def default_state_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"l4m-{getpass.getuser()}"
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -37,6 +44,8 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler-port", type=int, default=7411)
     parser.add_argument("--gateway-port", type=int, default=7412,
                         help="the OpenAI-compatible HTTP API (http://HOST:PORT/v1); -1: no gateway")
+    parser.add_argument("--gateway-prefix-cache-pages", type=int, default=None,
+                        help="KV pages the gateway's cached prompt prefixes hold at most (default 512; 0: no cache)")
     parser.add_argument("--metrics-port-base", type=int, default=9410, help="0 disables the metrics endpoints")
     parser.add_argument(
         "--devices", default="cpu", help="one executor per device, comma separated: cpu | cuda:0,cuda:1 ..."
@@ -60,6 +69,11 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-continuation-steps", type=_non_negative_int, default=None,
         help="decode steps one forward_text may ask the executor to run by itself (default: the scheduler's, "
         "64; 0 turns continuation off: one round trip per token)",
+    )
+    parser.add_argument(
+        "--prefill-chunk-tokens", type=_positive_int, default=None,
+        help="a prompt longer than this is filled in chunks of this many tokens, each batched beside other "
+        "streams' decode steps (default: the scheduler's, half the executors' max_batch_tokens, at most 2048)",
     )
     parser.add_argument("--allow-anonymous", action="store_true", help="dev: L4M sessions without a token")
     parser.add_argument("--session-transport", default="framed", choices=["framed", "grpc"],
@@ -90,12 +104,16 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         tls_files(args.tls_cert, args.tls_key)
     except CredentialError as error:
         raise SystemExit(f"l4m {getattr(args, 'command', 'up')}: {error}") from None
+    if args.gateway_prefix_cache_pages is not None and args.gateway_prefix_cache_pages < 0:
+        raise SystemExit(f"l4m {getattr(args, 'command', 'up')}: --gateway-prefix-cache-pages must be 0 (no cache) "
+                         f"or more, got {args.gateway_prefix_cache_pages}")
     return ClusterConfig(
         state_dir=args.state_dir or default_state_dir(),
         host=args.host,
         spawner_port=args.spawner_port,
         scheduler_port=args.scheduler_port,
         gateway_port=args.gateway_port,
+        gateway_prefix_cache_pages=args.gateway_prefix_cache_pages,
         metrics_port_base=args.metrics_port_base,
         devices=tuple(d.strip() for d in args.devices.split(",") if d.strip()),
         dtype=args.dtype,
@@ -104,6 +122,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         sandbox=args.sandbox,
         warm_pool_size=args.warm_pool_size,
         max_continuation_steps=args.max_continuation_steps,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
         allow_anonymous=args.allow_anonymous,
         session_transport=args.session_transport,
         executor_transport=args.executor_transport,

@@ -58,6 +58,27 @@ def test_e2e_full_stack_and_executor_alone(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_e2e_long_prompt_beside_decoding_streams(tmp_path: Path) -> None:
+    """--long-prompt, tiny: a 300-token prompt in chunks of 64 beside 2 stepwise decoding streams, then in
+    one pass, each on a cluster of its own; the window and the streams' steps in and around it."""
+    out = tmp_path / "e2e-long.json"
+    done = run_bench("e2e.py", "--n", "2", "--new-tokens", "24", "--long-prompt", "300", "--prefill-chunk-tokens",
+                     "64", "--out", str(out), *cluster_flags(tmp_path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {row["variant"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"chunked", "unchunked"}
+    assert (rows["chunked"]["prefill_chunk_tokens"], rows["unchunked"]["prefill_chunk_tokens"]) == (64, 8192)
+    for row in rows.values():
+        assert row["n"] == 2 and row["long_prompt_tokens"] == 300 and row["generated_tokens"] == 2 * 24
+        assert 0 < row["window_start_s"] < row["window_end_s"]
+        assert row["long_ttft_ms"] > 0 and row["long_ttft_user_ms"] > 0
+        assert row["median_step_ms"] > 0 and row["num_window_gaps"] > 0
+        assert 0 < row["window_itl_p50_ms"] <= row["window_itl_p99_ms"] <= row["window_itl_max_ms"]
+        assert row["p99_over_median_step"] == pytest.approx(row["window_itl_p99_ms"] / row["median_step_ms"])
+    assert "| chunked | 64 | 2 | 300 |" in done.stdout
+
+
+@pytest.mark.slow
 def test_agentic_variants_agree(tmp_path: Path) -> None:
     out = tmp_path / "agentic.json"
     done = run_bench("agentic.py", "--repeats", "1", "--prefix-tokens", "40", "--branches", "2",

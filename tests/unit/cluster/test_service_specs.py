@@ -80,6 +80,20 @@ def test_max_continuation_steps_reaches_the_scheduler_only_when_set(tmp_path: Pa
     assert argv[argv.index("--max-continuation-steps") + 1] == "0"
 
 
+def test_prefill_chunk_tokens_reaches_the_scheduler_only_when_set(tmp_path: Path) -> None:
+    def scheduler_argv(**overrides: object) -> tuple[str, ...]:
+        return next(s.argv for s in service_specs(_config(tmp_path, **overrides)) if s.name == "scheduler")
+
+    assert "--prefill-chunk-tokens" not in scheduler_argv()  # the scheduler's default chunk
+    assert _flag(scheduler_argv(prefill_chunk_tokens=512), "--prefill-chunk-tokens") == "512"
+    parser = argparse.ArgumentParser()
+    add_cluster_arguments(parser)
+    assert cluster_config(parser.parse_args(["--prefill-chunk-tokens", "256"])).prefill_chunk_tokens == 256
+    assert cluster_config(parser.parse_args([])).prefill_chunk_tokens is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--prefill-chunk-tokens", "0"])
+
+
 def _flag(argv: tuple[str, ...], name: str) -> str:
     return argv[argv.index(name) + 1]
 
@@ -238,3 +252,9 @@ def test_the_gateways_prefix_cache_is_its_default_unless_the_cluster_sets_it(tmp
     assert "--prefix-cache-pages" not in argv()
     off = argv(gateway_prefix_cache_pages=0)
     assert off[off.index("--prefix-cache-pages") + 1] == "0"
+    parser = argparse.ArgumentParser()
+    add_cluster_arguments(parser)
+    assert cluster_config(parser.parse_args(["--gateway-prefix-cache-pages", "32"])).gateway_prefix_cache_pages == 32
+    assert cluster_config(parser.parse_args([])).gateway_prefix_cache_pages is None
+    with pytest.raises(SystemExit, match="--gateway-prefix-cache-pages must be 0"):
+        cluster_config(parser.parse_args(["--gateway-prefix-cache-pages", "-1"]))
