@@ -3,7 +3,10 @@ that a collector reads at scrape time."""
 
 from __future__ import annotations
 
+import argparse
 import bisect
+import ipaddress
+from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import HistogramMetricFamily
@@ -13,7 +16,43 @@ from prometheus_client.registry import CollectorRegistry
 DURATION_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
-def start_metrics_server(port: int, registry: CollectorRegistry | None = None, host: str = "127.0.0.1") -> None:
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class MetricsEndpoint:
+    """Where a service serves /metrics: port 0 is off; loopback unless the operator exposes it (inside a
+    container, 0.0.0.0 so that a Prometheus on the cluster's internal network can scrape it)."""
+
+    port: int = 0
+    host: str = LOOPBACK
+
+
+METRICS_OFF = MetricsEndpoint()
+
+
+def add_metrics_flags(parser: argparse.ArgumentParser) -> None:
+    """`--metrics-port` and `--metrics-host`, the same on every service; `metrics_endpoint` reads them."""
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on --metrics-host; 0 = off")
+    parser.add_argument("--metrics-host", default=LOOPBACK,
+                        help="IP address /metrics listens on (default loopback only; 0.0.0.0 in a container "
+                        "whose network only the cluster's Prometheus reaches: docs/security.md)")
+
+
+def metrics_endpoint(parser: argparse.ArgumentParser, args: argparse.Namespace) -> MetricsEndpoint:
+    """The parsed `--metrics-port`/`--metrics-host`; a port out of range or a host that is not an IP
+    address is a usage error (exit 2) naming the flag."""
+    if not 0 <= args.metrics_port <= 65535:
+        parser.error(f"--metrics-port must be in 0..65535 (0: off), got {args.metrics_port}")
+    try:
+        ipaddress.ip_address(args.metrics_host)
+    except ValueError:
+        parser.error(f"--metrics-host must be an IP address (127.0.0.1: loopback only; 0.0.0.0: every "
+                     f"interface), got {args.metrics_host!r}")
+    return MetricsEndpoint(args.metrics_port, args.metrics_host)
+
+
+def start_metrics_server(port: int, registry: CollectorRegistry | None = None, host: str = LOOPBACK) -> None:
     """Serve Prometheus metrics on http://host:port/metrics (port 0: no server)."""
     if not port:
         return

@@ -13,7 +13,13 @@ from pathlib import Path
 import torch
 
 from l4m import eventloop
-from l4m.common.metrics import start_metrics_server
+from l4m.common.metrics import (
+    METRICS_OFF,
+    MetricsEndpoint,
+    add_metrics_flags,
+    metrics_endpoint,
+    start_metrics_server,
+)
 from l4m.common.serving import bound_address, serve_until_signal
 from l4m.executor.architectures import UnsupportedModel
 from l4m.executor.engine import EngineConfig
@@ -24,7 +30,7 @@ from l4m.telemetry import configure_tracing, shutdown_tracing
 from l4m.wire.credentials import CredentialError, read_secret_file, tls_files
 
 
-def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, int]:
+def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, MetricsEndpoint]:
     parser = argparse.ArgumentParser(prog="python -m l4m.executor", description=__doc__)
     parser.add_argument("--listen", default="127.0.0.1:50061", help="host:port (port 0 = any) or unix:/path")
     parser.add_argument(
@@ -61,9 +67,13 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, int]:
     parser.add_argument("--graph-max-batch", type=int, default=64, help="the largest decode batch run as a CUDA graph")
     parser.add_argument("--page-size", type=int, default=16, help="token slots per KV page")
     parser.add_argument("--num-pages", type=int, default=0, help="KV pages; 0 = size from free memory")
+    parser.add_argument("--swap-space-pages", type=int, default=-1,
+                        help="host swap slots (one KV page each) where the scheduler parks the pages of instances it "
+                        "preempts under memory pressure; -1 = as many as the KV cache, at most 1 GiB; 0 = none (the "
+                        "scheduler then evicts instead)")
     parser.add_argument("--num-embed-slots", type=int, default=1024)
     parser.add_argument("--max-batch-tokens", type=int, default=8192)
-    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on 127.0.0.1; 0 = off")
+    add_metrics_flags(parser)
     parser.add_argument("--cluster-secret-file", type=Path, default=None,
                         help="file (mode 0600) holding the cluster secret: Execute, GetInfo and Reset refuse calls "
                         "without it (UNAUTHENTICATED)")
@@ -73,6 +83,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, int]:
     parser.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: TLS on a TCP --listen")
     parser.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
     args = parser.parse_args(argv)
+    if args.swap_space_pages < -1:
+        parser.error(f"--swap-space-pages must be -1 (auto), 0 (none) or more, got {args.swap_space_pages}")
     if args.graph_max_batch < 1:
         parser.error(f"--graph-max-batch must be at least 1, got {args.graph_max_batch}")
     try:
@@ -94,13 +106,14 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, int]:
         decode_kernel=args.decode_kernel == "on",
         decode_graphs=args.decode_graphs == "on",
         graph_max_batch=args.graph_max_batch,
+        swap_space_pages=args.swap_space_pages,
     )
     config = ExecutorConfig(listen=args.listen, model_path=str(args.model or default_model_path()), engine=engine,
                             cluster_secret=secret, tls=tls, listen_framed=args.listen_framed, model_name=args.model_name)
-    return config, args.metrics_port
+    return config, metrics_endpoint(parser, args)
 
 
-async def serve(config: ExecutorConfig, metrics_port: int = 0) -> None:
+async def serve(config: ExecutorConfig, metrics: MetricsEndpoint = METRICS_OFF) -> None:
     print(f"l4m executor: loading {config.model_path} on {config.engine.device} ({config.engine.dtype}) ...", flush=True)
     started = time.monotonic()
     server = await create_server(config)
@@ -113,7 +126,7 @@ async def serve(config: ExecutorConfig, metrics_port: int = 0) -> None:
     # every full collection (a batch allocates many short-lived objects, which trigger collections).
     gc.collect()
     gc.freeze()
-    start_metrics_server(metrics_port, executor_registry(engine))
+    start_metrics_server(metrics.port, executor_registry(engine), host=metrics.host)
 
     async def announce() -> None:
         framed = f" and framed:{server.framed_server.path}" if server.framed_server is not None else ""
@@ -126,10 +139,10 @@ async def serve(config: ExecutorConfig, metrics_port: int = 0) -> None:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     configure_tracing("l4m.executor")
-    config, metrics_port = parse_config(argv)
+    config, metrics = parse_config(argv)
     try:
         with contextlib.suppress(KeyboardInterrupt):
-            eventloop.run(serve(config, metrics_port))
+            eventloop.run(serve(config, metrics))
     except (UnsupportedModel, FileNotFoundError) as error:
         # A model the executor cannot serve right is refused before anything listens: say why, no traceback.
         print(f"l4m executor: cannot serve {config.model_path}: {error}", file=sys.stderr, flush=True)

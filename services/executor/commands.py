@@ -139,6 +139,23 @@ class EmbedImage:
 
 
 @dataclass(frozen=True)
+class SwapOut:
+    """Copy each page (every layer's K/V and its slot visibility) into the host swap slot at the same
+    position, then free the page."""
+
+    page_ids: tuple[int, ...]
+    swap_slot_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SwapIn:
+    """Allocate each free page and fill it from the host swap slot at the same position (as `SwapOut` left it)."""
+
+    page_ids: tuple[int, ...]
+    swap_slot_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class DebugQuery:
     """ "ping" -> "pong"; "stats" -> JSON counters."""
 
@@ -179,6 +196,8 @@ Command = (
     | MaskKvPage
     | EmbedImage
     | DebugQuery
+    | SwapOut
+    | SwapIn
 )
 
 
@@ -209,3 +228,4 @@ class ExecutorInfo:
     capabilities: tuple[str, ...]
     max_batch_tokens: int
     chat_template_variables: dict[str, str] = field(default_factory=dict)  # "bos_token"/"eos_token" -> text
+    num_swap_slots: int = 0  # host swap slots for preempted instances' pages (0: no swap space)

@@ -11,6 +11,7 @@ from l4m.executor.quant import kernels_available, load_kernels
 from l4m.executor.weights import LoadedModel
 
 WEIGHT_MODES = ("auto", "dequantized", "quantized")
+MAX_AUTO_SWAP_BYTES = 1 << 30  # the automatic swap space's host memory at most (untouched slots cost none on CPU)
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class EngineConfig:
     # the static decode step (`decode_graphs.py`); False keeps them on the per-op torch path.
     decode_graphs: bool = True
     graph_max_batch: int = 64
+    # Host swap slots for the pages of instances the scheduler preempts (one KV page each). -1: as many as
+    # the device cache holds, at most what `MAX_AUTO_SWAP_BYTES` of host memory holds; 0: no swap space.
+    swap_space_pages: int = -1
 
 
 def resolve_weights(config: EngineConfig, loaded: LoadedModel) -> str:

@@ -114,6 +114,8 @@ def batch_from_pb(request: executor_pb2.ExecuteRequest) -> list[c.Command]:
             tuple(it.embed_slot_ids), it.image_bytes, it.position_offset
         ),
         "debug_query": lambda it, i: c.DebugQuery(it),
+        "swap_out": lambda it, i: c.SwapOut(tuple(it.kv_page_ids), tuple(it.swap_slot_ids)),
+        "swap_in": lambda it, i: c.SwapIn(tuple(it.kv_page_ids), tuple(it.swap_slot_ids)),
     }
     check_reply_bounds(kind, items)
     return [converters[kind](item, i) for i, item in enumerate(items)]
@@ -224,4 +226,5 @@ def info_to_pb(info: c.ExecutorInfo) -> executor_pb2.ExecutorServiceGetInfoRespo
         max_request_bytes=limits.EXECUTOR_MAX_REQUEST_BYTES,
         max_reply_bytes=limits.EXECUTOR_MAX_REPLY_BYTES,
         max_distribution_entries_per_batch=limits.EXECUTOR_MAX_DISTRIBUTION_ENTRIES_PER_BATCH,
+        num_swap_slots=info.num_swap_slots,
     )

@@ -53,8 +53,10 @@ from l4m.executor.commands import (
     MaskKvPage,
     ResourceKind,
     SampleTopK,
+    SwapIn,
+    SwapOut,
 )
-from l4m.executor.config import EngineConfig, resolve_weights
+from l4m.executor.config import MAX_AUTO_SWAP_BYTES, EngineConfig, resolve_weights
 from l4m.executor.continuation import (
     Continuation,
     plan_continuations,
@@ -63,7 +65,7 @@ from l4m.executor.continuation import (
 )
 from l4m.executor.decode_graphs import StaticDecoder
 from l4m.executor.decode_ops import TritonOps, supports, triton_available
-from l4m.executor.errors import CapabilityError, InvalidCommand
+from l4m.executor.errors import CapabilityError, InvalidCommand, UnknownResource
 from l4m.executor.kv_cache import KvCache
 from l4m.executor.model import LlamaModel
 from l4m.executor.sampler import apply_samplers
@@ -90,6 +92,8 @@ class Engine:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {config.dtype!r}")
         if config.page_size < 1 or config.num_embed_slots < 0 or config.num_pages < 0:
             raise ValueError("page_size must be >= 1, num_pages and num_embed_slots >= 0")
+        if config.swap_space_pages < -1:
+            raise ValueError(f"swap_space_pages must be -1 (auto), 0 (off) or more, got {config.swap_space_pages}")
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = _DTYPES[config.dtype]
@@ -101,10 +105,8 @@ class Engine:
         cfg = loaded.config
         self.graphs_off_reason = None if static_ops else self._graphs_off_reason(config, cfg)
         num_pages = config.num_pages
+        per_page = KvCache.bytes_per_page(cfg.num_layers, config.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         if num_pages == 0:
-            per_page = KvCache.bytes_per_page(
-                cfg.num_layers, config.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype
-            )
             num_pages = max(
                 1,
                 min(
@@ -122,6 +124,8 @@ class Engine:
             self.dtype,
             self.device,
             scratch_pages=0 if self.graphs_off_reason else 1,
+            num_swap_slots=(min(num_pages, MAX_AUTO_SWAP_BYTES // per_page) if config.swap_space_pages == -1
+                            else config.swap_space_pages),
         )
         self.static_decoder = (
             None
@@ -139,6 +143,8 @@ class Engine:
             MaskKvPage: self.mask_kv_page,
             EmbedImage: self.embed_image,
             DebugQuery: self.debug_query,
+            SwapOut: self.swap_out,
+            SwapIn: self.swap_in,
         }
         self._num_batches = 0
         self._num_forward_tokens = 0
@@ -195,6 +201,48 @@ class Engine:
         check_resource_batch(items, self.cache, should_be_allocated=True)
         self.cache.deallocate_pages(self._resource_ids(items, ResourceKind.KV_PAGE))
         self.cache.deallocate_slots(self._resource_ids(items, ResourceKind.EMBED_SLOT))
+
+    def swap_out(self, items: Sequence[SwapOut]) -> None:
+        """Preemption: copy allocated pages to host swap slots and free them."""
+        pages, slots = self._check_swap(items, "swap_out", pages_allocated=True)
+        with torch.inference_mode():
+            self.cache.swap_out(pages, slots)
+
+    def swap_in(self, items: Sequence[SwapIn]) -> None:
+        """Resumption: allocate free pages and fill them from host swap slots."""
+        pages, slots = self._check_swap(items, "swap_in", pages_allocated=False)
+        with torch.inference_mode():
+            self.cache.swap_in(pages, slots)
+
+    def _check_swap(
+        self, items: Sequence[SwapOut | SwapIn], verb: str, pages_allocated: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The batch's (pages, slots), after checking every id before anything is copied: pages and slots
+        pair up, are in range, appear once, and the pages are allocated (swap_out) or free (swap_in)."""
+        cache, seen_pages, seen_slots = self.cache, set(), set()
+        for n, item in enumerate(items):
+            where = f"{verb} item {n}"
+            if len(item.page_ids) != len(item.swap_slot_ids):
+                raise InvalidCommand(f"{where}: {len(item.page_ids)} kv pages but {len(item.swap_slot_ids)} swap "
+                                     f"slots; they pair up by position", item_index=n)
+            for page, slot in zip(item.page_ids, item.swap_slot_ids, strict=True):
+                if not 0 <= page < cache.num_pages:
+                    raise UnknownResource(f"{where}: kv page {page} is out of range (0..{cache.num_pages - 1})",
+                                          item_index=n)
+                if not 0 <= slot < cache.num_swap_slots:
+                    raise UnknownResource(f"{where}: swap slot {slot} is out of range "
+                                          f"({cache.num_swap_slots} swap slots)", item_index=n)
+                if bool(cache.is_page_allocated[page]) != pages_allocated:
+                    state = "not allocated" if pages_allocated else "allocated"
+                    raise InvalidCommand(f"{where}: kv page {page} is {state}", item_index=n)
+                if page in seen_pages or slot in seen_slots:
+                    raise InvalidCommand(f"{where}: kv page {page} or swap slot {slot} appears twice in the batch",
+                                         item_index=n)
+                seen_pages.add(page)
+                seen_slots.add(slot)
+        pages = np.asarray([p for item in items for p in item.page_ids], dtype=np.int64)
+        slots = np.asarray([s for item in items for s in item.swap_slot_ids], dtype=np.int64)
+        return pages, slots
 
     # ---- the model paths ------------------------------------------------------------------------
 
@@ -438,4 +486,5 @@ class Engine:
             chat_template_variables=tok.chat_template_variables(),
             capabilities=("text",),
             max_batch_tokens=self.config.max_batch_tokens,
+            num_swap_slots=self.cache.num_swap_slots,
         )

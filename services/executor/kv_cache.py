@@ -14,6 +14,12 @@ Invariants:
   (float32, page_size 16) on a busy 2-core CPU, under 1% of a decode step that needs a new page.
 - `scratch_pages` extra pages sit past `num_pages` (ids no command can name): the static decoder's
   padding rows write and read there (`decode_graphs.py`).
+- `swap_layers` / `swap_visible` are the host swap area (`num_swap_slots` slots, each one page of every
+  layer and its visibility row): `swap_out` copies pages there and frees them, `swap_in` allocates pages
+  and copies them back, bit for bit, so a preempted instance resumes on other physical pages with exactly
+  the K/V it had. The scheduler owns the slots (which are in use); the cache only checks ids. The area is
+  `torch.empty` (pinned on CUDA): a slot is always written before it is read, and untouched host memory
+  costs nothing on CPU.
 - The executor keeps its own allocation flags (`is_page_allocated`, `is_slot_allocated`) to reject
   unknown ids; the scheduler owns the real tables. `free_all` (the executor's Reset RPC) clears them
   when the scheduler reconnects with empty tables, so the two never disagree.
@@ -38,6 +44,7 @@ class KvCache:
         dtype: torch.dtype,
         device: torch.device,
         scratch_pages: int = 0,
+        num_swap_slots: int = 0,
     ) -> None:
         self.num_pages = num_pages
         self.num_scratch_pages = scratch_pages
@@ -50,6 +57,11 @@ class KvCache:
             (num_embed_slots, hidden_size), dtype=dtype, device=device
         )  # [slots, hidden]
         self.embed_positions = torch.zeros(num_embed_slots, dtype=torch.long, device=device)
+        self.num_swap_slots = num_swap_slots
+        pin = device.type == "cuda"
+        swap_shape = (num_swap_slots, 2, page_size, num_kv_heads, head_dim)
+        self.swap_layers = [torch.empty(swap_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
+        self.swap_visible = torch.empty((num_swap_slots, page_size), dtype=torch.bool, pin_memory=pin)
         self.is_page_allocated = np.zeros(num_pages, dtype=bool)
         self.is_slot_allocated = np.zeros(num_embed_slots, dtype=bool)
 
@@ -121,3 +133,26 @@ class KvCache:
         for layer in self.layers:
             layer[dst_page, :, dst] = layer[src_page, :, src].clone()
         self.page_visible[dst_page, dst] = self.page_visible[src_page, src].clone()
+
+    def swap_out(self, page_ids: np.ndarray, slot_ids: np.ndarray) -> None:
+        """Copy pages (every layer's K/V and their visibility) into host swap slots, then free the pages."""
+        if len(page_ids) == 0:
+            return
+        pages = self._device_index(page_ids)
+        slots = torch.from_numpy(np.ascontiguousarray(slot_ids, dtype=np.int64))
+        for layer, swap in zip(self.layers, self.swap_layers, strict=True):  # [pages, 2, page_size, kv_heads, head_dim]
+            swap.index_copy_(0, slots, layer.index_select(0, pages).to("cpu"))
+        self.swap_visible.index_copy_(0, slots, self.page_visible.index_select(0, pages).to("cpu"))
+        self.is_page_allocated[page_ids] = False
+
+    def swap_in(self, page_ids: np.ndarray, slot_ids: np.ndarray) -> None:
+        """Allocate pages and fill them from host swap slots (as `swap_out` left them)."""
+        self.is_page_allocated[page_ids] = True
+        if len(page_ids) == 0:
+            return
+        pages = self._device_index(page_ids)
+        slots = torch.from_numpy(np.ascontiguousarray(slot_ids, dtype=np.int64))
+        device = self.page_visible.device
+        for layer, swap in zip(self.layers, self.swap_layers, strict=True):
+            layer.index_copy_(0, pages, swap.index_select(0, slots).to(device, non_blocking=True))
+        self.page_visible.index_copy_(0, pages, self.swap_visible.index_select(0, slots).to(device, non_blocking=True))

@@ -206,7 +206,8 @@ async def create_server(config: ExecutorConfig, engine: Engine | None = None) ->
             [(executor_pb2_grpc.add_ExecutorServiceServicer_to_server, servicer)],
             [(config.listen, config.tls)],
             # The limits GetInfo advertises (l4m.wire.limits): batches are bounded so that their replies fit.
-            options=limits.grpc_options(limits.EXECUTOR_MAX_REPLY_BYTES, limits.EXECUTOR_MAX_REQUEST_BYTES),
+            options=[*limits.grpc_options(limits.EXECUTOR_MAX_REPLY_BYTES, limits.EXECUTOR_MAX_REQUEST_BYTES),
+                     *limits.EXECUTOR_KEEPALIVE_SERVER_OPTIONS],  # the scheduler's pings
             health_names=(SERVICE_NAME,),
         )
     except OSError as error:

@@ -9,7 +9,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from l4m import eventloop
-from l4m.common.metrics import start_metrics_server
+from l4m.common.metrics import (
+    METRICS_OFF,
+    MetricsEndpoint,
+    add_metrics_flags,
+    metrics_endpoint,
+    start_metrics_server,
+)
 from l4m.common.serving import bound_address, serve_until_signal
 from l4m.scheduler.batcher import parse_strategy
 from l4m.scheduler.config import SchedulerConfig
@@ -21,7 +27,7 @@ from l4m.wire.credentials import CredentialError, read_secret_file, tls_files
 from l4m.wire.rules import MAX_CONTINUATION_STEPS
 
 
-def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, int]:
+def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, MetricsEndpoint]:
     parser = argparse.ArgumentParser(prog="python -m l4m.scheduler", description="The l4m scheduler (L4M service).")
     parser.add_argument("--listen", default="127.0.0.1:50051", help="host:port for gRPC (port 0 picks one)")
     parser.add_argument("--listen-unix", default=None, help="also listen on this Unix socket path")
@@ -55,10 +61,15 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, in
     parser.add_argument("--prefill-chunk-tokens", type=int, default=0,
                         help="a forward_text with more tokens runs as chunks of at most this many, each batched "
                         "beside other streams' decode steps (0: half the executors' max_batch_tokens, at most 2048)")
+    parser.add_argument("--max-waiting-instances", type=int, default=256,
+                        help="instances that may wait at once for kv pages nobody can free for them (the admission "
+                        "queue); one more traps RESOURCE_EXHAUSTED; 0: no queue, such an allocation traps at once")
+    parser.add_argument("--admission-timeout-s", type=float, default=60.0,
+                        help="how long an instance may wait in the admission queue before it traps RESOURCE_EXHAUSTED")
     parser.add_argument("--max-export-pages-per-user", type=int, default=None,
                         help="distinct KV pages one user's persistent exports may hold together; one more traps the "
                         "export RESOURCE_EXHAUSTED (default: half of the smallest executor's pages; 0: unlimited)")
-    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics on 127.0.0.1; 0 = off")
+    add_metrics_flags(parser)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     try:
@@ -75,6 +86,10 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, in
         parser.error("--prefill-chunk-tokens must be 0 (the default) or more")
     if args.max_instances < 1:
         parser.error("--max-instances must be at least 1")
+    if args.max_waiting_instances < 0:
+        parser.error(f"--max-waiting-instances must be >= 0 (0: no admission queue), got {args.max_waiting_instances}")
+    if not args.admission_timeout_s > 0:
+        parser.error(f"--admission-timeout-s must be more than 0, got {args.admission_timeout_s}")
     if args.max_export_pages_per_user is not None and args.max_export_pages_per_user < 0:
         parser.error("--max-export-pages-per-user must be >= 0 (0: unlimited)")
     try:
@@ -91,11 +106,12 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, in
         max_continuation_steps=args.max_continuation_steps, registry_listen=args.registry_listen,
         cluster_secret=secret, tls=tls, executor_tls_ca=args.executor_tls_ca, max_instances=args.max_instances,
         max_export_pages_per_user=args.max_export_pages_per_user, prefill_chunk_tokens=args.prefill_chunk_tokens,
+        max_waiting_instances=args.max_waiting_instances, admission_timeout_s=args.admission_timeout_s,
     )
-    return config, args.metrics_port
+    return config, metrics_endpoint(parser, args)
 
 
-async def serve(config: SchedulerConfig, metrics_port: int = 0) -> None:
+async def serve(config: SchedulerConfig, metrics: MetricsEndpoint = METRICS_OFF) -> None:
     server = await create_server(config)
     registry = await create_registry_server(config, server.scheduler) if config.registry_listen else None
     if config.listen_unix:
@@ -105,7 +121,7 @@ async def serve(config: SchedulerConfig, metrics_port: int = 0) -> None:
     framed = FramedServer(server.scheduler, config.listen_framed) if config.listen_framed else None
     if framed is not None:
         await framed.start()
-    start_metrics_server(metrics_port, server.scheduler.metrics.registry)
+    start_metrics_server(metrics.port, server.scheduler.metrics.registry, host=metrics.host)
 
     async def announce() -> None:
         print(f"l4m scheduler listening on {bound_address(config.listen, server.port)}"
@@ -129,13 +145,13 @@ async def serve(config: SchedulerConfig, metrics_port: int = 0) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     # The provider must exist before the scheduler is built: it creates no spans without one.
     configure_tracing("l4m.scheduler")
-    config, metrics_port = parse_config(argv)
+    config, metrics = parse_config(argv)
     try:
         eventloop.loop_name()
     except ValueError as error:
         raise SystemExit(f"l4m.scheduler: {error}") from None
     try:
-        eventloop.run(serve(config, metrics_port))
+        eventloop.run(serve(config, metrics))
     finally:
         shutdown_tracing()
 

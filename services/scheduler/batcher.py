@@ -199,6 +199,18 @@ class BatchQueue:
         self.num_items -= len(taken)
         return taken
 
+    def remove_stream(self, stream: Stream) -> list[Command]:
+        """Take the stream's queued items out, in order (they go back to its pending: `Batcher.put_back`)."""
+        taken: list[Command] = []
+        for level in self.levels:
+            if any(c.stream is stream for c in level):
+                taken.extend(c for c in level if c.stream is stream)
+                kept = [c for c in level if c.stream is not stream]
+                level.clear()
+                level.extend(kept)
+        self.num_items -= len(taken)
+        return taken
+
     def remove_instance(self, instance: Any) -> None:
         for level in self.levels:
             kept = [c for c in level if c.stream.instance is not instance]
@@ -374,6 +386,18 @@ class Batcher:
     def submit(self, command: Command) -> None:
         stream = command.stream
         stream.pending.append(command)
+        if stream.num_queued == 0 and not stream.is_ready:
+            self._mark_ready(stream)
+
+    def put_back(self, stream: Stream, commands: list[Command]) -> None:
+        """Commands of `stream` held back (a preempted instance resumes) go first again, in their order,
+        with the stream's items still in batch queues after them, then what it has pending."""
+        for queue in self.queues:
+            if stream.num_queued and queue.num_items:
+                queued = queue.remove_stream(stream)
+                stream.num_queued -= len(queued)
+                commands = commands + queued
+        stream.pending.extendleft(reversed(commands))
         if stream.num_queued == 0 and not stream.is_ready:
             self._mark_ready(stream)
 

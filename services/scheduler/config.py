@@ -55,6 +55,13 @@ class SchedulerConfig:
     # None: half of the smallest connected executor's pages; 0: unlimited.
     max_export_pages_per_user: int | None = None
     max_export_metadata_bytes: int = 1 << 20
+    # Under memory pressure (contention.py): instances whose allocation of kv pages cannot be met, even by
+    # preempting instances ranked after them, wait in the admission queue, at most this many at once (one
+    # more traps RESOURCE_EXHAUSTED; 0: no queue, such an allocation traps at once) ...
+    max_waiting_instances: int = 256
+    # ... and for at most this long, from their first failed allocation until one gets through (then they
+    # trap RESOURCE_EXHAUSTED, saying so).
+    admission_timeout_s: float = 60.0
     # Executor reconnect backoff: first delay, doubled per failure up to the max.
     reconnect_initial_s: float = 0.1
     reconnect_max_s: float = 5.0

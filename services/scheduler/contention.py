@@ -1,14 +1,22 @@
 """The contention policy: who makes room when an executor runs out of pages or slots.
 
-Older instances win. When a requester cannot get what it asks for, the newest instance launched
-*after* it on the same executor (holding at least one resource of the kind that ran out) is evicted;
-repeat until there is room. With nobody newer to evict, the requester itself fails.
+KV pages (preemption, docs/operations.md "Under memory pressure"): instances are ordered by `rank`, their
+best stream priority first, then launch order (older first). A requester that cannot get its pages
+preempts instances ranked after it, the last-ranked first (`preemption_victims`): their unshared pages go
+to host swap (or, when the swap space is full, the victim is evicted). Nobody is preempted for the sake
+of an instance ranked after it. A requester that cannot be served that way waits (the admission queue)
+instead of failing; parked instances resume in rank order as pages free up.
+
+Embedding slots (no swap): the newest instance launched *after* the requester on the same executor
+(holding at least one slot) is evicted; repeat until there is room. With nobody newer to evict, the
+requester itself fails.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 
+from l4m.scheduler.batcher import PRIORITY_LEVEL
 from l4m.scheduler.instances import Instance
 
 
@@ -25,3 +33,21 @@ def choose_victim(requester: Instance, candidates: Iterable[Instance], *, kind_i
         if (held or candidate in claiming) and (victim is None or candidate.launch_key > victim.launch_key):
             victim = candidate
     return victim
+
+
+def rank(instance: Instance) -> tuple[int, int, int]:
+    """Who goes first under memory pressure (smaller first): the instance's most urgent stream priority
+    level (HIGH 0, NORMAL 1, LOW 2; NORMAL without streams), then its launch order."""
+    level = min((stream.level for stream in instance.streams.values()), default=PRIORITY_LEVEL[2])
+    return (level, *instance.launch_key)
+
+
+def preemption_victims(requester: Instance, candidates: Iterable[Instance], *,
+                       claiming: Collection[Instance] = ()) -> list[Instance]:
+    """Who may be preempted for `requester`, the last-ranked first: live instances ranked after it, not
+    suspended already, that hold kv pages or claim some in the batch being built (`claiming`)."""
+    own = rank(requester)
+    victims = [c for c in candidates if c is not requester and c.is_alive and not c.is_suspended
+               and (c.table.kv_pages or c in claiming) and rank(c) > own]
+    victims.sort(key=rank, reverse=True)
+    return victims

@@ -21,6 +21,16 @@ rejects anyway traps the item it names and is sent again without it (`_on_batch_
 batches are kept (`Executor.unanswered`) until a later reply shows they ran, so their rejections are
 blamed the same way.
 
+Memory pressure (contention.py; docs/operations.md "Under memory pressure"): an allocate of kv pages the
+pool cannot hold preempts instances ranked after its instance (`_make_kv_room`, `_preempt`): their
+unshared pages are copied to host swap slots (`swap_out`, sent before the allocate that reuses them) and
+their commands are held, unsent, in `Instance.held` (at `_route` and at `_fire`; batches already sent
+finish first: the executor runs in order). When nothing ranked after it can make room, the requester
+itself parks, waiting (`_wait`): the admission queue, bounded in size and time. At each step, while
+anything is parked, `_retry_parked` resumes parked instances in rank order (preempting again for the
+first, never for a later one): `swap_in` to fresh pages, the table remapped, the held commands queued
+again in order. An instance that resumed sees only a delay.
+
 Synchronize resolves when it reaches the head of its stream (all earlier commands are sent) and every
 earlier command of the stream that has a reply was answered; the executor runs in order, so
 fire-and-forget commands sent before those replies are done too.
@@ -34,6 +44,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -102,6 +113,17 @@ class Scheduler:
             lambda: sum(e.resources.kv_pages.num_used for e in self.executors if e.resources),
             self.instances.num_active,
             lambda: sum(e.resources.embed_slots.num_used for e in self.executors if e.resources),
+        )
+        # Memory pressure: the instances parked now (suspended or waiting), and those in the admission queue
+        # (from a first failed allocation until one gets through, parked or being retried).
+        self._parked: set[Instance] = set()
+        self._waiters: set[Instance] = set()
+        self._retried_at: tuple[int, ...] = ()  # what `_retry_parked` last saw (`_retry_key`)
+        self._num_park_changes = 0
+        self.metrics.bind_pressure_gauges(
+            lambda: sum(len(i.table.swapped_kv_pages) for i in self._parked),
+            lambda: sum(1 for i in self._parked if i.is_suspended),
+            lambda: len(self._waiters),
         )
         self.models: dict[str, ServedModel] = {}  # by name, in the order their executors first connected
         self.watchers: list[Watcher] = []
@@ -331,10 +353,17 @@ class Scheduler:
         self._step_scheduled = False
         batcher = self.batcher
         now = self.clock()
+        num_retries = 0
         while True:
+            if self._parked and self._retry_key() != self._retried_at:
+                if num_retries == _MAX_RETRIES_PER_STEP:  # go on in a later turn of the loop: never spin here
+                    self._schedule_step()
+                    break
+                num_retries += 1
+                self._retry_parked()
             batcher.pump(self._route)
             batcher.fire_due(now, self._fire)
-            if not batcher.has_ready():
+            if not batcher.has_ready() and not (self._parked and self._retry_key() != self._retried_at):
                 break
         self._arm_timer(batcher.next_deadline())
 
@@ -357,6 +386,11 @@ class Scheduler:
         """Where the command at the head of its stream goes; local commands run here."""
         instance = command.stream.instance
         kind = KINDS[command.kind]
+        if instance.is_parked:  # the stream's commands wait, in order, until it resumes
+            stream = command.stream
+            instance.held.extend(stream.pending)
+            stream.pending.clear()
+            return None
         try:
             if kind.run_local is not None:
                 if kind.permit is not None:
@@ -405,6 +439,9 @@ class Scheduler:
             instance = command.stream.instance
             if not instance.is_alive:
                 continue
+            if instance.is_parked:  # preempted or waiting: sent once it resumes
+                instance.held.append(command)
+                continue
             try:
                 item = translate(command.item, instance.table, executor, limits)
                 if command.num_tokens:
@@ -412,6 +449,8 @@ class Scheduler:
             except TrapError as error:
                 self.trap(instance, error, command.request_id, kind.name)
                 continue
+            if instance.wait_started is not None and kind.name == "allocate" and item.kind == KV_PAGE:
+                self._admitted(instance)
             if item is not None:
                 items.append(item)
                 sent.append(command)
@@ -436,30 +475,199 @@ class Scheduler:
 
     def _make_room(self, executor: Executor, commands: list[Command], limits: ModelLimits) -> None:
         """Before an allocate batch is built: check each allocate against its instance and, where the pool
-        cannot hold it on top of the batch's earlier allocates, evict (contention.py) until it can. Victims
-        are trapped here, before any item is translated; what fails traps its own instance."""
+        cannot hold it on top of the batch's earlier allocates, preempt (kv pages) or evict (embed slots)
+        until it can (contention.py). A kv requester that cannot be served so waits (`_wait`): its commands
+        are held by the translation that follows, like those of the instances preempted here. What fails
+        traps its own instance."""
         pools = executor.pools()
         claimed: dict[tuple[Instance, bool], set[int]] = {}  # virtual ids claimed in this batch
         admitted: list[tuple[Instance, bool, int]] = []  # (instance, is kv, ids) of the allocates that fit
-        num_claimed = {True: 0, False: 0}  # ids the admitted allocates of live instances take, by is kv
         for command in commands:
             instance = command.stream.instance
-            if not instance.is_alive:
+            if not instance.is_alive or instance.is_parked:
                 continue
             item: common_pb2.AllocateItem = command.item
             is_kv = item.kind == KV_PAGE
-            pool = pools.kv_pages if is_kv else pools.embed_slots
             try:
                 num_ids = claim_allocation(item, instance.table, limits, claimed.setdefault((instance, is_kv), set()))
-                if not pool.can_allocate(num_claimed[is_kv] + num_ids):
+                if is_kv:
+                    if not self._make_kv_room(executor, instance, num_ids, admitted):
+                        self._wait(executor, instance, num_ids,
+                                   item.max_wait_ms / 1000 if item.HasField("max_wait_ms") else None)
+                        continue
+                elif not pools.embed_slots.can_allocate(_num_claimed(admitted, False) + num_ids):
                     self._evict(executor, instance, is_kv, num_ids, admitted)
-                    num_claimed = {
-                        kv: sum(n for i, k, n in admitted if k is kv and i.is_alive) for kv in (True, False)}
             except TrapError as error:
                 self.trap(instance, error, command.request_id, "allocate")
                 continue
             admitted.append((instance, is_kv, num_ids))
-            num_claimed[is_kv] += num_ids
+
+    def _make_kv_room(self, executor: Executor, requester: Instance, num_ids: int,
+                      admitted: list[tuple[Instance, bool, int]], num_reserved: int = 0) -> bool:
+        """Whether `num_ids` more kv pages fit beside the batch's admitted allocates (and `num_reserved`),
+        after preempting instances ranked after `requester` (contention.py), the last-ranked first, as few as
+        it takes. Nobody is preempted when that would not be enough, nor when an instance ranked before
+        the requester is parked on this executor (it goes first: the requester waits behind it)."""
+        pool = executor.pools().kv_pages
+
+        def shortfall() -> int:
+            return _num_claimed(admitted, True) + num_reserved + num_ids - pool.num_free
+
+        if any(p.executor is executor and contention.rank(p) < contention.rank(requester) for p in self._parked):
+            return False
+        if shortfall() <= 0:
+            return True
+        claiming = {i for i, k, n in admitted if k and n and i.is_alive and not i.is_parked}
+        chosen, num_freed = [], 0
+        for victim in contention.preemption_victims(requester, executor.instances, claiming=claiming):
+            if num_freed >= shortfall():
+                break
+            chosen.append(victim)
+            num_freed += _num_movable(pool, victim) + sum(n for i, k, n in admitted if i is victim and k)
+        if num_freed < shortfall():
+            return False
+        for victim in chosen:
+            self._preempt(executor, victim, requester, num_ids)
+        return shortfall() <= 0
+
+    def _preempt(self, executor: Executor, victim: Instance, requester: Instance, num_ids: int) -> None:
+        """Suspend `victim` for `requester`: its unshared kv pages go to host swap slots and are freed (a
+        `swap_out` sent now, so it runs after every batch already sent and before any allocate that reuses
+        the pages), its commands are held. Pages it shares (exported, imported: refcount > 1, or frozen)
+        stay where they are. With the swap space too full for its pages it is evicted instead."""
+        pools = executor.pools()
+        pool, swap = pools.kv_pages, pools.swap_slots
+        moving = [(v, p) for v, p in victim.table.kv_pages.items() if pool.refcount(p) == 1 and not pool.is_frozen(p)]
+        if not swap.can_allocate(len(moving)):
+            self.trap(victim, Evicted(
+                f"evicted to make room: instance {requester.instance_id!r}, which goes before this one (priority, "
+                f"then launch order), needed {num_ids} kv pages on executor {executor.index}, and the swap space "
+                f"is full: {swap.num_free} of {swap.capacity} swap slots free, this instance's {len(moving)} "
+                f"pages would need them (--swap-space-pages)"))
+            return
+        victim.is_suspended = True
+        self._park(victim)
+        self.metrics.num_preemptions += 1
+        if moving:
+            slots = swap.allocate(len(moving))
+            table = victim.table
+            for (virtual, _), slot in zip(moving, slots, strict=True):
+                del table.kv_pages[virtual]
+                table.swapped_kv_pages[virtual] = slot
+            pages = [p for _, p in moving]
+            pool.release(pages)
+            request = executor_pb2.ExecuteRequest(correlation_id=executor.next_correlation_id())
+            request.swap_out.items.add(kv_page_ids=pages, swap_slot_ids=slots)
+            executor.link.send(request)
+            self.metrics.num_pages_swapped_out += len(pages)
+        # A rejected batch of it sent before this must not be sent again with the old pages (_on_batch_error).
+        self._dispatch_seq += 1
+        self._last_dispatch[victim] = self._dispatch_seq
+        log.info("preempted instance %r (%d kv pages to swap) for %r on executor %d", victim.instance_id,
+                 len(moving), requester.instance_id, executor.index)
+
+    def _wait(self, executor: Executor, instance: Instance, num_ids: int, max_wait_s: float | None) -> None:
+        """Park a requester whose kv pages neither the pool nor preemption can give it: the admission
+        queue, for at most --admission-timeout-s or the allocate's `max_wait_s`, whichever is smaller.
+        Raises ResourceExhausted when the queue is full or the allocate will not wait."""
+        pool = executor.pools().kv_pages
+        if instance.wait_started is None:
+            needs = (f"needs {num_ids} kv pages, {pool.num_free} of {pool.capacity} are free on executor "
+                     f"{executor.index}, preempting instances that go after this one cannot make room")
+            if max_wait_s == 0:
+                raise ResourceExhausted(f"{needs}, and the allocate asked not to wait (max_wait_ms 0)")
+            max_waiting = self.config.max_waiting_instances
+            if len(self._waiters) >= max_waiting:
+                raise ResourceExhausted(f"{needs}, and the admission queue is full ({len(self._waiters)} of "
+                                        f"{max_waiting} instances wait; --max-waiting-instances)")
+            timeout_s, limit = self.config.admission_timeout_s, f"--admission-timeout-s {self.config.admission_timeout_s:g}"
+            if max_wait_s is not None and max_wait_s < timeout_s:
+                timeout_s, limit = max_wait_s, f"its allocate's max_wait_ms {round(max_wait_s * 1000)}"
+            instance.wait_started = self.clock()
+            self._waiters.add(instance)
+            if self._loop is not None:
+                instance.wait_timer = self._loop.call_later(timeout_s, self._wait_timed_out, instance, num_ids, limit)
+        instance.is_waiting = True
+        instance.wait_num_pages = num_ids
+        self._park(instance)
+
+    def _admitted(self, instance: Instance) -> None:
+        """An allocate of a waiting instance got through: it leaves the admission queue."""
+        self.metrics.admission_wait_seconds.observe(self.clock() - cast(float, instance.wait_started))
+        self._leave_queue(instance)
+
+    def _leave_queue(self, instance: Instance) -> None:
+        instance.wait_started = None
+        self._waiters.discard(instance)
+        if instance.wait_timer is not None:
+            instance.wait_timer.cancel()
+            instance.wait_timer = None
+
+    def _wait_timed_out(self, instance: Instance, num_ids: int, limit: str) -> None:
+        instance.wait_timer = None
+        if not instance.is_alive or instance.wait_started is None:
+            return
+        held = next((c for c in instance.held if c.kind == "allocate"), None)
+        self.trap(instance, ResourceExhausted(
+            f"waited {self.clock() - instance.wait_started:.1f} s in the admission queue for {num_ids} kv pages "
+            f"({limit}); instances that go before it held them"),
+            held.request_id if held is not None else 0, "allocate")
+
+    def _park(self, instance: Instance) -> None:
+        self._parked.add(instance)
+        self._num_park_changes += 1
+
+    def _retry_key(self) -> tuple[int, ...]:
+        """What decides whether a parked instance could resume: free pages per executor, parking changes."""
+        return (self._num_park_changes, *(e.resources.kv_pages.num_free for e in self.executors if e.resources))
+
+    def _retry_parked(self) -> None:
+        """Resume parked instances in rank order, each when its swapped pages and the pages it waits for fit
+        (preempting instances ranked after it); the first that cannot stops its executor's queue."""
+        self._retried_at = self._retry_key()
+        for executor in self.executors:
+            if not executor.is_connected:
+                continue
+            num_reserved = 0
+            for instance in sorted((i for i in self._parked if i.executor is executor), key=contention.rank):
+                if instance not in self._parked:  # evicted to make room for one resumed before it
+                    continue
+                self._parked.discard(instance)  # ranks are compared among the others
+                num_pages = len(instance.table.swapped_kv_pages) + instance.wait_num_pages
+                fits = self._make_kv_room(executor, instance, num_pages, [], num_reserved)
+                if not fits:
+                    self._parked.add(instance)
+                    break
+                num_reserved += instance.wait_num_pages
+                self._resume(executor, instance)
+        self._retried_at = self._retry_key()
+
+    def _resume(self, executor: Executor, instance: Instance) -> None:
+        """Swap a parked instance's pages back in to fresh pages (the pool has them: `_make_kv_room`), remap
+        its table and queue its held commands again, in order."""
+        self._num_park_changes += 1
+        table = instance.table
+        if table.swapped_kv_pages:
+            pools = executor.pools()
+            virtual, slots = list(table.swapped_kv_pages), list(table.swapped_kv_pages.values())
+            pages = pools.kv_pages.allocate(len(slots))
+            request = executor_pb2.ExecuteRequest(correlation_id=executor.next_correlation_id())
+            request.swap_in.items.add(kv_page_ids=pages, swap_slot_ids=slots)
+            executor.link.send(request)
+            table.kv_pages.update(zip(virtual, pages, strict=True))
+            pools.swap_slots.release(table.clear_swapped())
+            self._dispatch_seq += 1
+            self._last_dispatch[instance] = self._dispatch_seq
+        if instance.is_suspended:
+            self.metrics.num_resumes += 1
+        instance.is_suspended = instance.is_waiting = False
+        instance.wait_num_pages = 0
+        held, instance.held = instance.held, deque()
+        by_stream: dict[Stream, list[Command]] = {}
+        for command in held:
+            by_stream.setdefault(command.stream, []).append(command)
+        for stream, commands in by_stream.items():  # before what the stream queued or sent since it parked
+            self.batcher.put_back(stream, commands)
 
     def _evict(self, executor: Executor, requester: Instance, is_kv: bool, num_ids: int,
                admitted: list[tuple[Instance, bool, int]]) -> None:
@@ -469,7 +677,7 @@ class Scheduler:
         pools = executor.pools()
         pool = pools.kv_pages if is_kv else pools.embed_slots
         while True:
-            num_claimed = sum(n for i, k, n in admitted if k is is_kv and i.is_alive)
+            num_claimed = _num_claimed(admitted, is_kv)
             if pool.can_allocate(num_claimed + num_ids):
                 return
             claiming = {i for i, k, n in admitted if k is is_kv and n}
@@ -805,9 +1013,12 @@ class Scheduler:
             stream.sync_waiters.clear()
         self._last_dispatch.pop(instance, None)
         executor: Executor | None = instance.executor
+        swap_slots = self._unpark(instance, reason)
         if executor is None or not executor.is_connected:
             instance.table.clear()
             return 0, 0
+        if swap_slots:  # only the scheduler tracks which swap slots hold something: nothing to send
+            executor.pools().swap_slots.release(swap_slots)
         for queue in executor.queues.values():
             if queue.num_items:
                 queue.remove_instance(instance)
@@ -819,7 +1030,24 @@ class Scheduler:
         num_slots_freed = len(self._release(executor, [], slots))
         for export in self.exports.owned_by(instance.instance_id, is_persistent=False):
             num_pages_freed += self._drop_export(self.exports.remove(export))
+        if self._parked and num_pages_freed:  # parked instances may resume now
+            self._schedule_step()
         return num_pages_freed, num_slots_freed
+
+    def _unpark(self, instance: Instance, reason: str) -> list[int]:
+        """An ending instance leaves the parked set and the admission queue; returns its swap slots."""
+        if instance.wait_started is not None:
+            self._leave_queue(instance)
+        if instance in self._parked:
+            self._parked.discard(instance)
+            self._num_park_changes += 1
+            self._schedule_step()  # what it held may let others resume
+        if self.tracer.enabled:
+            for command in instance.held:
+                self.tracer.end_with_error(command.span, reason)
+        instance.held.clear()
+        instance.is_suspended = instance.is_waiting = False
+        return instance.table.clear_swapped()
 
     def _release(self, executor: Executor, pages: list[int], slots: list[int]) -> list[int]:
         """Drop one reference from each id; tell the executor to deallocate those nobody holds."""
@@ -952,6 +1180,19 @@ def _written_ranges(command: Command, page_size: int) -> list[tuple[int, int, in
         ranges.append((pages[index], start, end))
     return ranges
 
+
+def _num_claimed(admitted: list[tuple[Instance, bool, int]], is_kv: bool) -> int:
+    """Ids of one kind that the admitted allocates of a batch take (a trapped or parked instance's none)."""
+    return sum(n for i, k, n in admitted if k is is_kv and i.is_alive and not i.is_parked)
+
+
+def _num_movable(pool: Any, instance: Instance) -> int:
+    """An instance's kv pages that preempting it frees: those nobody else holds and no export froze."""
+    return sum(1 for p in instance.table.kv_pages.values() if pool.refcount(p) == 1 and not pool.is_frozen(p))
+
+
+# Rounds of resuming parked instances in one step (each resume may free or take pages for the next).
+_MAX_RETRIES_PER_STEP = 16
 
 # Fire-and-forget batches not yet known to have run, per executor, before a barrier ping is sent.
 _MAX_UNANSWERED = 64

@@ -104,7 +104,7 @@ class Executor:
     def connect(self, info: executor_pb2.ExecutorServiceGetInfoResponse) -> list[BatchQueue]:
         """Fresh pools and queues for a (re)connected executor: its cache starts empty (the link reset it)."""
         self.info = info
-        self.resources = ExecutorResources(info.num_kv_pages, info.num_embed_slots)
+        self.resources = ExecutorResources(info.num_kv_pages, info.num_embed_slots, info.num_swap_slots)
         max_batch_tokens = info.max_batch_tokens or (1 << 30)
         self.queues = {kind: BatchQueue(kind, self, max_batch_tokens, is_forward=KINDS[kind].is_forward)
                        for kind in EXECUTOR_KINDS}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections import deque
 from typing import Any, Protocol
 
 from l4m.scheduler.batcher import Stream
@@ -27,7 +28,13 @@ class EventSink(Protocol):
 
 class Instance:
     """One controller instance. Invariant: while ACTIVE, every physical id in `table` is held (one
-    reference) on `executor`; once ENDED, `table` is empty and no command of it is queued."""
+    reference) on `executor`; once ENDED, `table` is empty and no command of it is queued.
+
+    Parked (memory pressure, `Scheduler._preempt` / `_wait`): a *suspended* instance's unshared pages are
+    in host swap slots (`table.swapped_kv_pages`); a *waiting* one needs `wait_num_pages` more pages than it
+    can get. Either way its commands are kept in `held`, in the order they would have been sent, and none
+    is translated or sent until it resumes. `wait_started` stays set from its first failed allocate until an
+    allocate of it gets through (it is in the admission queue that long, across retries)."""
 
     __slots__ = (
         "instance_id",
@@ -51,6 +58,12 @@ class Instance:
         "model",
         "companions",
         "companion_of",
+        "is_suspended",
+        "is_waiting",
+        "held",
+        "wait_started",
+        "wait_num_pages",
+        "wait_timer",
     )
 
     def __init__(
@@ -82,10 +95,21 @@ class Instance:
         self.is_anonymous = False
         self.trap: l4m_pb2.Trap | None = None
         self.num_streams_closing = 0
+        self.is_suspended = False
+        self.is_waiting = False
+        self.held: deque[Any] = deque()  # the Commands of a parked instance, in order
+        self.wait_started: float | None = None
+        self.wait_num_pages = 0
+        self.wait_timer: Any = None  # the loop's TimerHandle of its admission timeout
 
     @property
     def is_alive(self) -> bool:
         return self.state is InstanceState.ACTIVE
+
+    @property
+    def is_parked(self) -> bool:
+        """Suspended or waiting: its commands are held, not sent."""
+        return self.is_suspended or self.is_waiting
 
     @property
     def launch_key(self) -> tuple[int, int]:

@@ -23,9 +23,14 @@ from l4m.wire.credentials import bearer_metadata, open_channel
 
 log = logging.getLogger(__name__)
 
+# A host that is down answers no SYN: each attempt (a fresh channel) waits for its GetInfo deadline; between
+# attempts the link's own backoff, capped at `max_backoff_s`, so a returning host is taken back within
+# seconds. The channel's own retries within one attempt stay under the same cap.
+_RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 5000))
 # The executor's limits (l4m.wire.limits, advertised in its GetInfo): the batcher keeps batches and their
-# replies within them.
-_CHANNEL_OPTIONS = limits.grpc_options(limits.EXECUTOR_MAX_REQUEST_BYTES, limits.EXECUTOR_MAX_REPLY_BYTES)
+# replies within them. Keepalive pings notice a host that vanished without a word (l4m.wire.limits).
+_CHANNEL_OPTIONS = (*limits.grpc_options(limits.EXECUTOR_MAX_REQUEST_BYTES, limits.EXECUTOR_MAX_REPLY_BYTES),
+                    *limits.EXECUTOR_KEEPALIVE_CLIENT_OPTIONS, *_RECONNECT_OPTIONS)
 
 
 EXECUTOR_TRANSPORTS = ("auto", "grpc")

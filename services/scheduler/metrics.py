@@ -42,6 +42,20 @@ class _DurationCollector(Collector):
         yield self.by_kind.family(self.name, self.documentation)
 
 
+class _Count(Collector):
+    """A plain counter (`<name>_total`) read from a callable at scrape time."""
+
+    def __init__(self, name: str, documentation: str, read: Callable[[], int]) -> None:
+        self.name, self.documentation, self.read = name, documentation, read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.name, self.documentation, value=self.read())
+
+
+# Seconds an instance waits in the admission queue: from sub-millisecond to the default timeout's 60 s.
+_WAIT_BUCKETS = (0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
 class SchedulerMetrics:
     """Counts are plain ints and dicts (read at scrape time, and by `counts()`); batch sizes go to a
     prometheus histogram as well; gauges are computed when scraped, so they cost nothing in between."""
@@ -56,6 +70,31 @@ class SchedulerMetrics:
         self.multi_instance_batches: dict[str, int] = {}  # batches that carried items of several instances
         self.num_batch_errors = 0  # batches the executor rejected (or errors naming no batch)
         self.num_batches_resent = 0  # rejected batches sent again without their offending item
+        # Memory pressure (contention.py): instances preempted (their unshared pages swapped out, or none
+        # when they held only shared ones), and resumed (swapped back in, their commands going on).
+        self.num_preemptions = 0
+        self.num_resumes = 0
+        self.num_pages_swapped_out = 0  # pages copied to host swap, all preemptions together
+        self.registry.register(_Count("l4m_scheduler_preemptions",
+                                      "Instances preempted under memory pressure (their pages swapped to host)",
+                                      lambda: self.num_preemptions))
+        self.registry.register(_Count("l4m_scheduler_resumes", "Preempted instances resumed (pages swapped back in)",
+                                      lambda: self.num_resumes))
+        self.registry.register(_Count("l4m_scheduler_kv_pages_swapped_out", "KV pages copied to host swap",
+                                      lambda: self.num_pages_swapped_out))
+        self.kv_pages_swapped = Gauge("l4m_scheduler_kv_pages_swapped",
+                                      "KV pages of preempted instances in host swap now, all executors",
+                                      registry=self.registry)
+        self.suspended_instances = Gauge("l4m_scheduler_suspended_instances",
+                                         "Instances preempted now (their commands held)", registry=self.registry)
+        self.admission_queue_depth = Gauge(
+            "l4m_scheduler_admission_queue_depth",
+            "Instances waiting for kv pages that neither the free pool nor preemption could give them",
+            registry=self.registry)
+        self.admission_wait_seconds = Histogram(
+            "l4m_scheduler_admission_wait_seconds",
+            "Time an instance waited in the admission queue, first failed allocation to the one that got through",
+            buckets=_WAIT_BUCKETS, registry=self.registry)
         self.registry.register(_CountsByKind("l4m_scheduler_commands", "L4M commands received", self.commands_by_kind))
         self.registry.register(_CountsByKind("l4m_scheduler_traps", "Instances trapped", self.traps_by_kind))
         self.batch_size = Histogram(
@@ -95,6 +134,12 @@ class SchedulerMetrics:
         self.embed_slots_used.set_function(embed_slots_used)
         self.instances.set_function(instances)
 
+    def bind_pressure_gauges(self, kv_pages_swapped: Callable[[], float], suspended_instances: Callable[[], float],
+                             admission_queue_depth: Callable[[], float]) -> None:
+        self.kv_pages_swapped.set_function(kv_pages_swapped)
+        self.suspended_instances.set_function(suspended_instances)
+        self.admission_queue_depth.set_function(admission_queue_depth)
+
     def count_command(self, kind: str) -> None:
         counts = self.commands_by_kind
         counts[kind] = counts.get(kind, 0) + 1
@@ -130,4 +175,7 @@ class SchedulerMetrics:
             "traps": dict(self.traps_by_kind),
             "batch_errors": self.num_batch_errors,
             "batches_resent": self.num_batches_resent,
+            "preemptions": self.num_preemptions,
+            "resumes": self.num_resumes,
+            "kv_pages_swapped_out": self.num_pages_swapped_out,
         }

@@ -6,6 +6,10 @@ holder lets go (`release` reports which ids did, so the caller can tell the exec
 
 A KV page may be *frozen* (read-only): an exported page is, from its export until it is freed, so that
 what an importer reads never changes under it (see `Scheduler._check_writable`).
+
+Host swap slots (`swap_slots`) hold the pages of preempted instances (see `Scheduler._preempt`): one
+reference each, never shared. A preempted instance's table maps those virtual page ids to swap slots
+(`swapped_kv_pages`) instead of physical pages until it resumes.
 """
 
 from __future__ import annotations
@@ -87,31 +91,41 @@ class RefCountedPool:
 
 
 class ExecutorResources:
-    """The KV pages and embedding slots of one executor."""
+    """The KV pages, embedding slots and host swap slots of one executor."""
 
-    __slots__ = ("kv_pages", "embed_slots")
+    __slots__ = ("kv_pages", "embed_slots", "swap_slots")
 
-    def __init__(self, num_kv_pages: int, num_embed_slots: int) -> None:
+    def __init__(self, num_kv_pages: int, num_embed_slots: int, num_swap_slots: int = 0) -> None:
         self.kv_pages = RefCountedPool(num_kv_pages)
         self.embed_slots = RefCountedPool(num_embed_slots)
+        self.swap_slots = RefCountedPool(num_swap_slots)
 
 
 class ResourceTable:
     """One instance's virtual→physical maps. Virtual ids are the controller's; no other instance can
     name them, so an instance can only reach physical ids listed here."""
 
-    __slots__ = ("kv_pages", "embed_slots")
+    __slots__ = ("kv_pages", "embed_slots", "swapped_kv_pages")
 
     def __init__(self) -> None:
         self.kv_pages: dict[int, int] = {}
         self.embed_slots: dict[int, int] = {}
+        # Virtual kv page id -> host swap slot, while the instance is preempted (its unshared pages).
+        self.swapped_kv_pages: dict[int, int] = {}
 
     def is_empty(self) -> bool:
-        return not self.kv_pages and not self.embed_slots
+        return not self.kv_pages and not self.embed_slots and not self.swapped_kv_pages
 
     def clear(self) -> tuple[list[int], list[int]]:
-        """Forget every mapping; returns the physical (pages, slots) that were held."""
+        """Forget every page and slot mapping; returns the physical (pages, slots) that were held. Swapped
+        pages stay (`clear_swapped`)."""
         pages, slots = list(self.kv_pages.values()), list(self.embed_slots.values())
         self.kv_pages.clear()
         self.embed_slots.clear()
         return pages, slots
+
+    def clear_swapped(self) -> list[int]:
+        """Forget the swapped pages; returns the swap slots that held them."""
+        slots = list(self.swapped_kv_pages.values())
+        self.swapped_kv_pages.clear()
+        return slots

@@ -2,6 +2,9 @@
 
 `SimulatedExecutor` runs batches in order against its own allocation state (it rejects, with a
 BatchError, any physical id that is not allocated, or allocated twice: a scheduler bug would show)
+and keeps what each page holds (the token written at each slot), which swap_out / swap_in move to host
+swap slots and back, as the real executor does with K/V (so tests see a preempted instance's pages return
+intact)
 and answers with deterministic fake results: the token after input `j` is a function of that token
 and its position only, so an instance gets the same tokens whatever else is in its batch.
 Latency per batch = base latency of its kind + per-token latency x tokens.
@@ -51,6 +54,7 @@ class SimulatedExecutorConfig:
     capabilities: tuple[str, ...] = ("text",)
     tokenizer_json: str = ""  # served as is in ModelInfo (the simulator never tokenizes)
     model_name: str = "simulated"
+    num_swap_slots: int = 0  # host swap slots (GetInfo's num_swap_slots)
 
 
 class BatchRejected(Exception):
@@ -86,6 +90,9 @@ class SimulatedExecutor:
         self.allocated_pages: set[int] = set()
         self.allocated_slots: set[int] = set()
         self.slot_values: dict[int, int] = {}
+        # What each page holds: slot -> token written there (forward_text); swap slots hold a page's copy.
+        self.page_contents: dict[int, dict[int, int]] = {}
+        self.swap_contents: dict[int, dict[int, int]] = {}
         self.num_batches = 0
         self.num_errors = 0
         self.batch_sizes: list[tuple[str, int]] = []
@@ -102,6 +109,7 @@ class SimulatedExecutor:
             num_kv_pages=c.num_kv_pages, num_embed_slots=c.num_embed_slots, max_batch_tokens=c.max_batch_tokens,
             max_request_bytes=limits.EXECUTOR_MAX_REQUEST_BYTES, max_reply_bytes=c.max_reply_bytes,
             max_distribution_entries_per_batch=c.max_distribution_entries_per_batch,
+            num_swap_slots=c.num_swap_slots,
         )
 
     def latency_s(self, request: executor_pb2.ExecuteRequest) -> float:
@@ -170,6 +178,13 @@ class SimulatedExecutor:
             self._need(index, [item.source_kv_page_id, item.destination_kv_page_id], pages, "page")  # type: ignore[attr-defined]
         elif kind == "mask_kv_page":
             self._need(index, [item.kv_page_id], pages, "page")  # type: ignore[attr-defined]
+        elif kind in ("swap_out", "swap_in"):
+            page_ids, slot_ids = item.kv_page_ids, item.swap_slot_ids  # type: ignore[attr-defined]
+            if len(page_ids) != len(slot_ids) or any(s >= self.config.num_swap_slots for s in slot_ids):
+                raise BatchRejected(index, f"{kind}: bad swap slots {list(slot_ids)} for pages {list(page_ids)}")
+            for physical_id in page_ids:
+                if physical_id >= self.config.num_kv_pages or (physical_id in pages) != (kind == "swap_out"):
+                    raise BatchRejected(index, f"{kind} of page {physical_id}: wrong state")
 
     def _apply(self, kind: str, items: Sequence, response: executor_pb2.ExecuteResponse) -> executor_pb2.ExecuteResponse | None:  # type: ignore[type-arg]
         vocab_size = self.config.vocab_size
@@ -177,6 +192,19 @@ class SimulatedExecutor:
             for item in items:
                 held = self.allocated_pages if item.kind == KV_PAGE else self.allocated_slots
                 (held.update if kind == "allocate" else held.difference_update)(item.ids)
+                if item.kind == KV_PAGE:
+                    for page in item.ids:  # allocation zeroes a page
+                        self.page_contents.pop(page, None)
+            return None
+        if kind in ("swap_out", "swap_in"):
+            for item in items:
+                for page, slot in zip(item.kv_page_ids, item.swap_slot_ids, strict=True):
+                    if kind == "swap_out":
+                        self.swap_contents[slot] = self.page_contents.pop(page, {})
+                        self.allocated_pages.discard(page)
+                    else:
+                        self.page_contents[page] = dict(self.swap_contents.get(slot, {}))
+                        self.allocated_pages.add(page)
             return None
         if kind == "embed_text":
             for item in items:
@@ -185,6 +213,7 @@ class SimulatedExecutor:
             return None
         if kind == "forward_text":  # answered with or without outputs, like the real executor
             for item in items:
+                self._write(item)
                 result = response.forward_text.items.add()
                 for index, sampler in zip(item.output_indices, item.samplers, strict=True):
                     token = next_token(item.token_ids[index], item.position_ids[index], vocab_size)
@@ -223,6 +252,20 @@ class SimulatedExecutor:
                 distribution.probabilities.extend(0.5 ** (i + 1) for i in range(item.k))
             return response
         return None  # copy, mask, embed_image: nothing to compute
+
+    def _write(self, item: common_pb2.ForwardTextItem) -> None:
+        """Record the item's input tokens at their page slots (the LENGTH RULE: the new tokens, then its
+        continuation steps, fill the last slots of its context)."""
+        size = self.config.kv_page_size
+        total = (len(item.kv_page_ids) - 1) * size + item.kv_last_page_length
+        first = total - len(item.token_ids) - item.num_continuation_steps
+        for offset, token in enumerate(item.token_ids):
+            slot = first + offset
+            self.page_contents.setdefault(item.kv_page_ids[slot // size], {})[slot % size] = token
+
+    def contents(self, pages: Sequence[int]) -> list[dict[int, int]]:
+        """What the pages hold (slot -> token), in order."""
+        return [dict(self.page_contents.get(page, {})) for page in pages]
 
 
 class Pacer:
@@ -341,7 +384,8 @@ async def serve(listen: str, config: SimulatedExecutorConfig, listen_framed: str
     and the framed Execute stream on `listen_framed` when given."""
     servicer = SimulatedExecutorServicer(config, os.path.abspath(listen_framed) if listen_framed else "")
     server = build_server([(executor_pb2_grpc.add_ExecutorServiceServicer_to_server, servicer)],
-                          [(listen, None)], health_names=[executor_pb2.DESCRIPTOR.services_by_name["ExecutorService"].full_name])
+                          [(listen, None)], options=limits.EXECUTOR_KEEPALIVE_SERVER_OPTIONS,  # the scheduler's pings
+                          health_names=[executor_pb2.DESCRIPTOR.services_by_name["ExecutorService"].full_name])
     framed = FramedExecuteServer(servicer.framed_execute_path, servicer.open_framed_stream) if listen_framed else None
 
     async def start() -> None:
@@ -369,6 +413,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--forward-latency-ms", type=float, default=0.0, help="base latency of a forward batch")
     parser.add_argument("--per-token-latency-us", type=float, default=0.0)
     parser.add_argument("--listen-framed", default="", metavar="PATH", help="also serve Execute as frames here")
+    parser.add_argument("--num-swap-slots", type=int, default=0, help="host swap slots for preempted pages")
     parser.add_argument("--tokenizer-json", type=Path, default=None,
                         help="a `tokenizers` JSON file that GetInfo hands out (with a matching --vocab-size)")
     args = parser.parse_args(argv)
@@ -378,6 +423,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         latency_s={"forward_text": args.forward_latency_ms / 1000, "forward": args.forward_latency_ms / 1000},
         per_token_latency_s=args.per_token_latency_us / 1e6,
         tokenizer_json=args.tokenizer_json.read_text() if args.tokenizer_json else "",
+        num_swap_slots=args.num_swap_slots,
     )
     logging.basicConfig(level=logging.INFO)
     eventloop.run(serve(args.listen, config, args.listen_framed))

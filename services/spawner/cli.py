@@ -18,7 +18,13 @@ from pathlib import Path
 from opentelemetry.util.re import parse_env_headers
 
 from l4m import telemetry
-from l4m.common.metrics import start_metrics_server
+from l4m.common.metrics import (
+    METRICS_OFF,
+    MetricsEndpoint,
+    add_metrics_flags,
+    metrics_endpoint,
+    start_metrics_server,
+)
 from l4m.common.serving import bound_address, serve_until_signal
 from l4m.spawner.config import MiB, SpawnerConfig
 from l4m.spawner.sandbox import Limits
@@ -92,8 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.spawner_id,
         help="names this spawner's cgroups and containers (orphans are cleaned at start)",
     )
-    add("--metrics-port", type=int, default=0, help="Prometheus /metrics on 127.0.0.1:N (0: off)")
-    add("--metrics-host", default="127.0.0.1")
+    add_metrics_flags(parser)
     add(
         "--controller-runner",
         default=defaults.controller_runner,
@@ -193,7 +198,9 @@ def controller_spans_target(environ: Mapping[str, str]) -> tuple[str, tuple[tupl
 def parse_config(
     argv: Sequence[str] | None = None, environ: Mapping[str, str] = os.environ
 ) -> tuple[SpawnerConfig, argparse.Namespace]:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.metrics = metrics_endpoint(parser, args)
     limits = Limits(
         wall_time_s=args.wall_time_s,
         cpu_time_s=args.cpu_time_s,
@@ -243,7 +250,7 @@ def parse_config(
     return config, args
 
 
-async def serve(config: SpawnerConfig, metrics_port: int = 0, metrics_host: str = "127.0.0.1") -> None:
+async def serve(config: SpawnerConfig, metrics: MetricsEndpoint = METRICS_OFF) -> None:
     from l4m.spawner.server import ConfigError, create_server
     from l4m.wire.credentials import CredentialError
 
@@ -251,7 +258,7 @@ async def serve(config: SpawnerConfig, metrics_port: int = 0, metrics_host: str 
         server = await create_server(config)
     except (ConfigError, CredentialError) as error:
         raise SystemExit(f"l4m spawner: {error}") from None
-    start_metrics_server(metrics_port, server.manager.metrics.registry, host=metrics_host)
+    start_metrics_server(metrics.port, server.manager.metrics.registry, host=metrics.host)
 
     async def start() -> None:
         await server.start()
@@ -278,6 +285,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     telemetry.configure_tracing(SERVICE_NAME)
     try:
-        asyncio.run(serve(config, args.metrics_port, args.metrics_host))
+        asyncio.run(serve(config, args.metrics))
     finally:
         telemetry.shutdown_tracing()

@@ -14,12 +14,14 @@ class CertificateFiles:
     key_path: Path  # the server's private key
 
 
-def make_certificates(directory: Path) -> CertificateFiles:
+def make_certificates(directory: Path, ip_addresses: tuple[str, ...] = ("127.0.0.1",)) -> CertificateFiles:
+    """`ip_addresses`: the addresses the server certificate names (with localhost)."""
     directory.mkdir(parents=True, exist_ok=True)
     ca_key, ca_cert = directory / "ca.key", directory / "ca.pem"
     key, csr, cert = directory / "server.key", directory / "server.csr", directory / "server.pem"
     ext = directory / "server.ext"
-    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n")
+    names = ",".join(f"IP:{address}" for address in ip_addresses)
+    ext.write_text(f"subjectAltName={names},DNS:localhost\nbasicConstraints=CA:FALSE\n")
 
     def openssl(*args: str) -> None:
         subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)

@@ -1,4 +1,5 @@
-"""`l4m up`: run a whole cluster (executors, scheduler, spawner) as child processes on this machine.
+"""`l4m up`: run a whole cluster (executors, scheduler, spawner) as child processes on this machine, or this
+host's part of one spread over several (`role`: a control host joins executor hosts over TCP with TLS).
 
 The supervisor starts each service with `python -m l4m.<service>`, waits for its grpc.health.v1 check to
 answer SERVING (showing the executors' progress while the model loads), prints the endpoints, and then
@@ -35,9 +36,13 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from l4m.keys import ADMIN_KEY_FILE_NAME, KEYS_FILE_NAME, KeyStoreError, ensure_admin_key
-from l4m.wire.credentials import CredentialError, open_channel, write_secret_file
+from l4m.wire.credentials import CredentialError, open_channel, read_secret_file, write_secret_file
 
 STOP_GRACE_S = 10.0
+# Which services one `l4m up` runs (docs/operations.md "Joining hosts"): all of them; the control role
+# (scheduler, spawner, gateway, and local executors only where `devices` are given) beside executors on
+# other hosts; or the executor role, executors alone on TCP for a control host's scheduler to dial.
+ROLES = ("all", "control", "executor")
 LOCK_FILE_NAME = "cluster.lock"  # in the state directory: see `lock_state_dir`
 LOG_TAIL_LINES = 40
 # The health channel is refused until the service binds (minutes, while a model loads); gRPC's default
@@ -63,6 +68,18 @@ class ClusterConfig:
     metrics_port_base: int = 9410  # spawner +0, scheduler +1, executor i +10+i; 0 = no metrics
     devices: tuple[str, ...] = ("cpu",)
     dtype: str = "auto"
+    role: str = "all"  # one of ROLES
+    # Executors on other hosts (`host:port`, each a host's `l4m up --role executor`) the scheduler joins
+    # beside the local ones; over TLS verified against `tls_ca` when it is given.
+    remote_executors: tuple[str, ...] = ()
+    # Role "executor": `host:port` executor 0 listens on over TCP (executor i on port + i), the address
+    # the control host dials and the executors' certificates name.
+    executor_listen: str = ""
+    # The cluster secret's file when not `<state>/internal/cluster.secret`: a copy of the control host's on
+    # an executor host. Every host of one cluster holds the same secret.
+    given_cluster_secret_file: Path | None = None
+    num_kv_pages: int = 0  # each executor's KV pages (its --num-pages); 0: sized from free memory
+    swap_space_pages: int | None = None  # each executor's host swap slots (--swap-space-pages); None: its default
     # The models to serve, each `PATH` or `NAME=PATH` (NAME: what sessions and GetInfo call it; default: the
     # model's own name). Empty: the embedded default (SmolLM2-135M-Instruct). Every model gets one
     # executor per device; the first model is the default a session gets when it names none.
@@ -146,7 +163,12 @@ class ClusterConfig:
 
     @property
     def cluster_secret_file(self) -> Path:
-        return self.internal_socket_dir / "cluster.secret"
+        return self.given_cluster_secret_file or self.internal_socket_dir / "cluster.secret"
+
+    def executor_tcp_address(self, index: int) -> str:
+        """Role "executor": where executor `index` listens (`executor_listen`'s port + index)."""
+        host, _, port = self.executor_listen.rpartition(":")
+        return f"{host}:{int(port) + index}"
 
     @property
     def api_keys_file(self) -> Path:
@@ -209,27 +231,43 @@ async def _is_healthy(spec: ServiceSpec, stub: health_pb2_grpc.HealthStub | None
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
-    """The services of a cluster, in start order (executors first: the scheduler connects to them)."""
-    python = sys.executable
-    specs: list[ServiceSpec] = []
-    executor_addresses: list[str] = []
+def executor_specs(config: ClusterConfig) -> list[ServiceSpec]:
+    """This host's executors, one per model and device: on Unix sockets in `internal/` beside a scheduler
+    here, on TCP (`executor_listen`, TLS with `tls_cert`) for the executor role."""
+    specs = []
+    is_remote = config.role == "executor"
     placements = [(model, device) for model in (config.models or ("",)) for device in config.devices]
     for index, (model, device) in enumerate(placements):
-        address = f"unix:{config.executor_socket(index)}"
-        executor_addresses.append(address)
-        argv = [python, "-m", "l4m.executor", "--listen", address, "--device", device, "--dtype", config.dtype]
-        argv += ["--cluster-secret-file", str(config.cluster_secret_file)]
+        address = config.executor_tcp_address(index) if is_remote else f"unix:{config.executor_socket(index)}"
+        argv = [sys.executable, "-m", "l4m.executor", "--listen", address, "--device", device]
+        argv += ["--dtype", config.dtype, "--cluster-secret-file", str(config.cluster_secret_file)]
         argv += ["--metrics-port", str(config.metrics_port(10 + index))]
-        if config.executor_transport == "framed":
+        if is_remote and config.tls_cert:
+            argv += ["--tls-cert", str(config.tls_cert), "--tls-key", str(config.tls_key)]
+        if config.executor_transport == "framed" and not is_remote:  # frames are for a scheduler on this host
             argv += ["--listen-framed", str(config.executor_framed_socket(index))]
+        if config.num_kv_pages:
+            argv += ["--num-pages", str(config.num_kv_pages)]
+        if config.swap_space_pages is not None:
+            argv += ["--swap-space-pages", str(config.swap_space_pages)]
         name, _, path = model.rpartition("=")
         if path:
             argv += ["--model", path]
         if name:
             argv += ["--model-name", name]
+        tls_ca = config.health_ca if is_remote and config.tls_cert else None
         specs.append(ServiceSpec(f"executor-{index}", tuple(argv), address, config.metrics_port(10 + index),
-                                 model=model))
+                                 tls_ca=tls_ca, model=model))
+    return specs
+
+
+def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
+    """The services of this host's role, in start order (executors first: the scheduler connects to them)."""
+    python = sys.executable
+    specs = executor_specs(config)
+    if config.role == "executor":
+        return specs
+    executor_addresses = [spec.health_address for spec in specs] + list(config.remote_executors)
     secret = ["--cluster-secret-file", str(config.cluster_secret_file)]
     tls = ["--tls-cert", str(config.tls_cert), "--tls-key", str(config.tls_key)] if config.tls_cert else []
     argv = [python, "-m", "l4m.scheduler", "--listen", config.scheduler_address]
@@ -241,6 +279,8 @@ def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
     argv += ["--metrics-port", str(config.metrics_port(1))]
     for address in executor_addresses:
         argv += ["--executor", address]
+    if config.remote_executors and config.tls_ca:
+        argv += ["--executor-tls-ca", str(config.tls_ca)]
     if config.allow_anonymous:
         argv.append("--allow-anonymous")
     if config.executor_transport == "grpc":
@@ -279,12 +319,22 @@ def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
 
 def prepare_state_dir(config: ClusterConfig) -> str:
     """The directories, the cluster secret and the local admin key (each made once, kept across restarts);
-    returns the admin key. `internal/` is the operator's only (0700), whatever an older run left."""
+    returns the admin key. `internal/` is the operator's only (0700), whatever an older run left.
+    An executor host serves no users (no key) and never makes a secret: a new one would not be the
+    control host's, and its scheduler would be refused. It must hold a copy of that host's."""
     config.state_dir.mkdir(parents=True, exist_ok=True)
     for directory in (config.socket_dir, config.log_dir):
         directory.mkdir(parents=True, exist_ok=True)
     config.internal_socket_dir.mkdir(mode=0o700, exist_ok=True)
     config.internal_socket_dir.chmod(0o700)
+    if config.role == "executor":
+        if not config.cluster_secret_file.exists():
+            raise CredentialError(
+                f"no cluster secret at {config.cluster_secret_file}: an executor host uses the control host's; "
+                f"copy its STATE_DIR/internal/cluster.secret here (mode 0600) or name the copy with "
+                f"--cluster-secret-file")
+        read_secret_file(config.cluster_secret_file)  # refuses one others may read, or a short one
+        return ""
     write_secret_file(config.cluster_secret_file)
     return ensure_admin_key(config.state_dir)
 
@@ -357,6 +407,8 @@ class Cluster:
 
     def endpoints(self) -> list[str]:
         scheme = " (TLS)" if self.config.tls_cert else ""
+        if self.config.role == "executor":
+            return self._executor_host_endpoints(scheme)
         lines = [
             f"spawner    {self.config.spawner_address}{scheme}   (users: l4m run --spawner {self.config.spawner_address} FILE)",
             f"scheduler  {self.config.scheduler_address}{scheme}   (L4M sessions; unix:{self.config.scheduler_socket})",
@@ -368,6 +420,8 @@ class Cluster:
         lines += [f"{s.spec.name} {s.spec.health_address}   (model {s.spec.model or 'SmolLM2-135M-Instruct'}"
                   f"{', the default' if i == 0 else ''})"
                   for i, s in enumerate(e for e in self._services if e.spec.name.startswith("executor"))]
+        lines += [f"executor   {address}   (on another host{', TLS' if self.config.tls_ca else ''}; the scheduler "
+                  f"reconnects while it is away)" for address in self.config.remote_executors]
         lines += [
             f"metrics    http://{self.config.host}:{s.spec.metrics_port}/metrics ({s.spec.name})"
             for s in self._services
@@ -380,6 +434,13 @@ class Cluster:
                          f"--keys-file {self.config.api_keys_file} add NAME)")
         lines.append(f"logs       {self.config.log_dir}")
         return lines
+
+    def _executor_host_endpoints(self, scheme: str) -> list[str]:
+        lines = [f"{s.spec.name} {s.spec.health_address}{scheme}   (the control host joins it: l4m up --role control "
+                 f"--executor {s.spec.health_address})" for s in self._services]
+        lines += [f"metrics    http://127.0.0.1:{s.spec.metrics_port}/metrics ({s.spec.name})"
+                  for s in self._services if s.spec.metrics_port]
+        return [*lines, f"secret     {self.config.cluster_secret_file}", f"logs       {self.config.log_dir}"]
 
     async def wait_for_exit(self) -> RunningService:
         """Block until some service exits; return it (the caller decides what to do)."""

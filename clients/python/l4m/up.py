@@ -7,12 +7,13 @@ import asyncio
 import contextlib
 import dataclasses
 import getpass
+import ipaddress
 import signal
 import sys
 import tempfile
 from pathlib import Path
 
-from l4m.cluster import Cluster, ClusterConfig, ClusterError
+from l4m.cluster import ROLES, Cluster, ClusterConfig, ClusterError
 
 DEMO_PROMPT = "What is the capital of France, and what is it famous for?"
 EXAMPLES_DIR = Path(__file__).resolve().parents[3] / "examples" / "controllers"
@@ -48,8 +49,32 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV pages the gateway's cached prompt prefixes hold at most (default 512; 0: no cache)")
     parser.add_argument("--metrics-port-base", type=int, default=9410, help="0 disables the metrics endpoints")
     parser.add_argument(
-        "--devices", default="cpu", help="one executor per device, comma separated: cpu | cuda:0,cuda:1 ..."
+        "--devices", default=None,
+        help="one executor per device, comma separated: cpu | cuda:0,cuda:1 ... (default cpu; --role control: "
+        "none, only remote --executor ones)",
     )
+    parser.add_argument("--num-pages", type=_non_negative_int, default=0,
+                        help="KV pages per executor (default 0: sized from the device's free memory)")
+    parser.add_argument("--swap-space-pages", type=int, default=None,
+                        help="host swap slots per executor for the pages of instances preempted under memory pressure "
+                        "(default: the executor's, as many as its KV cache, at most 1 GiB; 0: none, evict instead)")
+    hosts = parser.add_argument_group("several hosts (docs/operations.md, Joining hosts)")
+    hosts.add_argument("--role", default="all", choices=list(ROLES),
+                       help="all: every service here (default); control: scheduler, spawner and gateway, with "
+                       "executors on other hosts (--executor) and local ones only if --devices is given; "
+                       "executor: executors only, on TCP (--executor-listen) for a control host to join")
+    hosts.add_argument("--executor", action="append", default=[], metavar="HOST:PORT",
+                       help="an executor on another host (its `l4m up --role executor`) for the scheduler to join; "
+                       "repeatable; TLS verified against --tls-ca")
+    hosts.add_argument("--executor-listen", default="", metavar="HOST:PORT",
+                       help="--role executor: where executor 0 listens (executor i on PORT+i); the address the "
+                       "control host dials, which the --tls-cert certificate must name")
+    hosts.add_argument("--cluster-secret-file", type=Path, default=None, metavar="PATH",
+                       help="the cluster secret (mode 0600) when not STATE_DIR/internal/cluster.secret; an executor "
+                       "host needs a copy of the control host's")
+    hosts.add_argument("--insecure-executor-links", action="store_true",
+                       help="development only: plaintext executor links on non-loopback addresses (whoever can "
+                       "reach them reads the prompts and outputs of every instance)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument(
         "--model", action="append", default=[], metavar="[NAME=]PATH",
@@ -89,24 +114,78 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "machine only (default: every call needs a key; `l4m up` writes the admin's to STATE_DIR/admin.key)",
     )
     security.add_argument("--tls-cert", type=Path, default=None,
-                          help="PEM certificate chain: TLS on the spawner's and scheduler's TCP listeners")
+                          help="PEM certificate chain: TLS on the spawner's and scheduler's TCP listeners (--role "
+                          "executor: on the executors')")
     security.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
     security.add_argument("--tls-ca", type=Path, default=None,
                           help="CA that signed --tls-cert, for the start-up health checks (default: the "
-                          "certificate itself, right for a self-signed one)")
+                          "certificate itself, right for a self-signed one), and the remote --executor ones'")
     parser.add_argument("--quiet", action="store_true", help="do not echo the services' logs")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_port(flag: str, value: str) -> tuple[str, int]:
+    """`HOST:PORT` (`[V6]:PORT`) with a port in 1..65535; raises ValueError naming `flag` and `value`."""
+    host, _, port = value.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{flag} {value!r} is not HOST:PORT with a port in 1..65535")
+    return host, int(port)
+
+
+def check_hosts(args: argparse.Namespace) -> None:
+    """The several-hosts flags fit together and fit the role; raises ValueError saying what does not."""
+    role, remote, listen = args.role, args.executor, args.executor_listen
+    insecure = args.insecure_executor_links
+    for address in remote:
+        host, _ = _host_port("--executor", address)
+        if not args.tls_ca and not insecure and not _is_loopback(host):
+            raise ValueError(f"--executor {address} is on another host: give --tls-ca (the CA that signed its "
+                             f"certificate), or --insecure-executor-links for a plaintext development setup")
+    if role == "executor":
+        if remote:
+            raise ValueError("--executor joins remote executors to this host's scheduler; --role executor runs "
+                             "no scheduler (give --executor to the control host's `l4m up --role control`)")
+        if not listen:
+            raise ValueError("--role executor needs --executor-listen HOST:PORT, the address the control host's "
+                             "scheduler dials")
+        host, _ = _host_port("--executor-listen", listen)
+        if host in ("0.0.0.0", "::"):
+            raise ValueError(f"--executor-listen {listen}: give the address the control host dials (and the "
+                             f"certificate names), not a wildcard")
+        if not args.tls_cert and not insecure and not _is_loopback(host):
+            raise ValueError(f"--executor-listen {listen} is reachable from other hosts: give --tls-cert and "
+                             f"--tls-key, or --insecure-executor-links for a plaintext development setup")
+        return
+    if listen:
+        raise ValueError("--executor-listen is for --role executor; executors beside the scheduler listen on Unix "
+                         "sockets in STATE_DIR/internal")
+    if role == "control" and not remote and args.devices is None:
+        raise ValueError("--role control needs executors: --executor HOST:PORT (one per executor on another host) "
+                         "and/or --devices (executors on this host)")
 
 
 def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     from l4m.wire.credentials import CredentialError, tls_files
 
+    command = getattr(args, "command", "up")
     try:
         tls_files(args.tls_cert, args.tls_key)
-    except CredentialError as error:
-        raise SystemExit(f"l4m {getattr(args, 'command', 'up')}: {error}") from None
+        check_hosts(args)
+    except (CredentialError, ValueError) as error:
+        raise SystemExit(f"l4m {command}: {error}") from None
     if args.gateway_prefix_cache_pages is not None and args.gateway_prefix_cache_pages < 0:
-        raise SystemExit(f"l4m {getattr(args, 'command', 'up')}: --gateway-prefix-cache-pages must be 0 (no cache) "
+        raise SystemExit(f"l4m {command}: --gateway-prefix-cache-pages must be 0 (no cache) "
                          f"or more, got {args.gateway_prefix_cache_pages}")
+    devices = args.devices if args.devices is not None else ("" if args.role == "control" else "cpu")
     return ClusterConfig(
         state_dir=args.state_dir or default_state_dir(),
         host=args.host,
@@ -115,8 +194,14 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         gateway_port=args.gateway_port,
         gateway_prefix_cache_pages=args.gateway_prefix_cache_pages,
         metrics_port_base=args.metrics_port_base,
-        devices=tuple(d.strip() for d in args.devices.split(",") if d.strip()),
+        devices=tuple(d.strip() for d in devices.split(",") if d.strip()),
         dtype=args.dtype,
+        role=args.role,
+        remote_executors=tuple(args.executor),
+        executor_listen=args.executor_listen,
+        given_cluster_secret_file=args.cluster_secret_file,
+        num_kv_pages=args.num_pages,
+        swap_space_pages=args.swap_space_pages,
         models=tuple(args.model),
         batching=args.batching,
         sandbox=args.sandbox,
@@ -193,6 +278,8 @@ async def _demo(config: ClusterConfig, prompt: str, max_tokens: int) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    if args.role != "all":
+        raise SystemExit(f"l4m demo: --role {args.role} runs part of a cluster; the demo needs all of it")
     # The services' logs go to their files only; the demo shows progress and the controller's output.
     config = dataclasses.replace(cluster_config(args), echo_logs=False)
     return asyncio.run(_demo(config, args.prompt, args.max_tokens))

@@ -181,8 +181,8 @@ async def test_contention_evicts_the_newest_later_instance(harness_factory) -> N
     assert h.sim().num_errors == 0
 
 
-async def test_contention_without_newer_instance_traps_the_requester(harness_factory) -> None:  # type: ignore[no-untyped-def]
-    h = harness_factory(num_kv_pages=4)
+async def test_contention_without_newer_instance_and_no_admission_queue_traps_the_requester(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    h = harness_factory(num_kv_pages=4, config={"max_waiting_instances": 0})
     old, _ = h.open("old")
     new, sink_new = h.open("new")
     h.send(old, rq.allocate([0, 1, 2]))
@@ -191,18 +191,23 @@ async def test_contention_without_newer_instance_traps_the_requester(harness_fac
     await h.settle()
     assert sink_new.trap.kind == TRAP.TRAP_KIND_RESOURCE_EXHAUSTED  # type: ignore[union-attr]
     assert "1 of 4 are free" in sink_new.trap.reason  # type: ignore[union-attr]
+    assert "the admission queue is full (0 of 0 instances wait" in sink_new.trap.reason  # type: ignore[union-attr]
     assert old.is_alive and h.free_pages() == 1
 
 
-async def test_eviction_inside_one_allocate_batch_keeps_executor_consistent(harness_factory) -> None:  # type: ignore[no-untyped-def]
+async def test_preemption_inside_one_allocate_batch_keeps_executor_consistent(harness_factory) -> None:  # type: ignore[no-untyped-def]
     h = harness_factory(num_kv_pages=4)
-    old, _ = h.open("old")
+    old, sink_old = h.open("old")
     new, sink_new = h.open("new")
     h.send(new, rq.allocate([0, 1, 2]))
-    h.send(old, rq.allocate([0, 1, 2]))  # same allocate batch: evicts "new" while building it
+    h.send(old, rq.allocate([0, 1, 2]))  # same allocate batch: "new" (holding nothing yet) waits for "old"
     await h.settle()
-    assert sink_new.trap.kind == TRAP.TRAP_KIND_EVICTED  # type: ignore[union-attr]
+    assert new.is_alive and new.is_waiting and not new.table.kv_pages and sink_new.trap is None
     assert h.sim().num_errors == 0 and h.sim().allocated_pages == set(old.table.kv_pages.values())
+    h.scheduler.close_session(old)  # its pages free: "new" resumes and its allocate goes through
+    await h.settle()
+    assert not new.is_parked and new.table.kv_pages.keys() == {0, 1, 2} and sink_old.trap is None
+    assert h.sim().num_errors == 0 and h.sim().allocated_pages == set(new.table.kv_pages.values())
 
 
 async def test_page_budget_per_instance(harness_factory) -> None:  # type: ignore[no-untyped-def]

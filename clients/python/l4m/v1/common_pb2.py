@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13l4m/v1/common.proto\x12\x06l4m.v1\"\x1b\n\x04\x42rle\x12\x13\n\x0brun_lengths\x18\x01 \x03(\r\"\xa0\x02\n\x0bSamplerSpec\x12!\n\x04kind\x18\x01 \x01(\x0e\x32\x13.l4m.v1.SamplerKind\x12\x1a\n\x12\x64istribution_top_k\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12%\n\x0fvocabulary_mask\x18\x08 \x01(\x0b\x32\x0c.l4m.v1.Brle\x12\x1c\n\x14logit_bias_token_ids\x18\t \x03(\r\x12\x19\n\x11logit_bias_values\x18\n \x03(\x02\x12\x14\n\x0ctop_logprobs\x18\x0b \x01(\rB\x07\n\x05_seed\"^\n\x0cSampledToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"8\n\x0c\x44istribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rprobabilities\x18\x02 \x03(\x02\"m\n\x0cOutputResult\x12%\n\x05token\x18\x01 \x01(\x0b\x32\x14.l4m.v1.SampledTokenH\x00\x12,\n\x0c\x64istribution\x18\x02 \x01(\x0b\x32\x14.l4m.v1.DistributionH\x00\x42\x08\n\x06result\"?\n\x0c\x41llocateItem\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.l4m.v1.ResourceKind\x12\x0b\n\x03ids\x18\x02 \x03(\r\"A\n\x0e\x44\x65\x61llocateItem\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.l4m.v1.ResourceKind\x12\x0b\n\x03ids\x18\x02 \x03(\r\"P\n\rEmbedTextItem\x12\x16\n\x0e\x65mbed_slot_ids\x18\x01 \x03(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x14\n\x0cposition_ids\x18\x03 \x03(\r\"\x94\x01\n\x0b\x46orwardItem\x12\x13\n\x0bkv_page_ids\x18\x01 \x03(\r\x12\x1b\n\x13kv_last_page_length\x18\x02 \x01(\r\x12\x1c\n\x14input_embed_slot_ids\x18\x03 \x03(\r\x12\x16\n\x0eoutput_indices\x18\x04 \x03(\r\x12\x1d\n\x15output_embed_slot_ids\x18\x05 \x03(\r\"\x97\x02\n\x0f\x46orwardTextItem\x12\x13\n\x0bkv_page_ids\x18\x01 \x03(\r\x12\x1b\n\x13kv_last_page_length\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x14\n\x0cposition_ids\x18\x04 \x03(\r\x12%\n\x0f\x61ttention_masks\x18\x05 \x03(\x0b\x32\x0c.l4m.v1.Brle\x12\x16\n\x0eoutput_indices\x18\x06 \x03(\r\x12%\n\x08samplers\x18\x07 \x03(\x0b\x32\x13.l4m.v1.SamplerSpec\x12\x1e\n\x16num_continuation_steps\x18\x08 \x01(\r\x12#\n\x1b\x63ontinuation_stop_token_ids\x18\t \x03(\r\":\n\x11\x46orwardTextResult\x12%\n\x07outputs\x18\x01 \x03(\x0b\x32\x14.l4m.v1.OutputResult\"2\n\x0eSampleTopKItem\x12\x15\n\rembed_slot_id\x18\x01 \x01(\r\x12\t\n\x01k\x18\x02 \x01(\r\"\xa3\x01\n\x0e\x43opyKvPageItem\x12\x19\n\x11source_kv_page_id\x18\x01 \x01(\r\x12\x1e\n\x16\x64\x65stination_kv_page_id\x18\x02 \x01(\r\x12\x1c\n\x14source_offset_tokens\x18\x03 \x01(\r\x12!\n\x19\x64\x65stination_offset_tokens\x18\x04 \x01(\r\x12\x15\n\rlength_tokens\x18\x05 \x01(\r\"F\n\x0eMaskKvPageItem\x12\x12\n\nkv_page_id\x18\x01 \x01(\r\x12 \n\nvisibility\x18\x02 \x01(\x0b\x32\x0c.l4m.v1.Brle\"V\n\x0e\x45mbedImageItem\x12\x16\n\x0e\x65mbed_slot_ids\x18\x01 \x03(\r\x12\x13\n\x0bimage_bytes\x18\x02 \x01(\x0c\x12\x17\n\x0fposition_offset\x18\x03 \x01(\r\"\xb2\x04\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x13\n\x0bhidden_size\x18\x05 \x01(\r\x12\x1b\n\x13num_attention_heads\x18\x06 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x07 \x01(\r\x12\x10\n\x08head_dim\x18\x08 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\t \x01(\r\x12\x16\n\x0etokenizer_json\x18\n \x01(\t\x12\x15\n\rchat_template\x18\x0b \x01(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x41\n\x11special_token_ids\x18\r \x03(\x0b\x32&.l4m.v1.ModelInfo.SpecialTokenIdsEntry\x12\x14\n\x0c\x63\x61pabilities\x18\x0e \x03(\t\x12M\n\x17\x63hat_template_variables\x18\x0f \x03(\x0b\x32,.l4m.v1.ModelInfo.ChatTemplateVariablesEntry\x1a\x36\n\x14SpecialTokenIdsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a<\n\x1a\x43hatTemplateVariablesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"7\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x12\n\ntracestate\x18\x02 \x01(\t*f\n\x0cResourceKind\x12\x1d\n\x19RESOURCE_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15RESOURCE_KIND_KV_PAGE\x10\x01\x12\x1c\n\x18RESOURCE_KIND_EMBED_SLOT\x10\x02*|\n\x0bSamplerKind\x12\x1c\n\x18SAMPLER_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19SAMPLER_KIND_DISTRIBUTION\x10\x01\x12\x17\n\x13SAMPLER_KIND_GREEDY\x10\x02\x12\x17\n\x13SAMPLER_KIND_SAMPLE\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13l4m/v1/common.proto\x12\x06l4m.v1\"\x1b\n\x04\x42rle\x12\x13\n\x0brun_lengths\x18\x01 \x03(\r\"\xa0\x02\n\x0bSamplerSpec\x12!\n\x04kind\x18\x01 \x01(\x0e\x32\x13.l4m.v1.SamplerKind\x12\x1a\n\x12\x64istribution_top_k\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12%\n\x0fvocabulary_mask\x18\x08 \x01(\x0b\x32\x0c.l4m.v1.Brle\x12\x1c\n\x14logit_bias_token_ids\x18\t \x03(\r\x12\x19\n\x11logit_bias_values\x18\n \x03(\x02\x12\x14\n\x0ctop_logprobs\x18\x0b \x01(\rB\x07\n\x05_seed\"^\n\x0cSampledToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"8\n\x0c\x44istribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rprobabilities\x18\x02 \x03(\x02\"m\n\x0cOutputResult\x12%\n\x05token\x18\x01 \x01(\x0b\x32\x14.l4m.v1.SampledTokenH\x00\x12,\n\x0c\x64istribution\x18\x02 \x01(\x0b\x32\x14.l4m.v1.DistributionH\x00\x42\x08\n\x06result\"i\n\x0c\x41llocateItem\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.l4m.v1.ResourceKind\x12\x0b\n\x03ids\x18\x02 \x03(\r\x12\x18\n\x0bmax_wait_ms\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x0e\n\x0c_max_wait_ms\"A\n\x0e\x44\x65\x61llocateItem\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.l4m.v1.ResourceKind\x12\x0b\n\x03ids\x18\x02 \x03(\r\"P\n\rEmbedTextItem\x12\x16\n\x0e\x65mbed_slot_ids\x18\x01 \x03(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x14\n\x0cposition_ids\x18\x03 \x03(\r\"\x94\x01\n\x0b\x46orwardItem\x12\x13\n\x0bkv_page_ids\x18\x01 \x03(\r\x12\x1b\n\x13kv_last_page_length\x18\x02 \x01(\r\x12\x1c\n\x14input_embed_slot_ids\x18\x03 \x03(\r\x12\x16\n\x0eoutput_indices\x18\x04 \x03(\r\x12\x1d\n\x15output_embed_slot_ids\x18\x05 \x03(\r\"\x97\x02\n\x0f\x46orwardTextItem\x12\x13\n\x0bkv_page_ids\x18\x01 \x03(\r\x12\x1b\n\x13kv_last_page_length\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x14\n\x0cposition_ids\x18\x04 \x03(\r\x12%\n\x0f\x61ttention_masks\x18\x05 \x03(\x0b\x32\x0c.l4m.v1.Brle\x12\x16\n\x0eoutput_indices\x18\x06 \x03(\r\x12%\n\x08samplers\x18\x07 \x03(\x0b\x32\x13.l4m.v1.SamplerSpec\x12\x1e\n\x16num_continuation_steps\x18\x08 \x01(\r\x12#\n\x1b\x63ontinuation_stop_token_ids\x18\t \x03(\r\":\n\x11\x46orwardTextResult\x12%\n\x07outputs\x18\x01 \x03(\x0b\x32\x14.l4m.v1.OutputResult\"2\n\x0eSampleTopKItem\x12\x15\n\rembed_slot_id\x18\x01 \x01(\r\x12\t\n\x01k\x18\x02 \x01(\r\"\xa3\x01\n\x0e\x43opyKvPageItem\x12\x19\n\x11source_kv_page_id\x18\x01 \x01(\r\x12\x1e\n\x16\x64\x65stination_kv_page_id\x18\x02 \x01(\r\x12\x1c\n\x14source_offset_tokens\x18\x03 \x01(\r\x12!\n\x19\x64\x65stination_offset_tokens\x18\x04 \x01(\r\x12\x15\n\rlength_tokens\x18\x05 \x01(\r\"F\n\x0eMaskKvPageItem\x12\x12\n\nkv_page_id\x18\x01 \x01(\r\x12 \n\nvisibility\x18\x02 \x01(\x0b\x32\x0c.l4m.v1.Brle\"V\n\x0e\x45mbedImageItem\x12\x16\n\x0e\x65mbed_slot_ids\x18\x01 \x03(\r\x12\x13\n\x0bimage_bytes\x18\x02 \x01(\x0c\x12\x17\n\x0fposition_offset\x18\x03 \x01(\r\"\xb2\x04\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x13\n\x0bhidden_size\x18\x05 \x01(\r\x12\x1b\n\x13num_attention_heads\x18\x06 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x07 \x01(\r\x12\x10\n\x08head_dim\x18\x08 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\t \x01(\r\x12\x16\n\x0etokenizer_json\x18\n \x01(\t\x12\x15\n\rchat_template\x18\x0b \x01(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x41\n\x11special_token_ids\x18\r \x03(\x0b\x32&.l4m.v1.ModelInfo.SpecialTokenIdsEntry\x12\x14\n\x0c\x63\x61pabilities\x18\x0e \x03(\t\x12M\n\x17\x63hat_template_variables\x18\x0f \x03(\x0b\x32,.l4m.v1.ModelInfo.ChatTemplateVariablesEntry\x1a\x36\n\x14SpecialTokenIdsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a<\n\x1a\x43hatTemplateVariablesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"7\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x12\n\ntracestate\x18\x02 \x01(\t*f\n\x0cResourceKind\x12\x1d\n\x19RESOURCE_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15RESOURCE_KIND_KV_PAGE\x10\x01\x12\x1c\n\x18RESOURCE_KIND_EMBED_SLOT\x10\x02*|\n\x0bSamplerKind\x12\x1c\n\x18SAMPLER_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19SAMPLER_KIND_DISTRIBUTION\x10\x01\x12\x17\n\x13SAMPLER_KIND_GREEDY\x10\x02\x12\x17\n\x13SAMPLER_KIND_SAMPLE\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,10 +35,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELINFO_SPECIALTOKENIDSENTRY']._serialized_options = b'8\001'
   _globals['_MODELINFO_CHATTEMPLATEVARIABLESENTRY']._loaded_options = None
   _globals['_MODELINFO_CHATTEMPLATEVARIABLESENTRY']._serialized_options = b'8\001'
-  _globals['_RESOURCEKIND']._serialized_start=2323
-  _globals['_RESOURCEKIND']._serialized_end=2425
-  _globals['_SAMPLERKIND']._serialized_start=2427
-  _globals['_SAMPLERKIND']._serialized_end=2551
+  _globals['_RESOURCEKIND']._serialized_start=2365
+  _globals['_RESOURCEKIND']._serialized_end=2467
+  _globals['_SAMPLERKIND']._serialized_start=2469
+  _globals['_SAMPLERKIND']._serialized_end=2593
   _globals['_BRLE']._serialized_start=31
   _globals['_BRLE']._serialized_end=58
   _globals['_SAMPLERSPEC']._serialized_start=61
@@ -50,31 +50,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OUTPUTRESULT']._serialized_start=505
   _globals['_OUTPUTRESULT']._serialized_end=614
   _globals['_ALLOCATEITEM']._serialized_start=616
-  _globals['_ALLOCATEITEM']._serialized_end=679
-  _globals['_DEALLOCATEITEM']._serialized_start=681
-  _globals['_DEALLOCATEITEM']._serialized_end=746
-  _globals['_EMBEDTEXTITEM']._serialized_start=748
-  _globals['_EMBEDTEXTITEM']._serialized_end=828
-  _globals['_FORWARDITEM']._serialized_start=831
-  _globals['_FORWARDITEM']._serialized_end=979
-  _globals['_FORWARDTEXTITEM']._serialized_start=982
-  _globals['_FORWARDTEXTITEM']._serialized_end=1261
-  _globals['_FORWARDTEXTRESULT']._serialized_start=1263
-  _globals['_FORWARDTEXTRESULT']._serialized_end=1321
-  _globals['_SAMPLETOPKITEM']._serialized_start=1323
-  _globals['_SAMPLETOPKITEM']._serialized_end=1373
-  _globals['_COPYKVPAGEITEM']._serialized_start=1376
-  _globals['_COPYKVPAGEITEM']._serialized_end=1539
-  _globals['_MASKKVPAGEITEM']._serialized_start=1541
-  _globals['_MASKKVPAGEITEM']._serialized_end=1611
-  _globals['_EMBEDIMAGEITEM']._serialized_start=1613
-  _globals['_EMBEDIMAGEITEM']._serialized_end=1699
-  _globals['_MODELINFO']._serialized_start=1702
-  _globals['_MODELINFO']._serialized_end=2264
-  _globals['_MODELINFO_SPECIALTOKENIDSENTRY']._serialized_start=2148
-  _globals['_MODELINFO_SPECIALTOKENIDSENTRY']._serialized_end=2202
-  _globals['_MODELINFO_CHATTEMPLATEVARIABLESENTRY']._serialized_start=2204
-  _globals['_MODELINFO_CHATTEMPLATEVARIABLESENTRY']._serialized_end=2264
-  _globals['_TRACECONTEXT']._serialized_start=2266
-  _globals['_TRACECONTEXT']._serialized_end=2321
+  _globals['_ALLOCATEITEM']._serialized_end=721
+  _globals['_DEALLOCATEITEM']._serialized_start=723
+  _globals['_DEALLOCATEITEM']._serialized_end=788
+  _globals['_EMBEDTEXTITEM']._serialized_start=790
+  _globals['_EMBEDTEXTITEM']._serialized_end=870
+  _globals['_FORWARDITEM']._serialized_start=873
+  _globals['_FORWARDITEM']._serialized_end=1021
+  _globals['_FORWARDTEXTITEM']._serialized_start=1024
+  _globals['_FORWARDTEXTITEM']._serialized_end=1303
+  _globals['_FORWARDTEXTRESULT']._serialized_start=1305
+  _globals['_FORWARDTEXTRESULT']._serialized_end=1363
+  _globals['_SAMPLETOPKITEM']._serialized_start=1365
+  _globals['_SAMPLETOPKITEM']._serialized_end=1415
+  _globals['_COPYKVPAGEITEM']._serialized_start=1418
+  _globals['_COPYKVPAGEITEM']._serialized_end=1581
+  _globals['_MASKKVPAGEITEM']._serialized_start=1583
+  _globals['_MASKKVPAGEITEM']._serialized_end=1653
+  _globals['_EMBEDIMAGEITEM']._serialized_start=1655
+  _globals['_EMBEDIMAGEITEM']._serialized_end=1741
+  _globals['_MODELINFO']._serialized_start=1744
+  _globals['_MODELINFO']._serialized_end=2306
+  _globals['_MODELINFO_SPECIALTOKENIDSENTRY']._serialized_start=2190
+  _globals['_MODELINFO_SPECIALTOKENIDSENTRY']._serialized_end=2244
+  _globals['_MODELINFO_CHATTEMPLATEVARIABLESENTRY']._serialized_start=2246
+  _globals['_MODELINFO_CHATTEMPLATEVARIABLESENTRY']._serialized_end=2306
+  _globals['_TRACECONTEXT']._serialized_start=2308
+  _globals['_TRACECONTEXT']._serialized_end=2363
 # @@protoc_insertion_point(module_scope)

@@ -88,12 +88,14 @@ class OutputResult(_message.Message):
     def __init__(self, token: _Optional[_Union[SampledToken, _Mapping]] = ..., distribution: _Optional[_Union[Distribution, _Mapping]] = ...) -> None: ...
 
 class AllocateItem(_message.Message):
-    __slots__ = ("kind", "ids")
+    __slots__ = ("kind", "ids", "max_wait_ms")
     KIND_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     kind: ResourceKind
     ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, kind: _Optional[_Union[ResourceKind, str]] = ..., ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    max_wait_ms: int
+    def __init__(self, kind: _Optional[_Union[ResourceKind, str]] = ..., ids: _Optional[_Iterable[int]] = ..., max_wait_ms: _Optional[int] = ...) -> None: ...
 
 class DeallocateItem(_message.Message):
     __slots__ = ("kind", "ids")

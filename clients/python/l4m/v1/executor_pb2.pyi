@@ -24,7 +24,7 @@ class ExecutorServiceGetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorServiceGetInfoResponse(_message.Message):
-    __slots__ = ("model", "device", "dtype", "kv_page_size", "num_kv_pages", "num_embed_slots", "max_batch_tokens", "max_request_bytes", "max_reply_bytes", "max_distribution_entries_per_batch", "framed_execute_path")
+    __slots__ = ("model", "device", "dtype", "kv_page_size", "num_kv_pages", "num_embed_slots", "max_batch_tokens", "max_request_bytes", "max_reply_bytes", "max_distribution_entries_per_batch", "framed_execute_path", "num_swap_slots")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class ExecutorServiceGetInfoResponse(_message.Message):
     MAX_REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_DISTRIBUTION_ENTRIES_PER_BATCH_FIELD_NUMBER: _ClassVar[int]
     FRAMED_EXECUTE_PATH_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAP_SLOTS_FIELD_NUMBER: _ClassVar[int]
     model: _common_pb2.ModelInfo
     device: str
     dtype: str
@@ -47,10 +48,11 @@ class ExecutorServiceGetInfoResponse(_message.Message):
     max_reply_bytes: int
     max_distribution_entries_per_batch: int
     framed_execute_path: str
-    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_page_size: _Optional[int] = ..., num_kv_pages: _Optional[int] = ..., num_embed_slots: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_reply_bytes: _Optional[int] = ..., max_distribution_entries_per_batch: _Optional[int] = ..., framed_execute_path: _Optional[str] = ...) -> None: ...
+    num_swap_slots: int
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_page_size: _Optional[int] = ..., num_kv_pages: _Optional[int] = ..., num_embed_slots: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_reply_bytes: _Optional[int] = ..., max_distribution_entries_per_batch: _Optional[int] = ..., framed_execute_path: _Optional[str] = ..., num_swap_slots: _Optional[int] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("correlation_id", "trace_context", "allocate", "deallocate", "embed_text", "forward", "forward_text", "sample_top_k", "copy_kv_page", "mask_kv_page", "embed_image", "debug_query")
+    __slots__ = ("correlation_id", "trace_context", "allocate", "deallocate", "embed_text", "forward", "forward_text", "sample_top_k", "copy_kv_page", "mask_kv_page", "embed_image", "debug_query", "swap_out", "swap_in")
     CORRELATION_ID_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +65,8 @@ class ExecuteRequest(_message.Message):
     MASK_KV_PAGE_FIELD_NUMBER: _ClassVar[int]
     EMBED_IMAGE_FIELD_NUMBER: _ClassVar[int]
     DEBUG_QUERY_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     correlation_id: int
     trace_context: _common_pb2.TraceContext
     allocate: BatchAllocate
@@ -75,7 +79,9 @@ class ExecuteRequest(_message.Message):
     mask_kv_page: BatchMaskKvPage
     embed_image: BatchEmbedImage
     debug_query: BatchDebugQuery
-    def __init__(self, correlation_id: _Optional[int] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., allocate: _Optional[_Union[BatchAllocate, _Mapping]] = ..., deallocate: _Optional[_Union[BatchDeallocate, _Mapping]] = ..., embed_text: _Optional[_Union[BatchEmbedText, _Mapping]] = ..., forward: _Optional[_Union[BatchForward, _Mapping]] = ..., forward_text: _Optional[_Union[BatchForwardText, _Mapping]] = ..., sample_top_k: _Optional[_Union[BatchSampleTopK, _Mapping]] = ..., copy_kv_page: _Optional[_Union[BatchCopyKvPage, _Mapping]] = ..., mask_kv_page: _Optional[_Union[BatchMaskKvPage, _Mapping]] = ..., embed_image: _Optional[_Union[BatchEmbedImage, _Mapping]] = ..., debug_query: _Optional[_Union[BatchDebugQuery, _Mapping]] = ...) -> None: ...
+    swap_out: BatchSwapOut
+    swap_in: BatchSwapIn
+    def __init__(self, correlation_id: _Optional[int] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., allocate: _Optional[_Union[BatchAllocate, _Mapping]] = ..., deallocate: _Optional[_Union[BatchDeallocate, _Mapping]] = ..., embed_text: _Optional[_Union[BatchEmbedText, _Mapping]] = ..., forward: _Optional[_Union[BatchForward, _Mapping]] = ..., forward_text: _Optional[_Union[BatchForwardText, _Mapping]] = ..., sample_top_k: _Optional[_Union[BatchSampleTopK, _Mapping]] = ..., copy_kv_page: _Optional[_Union[BatchCopyKvPage, _Mapping]] = ..., mask_kv_page: _Optional[_Union[BatchMaskKvPage, _Mapping]] = ..., embed_image: _Optional[_Union[BatchEmbedImage, _Mapping]] = ..., debug_query: _Optional[_Union[BatchDebugQuery, _Mapping]] = ..., swap_out: _Optional[_Union[BatchSwapOut, _Mapping]] = ..., swap_in: _Optional[_Union[BatchSwapIn, _Mapping]] = ...) -> None: ...
 
 class BatchAllocate(_message.Message):
     __slots__ = ("items",)
@@ -136,6 +142,26 @@ class BatchDebugQuery(_message.Message):
     QUERIES_FIELD_NUMBER: _ClassVar[int]
     queries: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, queries: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SwapItem(_message.Message):
+    __slots__ = ("kv_page_ids", "swap_slot_ids")
+    KV_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_SLOT_IDS_FIELD_NUMBER: _ClassVar[int]
+    kv_page_ids: _containers.RepeatedScalarFieldContainer[int]
+    swap_slot_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kv_page_ids: _Optional[_Iterable[int]] = ..., swap_slot_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BatchSwapOut(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[SwapItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[SwapItem, _Mapping]]] = ...) -> None: ...
+
+class BatchSwapIn(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[SwapItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[SwapItem, _Mapping]]] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
     __slots__ = ("correlation_id", "error", "forward_text", "forward", "sample_top_k", "debug_query")

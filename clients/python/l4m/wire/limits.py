@@ -108,3 +108,25 @@ def reply_bytes(kind: str, item: object) -> int:
 def grpc_options(max_send_bytes: int, max_receive_bytes: int) -> list[tuple[str, int]]:
     """gRPC channel or server options for these message limits."""
     return [("grpc.max_send_message_length", max_send_bytes), ("grpc.max_receive_message_length", max_receive_bytes)]
+
+
+# The scheduler -> executor hop's health, both sides of it. An executor host that vanishes without closing
+# its connections (power, network, a kernel panic) sends no FIN or RST: the scheduler pings every
+# EXECUTOR_KEEPALIVE_TIME_MS, calls open or not, data flowing or not, and a ping unanswered for
+# EXECUTOR_KEEPALIVE_TIMEOUT_MS closes the connection, so the loss is seen about 4 s after the host's last
+# word. Executors (real and simulated) accept pings that often: gRPC's server default counts a ping less than
+# 5 minutes after the last one without data as a strike and, after two, ends the connection ("Too many
+# pings"). That key is core's GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, whose string is
+# "grpc.http2.min_ping_interval_without_data_ms"; gRPC ignores a misspelt key without a word.
+EXECUTOR_KEEPALIVE_TIME_MS = 2000
+EXECUTOR_KEEPALIVE_TIMEOUT_MS = 2000
+EXECUTOR_KEEPALIVE_CLIENT_OPTIONS = (
+    ("grpc.keepalive_time_ms", EXECUTOR_KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", EXECUTOR_KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),  # an idle Execute stream sends no data: keep pinging anyway
+)
+EXECUTOR_KEEPALIVE_SERVER_OPTIONS = (
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", EXECUTOR_KEEPALIVE_TIME_MS // 2),
+)

@@ -202,6 +202,15 @@ export interface AllocateItem {
   kind: ResourceKind;
   /** Ids to allocate. Virtual ids are chosen by the controller and must not be in use by it. */
   ids: number[];
+  /**
+   * KV pages, under memory pressure (docs/operations.md, "Under memory pressure"): how long the instance
+   * will wait in the admission queue, in milliseconds, when neither free pages nor preempting instances
+   * that go after it can serve this allocate at once. Unset: the scheduler's --admission-timeout-s; set:
+   * the smaller of the two; 0: do not wait (the allocate traps RESOURCE_EXHAUSTED at once). The limit of
+   * the allocate that starts a wait holds until an allocate of the instance gets through. The executor
+   * ignores it.
+   */
+  maxWaitMs?: number | undefined;
 }
 
 /** Release resources by id. Shared KV pages are freed when their last holder releases them. */
@@ -1145,7 +1154,7 @@ export const OutputResult: MessageFns<OutputResult> = {
 };
 
 function createBaseAllocateItem(): AllocateItem {
-  return { kind: 0, ids: [] };
+  return { kind: 0, ids: [], maxWaitMs: undefined };
 }
 
 export const AllocateItem: MessageFns<AllocateItem> = {
@@ -1159,6 +1168,9 @@ export const AllocateItem: MessageFns<AllocateItem> = {
         writer.uint32(v);
       }
       writer.join();
+    }
+    if (message.maxWaitMs !== undefined) {
+      writer.uint32(24).uint32(message.maxWaitMs);
     }
     return writer;
   },
@@ -1202,6 +1214,14 @@ export const AllocateItem: MessageFns<AllocateItem> = {
 
             break;
           }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.maxWaitMs = reader.uint32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1218,6 +1238,11 @@ export const AllocateItem: MessageFns<AllocateItem> = {
     return {
       kind: isSet(object.kind) ? resourceKindFromJSON(object.kind) : 0,
       ids: globalThis.Array.isArray(object?.ids) ? object.ids.map((e: any) => globalThis.Number(e)) : [],
+      maxWaitMs: isSet(object.maxWaitMs)
+        ? globalThis.Number(object.maxWaitMs)
+        : isSet(object.max_wait_ms)
+        ? globalThis.Number(object.max_wait_ms)
+        : undefined,
     };
   },
 
@@ -1229,6 +1254,9 @@ export const AllocateItem: MessageFns<AllocateItem> = {
     if (message.ids?.length) {
       obj.ids = message.ids.map((e) => Math.round(e));
     }
+    if (message.maxWaitMs !== undefined) {
+      obj.maxWaitMs = Math.round(message.maxWaitMs);
+    }
     return obj;
   },
 
@@ -1239,6 +1267,7 @@ export const AllocateItem: MessageFns<AllocateItem> = {
     const message = createBaseAllocateItem();
     message.kind = object.kind ?? 0;
     message.ids = object.ids?.map((e) => e) || [];
+    message.maxWaitMs = object.maxWaitMs ?? undefined;
     return message;
   },
 };
