@@ -14,4 +14,4 @@ echo "[test] buf breaking (protos/ against main's previous protos)"; scripts/che
 echo "[test] ruff"; .venv/bin/ruff check .
 echo "[test] pytest"
 # pytest exits 5 when it collects nothing: that is a failure here too.
-exec .venv/bin/pytest -p no:cacheprovider "${@:-tests}"
+exec .venv/bin/pytest -p no:cacheprovider --durations=25 "${@:-tests}"
