@@ -54,6 +54,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -125,9 +126,10 @@ async def start_service(
 
 
 @contextlib.asynccontextmanager
-async def scheduler_cluster(root: Path) -> AsyncIterator[Cluster]:
+async def scheduler_cluster(root: Path, scheduler_args: tuple[str, ...] = ()) -> AsyncIterator[Cluster]:
     """A simulated executor and a scheduler whose Unix socket lies in the sandbox socket directory. Not
-    anonymous: every session must present a token the spawner registered, as in production."""
+    anonymous: every session must present a token the spawner registered, as in production.
+    `scheduler_args`: more of the scheduler's flags (bench/memory.py adds `--listen-framed`)."""
     socket_dir = root / "sockets"
     socket_dir.mkdir(mode=0o755)
     internal_dir = root / "internal"  # the control plane: never in the sandboxes' socket directory
@@ -145,7 +147,7 @@ async def scheduler_cluster(root: Path) -> AsyncIterator[Cluster]:
             "l4m.scheduler",
             ["--executor", f"127.0.0.1:{executor_port}", "--listen", "127.0.0.1:0",
              "--listen-unix", str(scheduler_socket), "--registry-listen", registry_address,
-             "--cluster-secret-file", str(secret_file), "--log-level", "WARNING"],
+             "--cluster-secret-file", str(secret_file), "--log-level", "WARNING", *scheduler_args],
             root / "scheduler.log",
         )  # fmt: skip
         processes.append(scheduler)
@@ -209,9 +211,15 @@ class Spawner:
 
 @contextlib.asynccontextmanager
 async def running_spawner(
-    backend: str, cluster: Cluster, root: Path, pool_size: int
+    backend: str,
+    cluster: Cluster,
+    root: Path,
+    pool_size: int,
+    controller: bytes = CONTROLLER,
+    **overrides: Any,
 ) -> AsyncIterator[Spawner]:
-    """A spawner for `backend` in this process, `CONTROLLER` uploaded, its warm pool (if any) full."""
+    """A spawner for `backend` in this process, `controller` uploaded, its warm pool (if any) full.
+    `overrides`: more `SpawnerConfig` fields."""
     config = SpawnerConfig(
         state_dir=root / backend,
         socket_dir=cluster.socket_dir,
@@ -222,6 +230,7 @@ async def running_spawner(
         cluster_secret_file=cluster.secret_file,
         insecure_local=True,  # the benchmark is the only user, on loopback
         warm_pool_size=pool_size if backend == "process-warm" else 0,
+        **overrides,
     )
     server = await create_server(config)
     print(f"{backend}: {json.dumps(server.manager.sandbox.enforcement())}", file=sys.stderr)
@@ -231,9 +240,9 @@ async def running_spawner(
             stub = spawner_pb2_grpc.SpawnerServiceStub(channel)
             upload = [
                 spawner_pb2.UploadProgramRequest(
-                    header=spawner_pb2.ProgramHeader(size_bytes=len(CONTROLLER))
+                    header=spawner_pb2.ProgramHeader(size_bytes=len(controller))
                 ),
-                spawner_pb2.UploadProgramRequest(chunk=CONTROLLER),
+                spawner_pb2.UploadProgramRequest(chunk=controller),
             ]
             sha = (await stub.UploadProgram(iter(upload), timeout=RPC_DEADLINE_S)).sha256
             await wait_pool_full(server)

@@ -200,12 +200,23 @@ class RuntimeClient:
         self._framed_path = frames.framed_path(framed_address) if framed_address else None
         if framed_address and self._framed_path is None:
             raise L4MError(f"L4M_RUNTIME_FRAMED_ADDR {framed_address!r} is not a framed: address")
-        self._channel = grpc.aio.insecure_channel(address)
-        self._stub = spawner_pb2_grpc.RuntimeServiceStub(self._channel)
+        self._address = address
+        # Opened on the first RuntimeService call: a controller whose messages go as frames and that
+        # makes no other call never starts gRPC's channel and threads (docs/benchmarks.md, "Controller
+        # memory").
+        self._channel: grpc.aio.Channel | None = None
+        self._runtime_stub: spawner_pb2_grpc.RuntimeServiceStub | None = None
         self._metadata = call_metadata(token, traceparent)
         self._timeout_s = timeout_s
         self._token = token
         self._sender: FramedSender | None = None  # connected on the first message
+
+    @property
+    def _stub(self) -> spawner_pb2_grpc.RuntimeServiceStub:
+        if self._runtime_stub is None:
+            self._channel = grpc.aio.insecure_channel(self._address)
+            self._runtime_stub = spawner_pb2_grpc.RuntimeServiceStub(self._channel)
+        return self._runtime_stub
 
     async def _call(self, method: str, request: object, timeout_s: float | None = None) -> object:
         try:
@@ -278,7 +289,8 @@ class RuntimeClient:
             if self._sender is not None:
                 await self._sender.close()
         finally:
-            await self._channel.close()
+            if self._channel is not None:
+                await self._channel.close()
 
 
 class LocalVariables:
