@@ -517,10 +517,43 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
   return x;
 }
 
+// decode_layers' attention alone, for the single-token items of a mixed batch (the rest of the batch
+// attends through torch): q [B, H * D] float32 with RoPE applied, the items' K/V already in the pages.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& page_table,
+                            const at::Tensor& ctx_len, const at::Tensor& visible, int64_t num_heads) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous float32 [B, H * D]");
+  TORCH_CHECK(kv.dim() == 5 && kv.scalar_type() == at::kFloat && kv.is_contiguous(),
+              "kv: a layer's contiguous float32 cache [pages, 2, S, KVH, D]");
+  const int64_t B = q.size(0), S = kv.size(2), KVH = kv.size(3), D = kv.size(4), H = num_heads;
+  TORCH_CHECK(H > 0 && H % KVH == 0 && q.size(1) == H * D, "q's width must be num_heads * head_dim");
+  TORCH_CHECK(page_table.scalar_type() == at::kLong && page_table.dim() == 2 && page_table.size(0) == B &&
+              page_table.is_contiguous(), "page_table: contiguous int64 [B, max_pages]");
+  TORCH_CHECK(ctx_len.scalar_type() == at::kLong && ctx_len.numel() == B && ctx_len.is_contiguous());
+  TORCH_CHECK(visible.scalar_type() == at::kByte && visible.dim() == 2 && visible.size(0) == B &&
+              visible.is_contiguous(), "visible: contiguous uint8 [B, width]");
+  const int64_t* ctx = ctx_len.data_ptr<int64_t>();
+  const int64_t* table = page_table.data_ptr<int64_t>();
+  const int64_t width = std::min(visible.size(1), page_table.size(1) * S);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(ctx[b] >= 1 && ctx[b] <= width, "bad ctx_len");
+    for (int64_t i = 0; i < (ctx[b] + S - 1) / S; ++i)
+      TORCH_CHECK(table[b * page_table.size(1) + i] >= 0 && table[b * page_table.size(1) + i] < kv.size(0),
+                  "page id out of range");
+  }
+  at::Tensor out = at::empty({B, H * D}, q.options());
+  if (B == 0) return out;
+  Pages p{kv.data_ptr<float>(), S, KVH, D, table, page_table.size(1), ctx, visible.data_ptr<uint8_t>(),
+          visible.size(1)};
+  attention(q.data_ptr<float>(), H * D, B, H, p, out.data_ptr<float>());
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(l4m_cpu, lib) {
   lib.def("linear(Tensor x, Tensor qs, Tensor d, Tensor? m) -> Tensor", &linear);
   lib.def("decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, Tensor[] kv, Tensor page_table, "
           "Tensor ctx_len, Tensor visible, int num_heads, float eps) -> Tensor", &decode_layers);
+  lib.def("decode_attention(Tensor q, Tensor kv, Tensor page_table, Tensor ctx_len, Tensor visible, "
+          "int num_heads) -> Tensor", &decode_attention);
 }

@@ -1,6 +1,6 @@
 """AVX2 kernels for float32 decode on the CPU, on the GGUF's Q4_1 / Q8_0 blocks (see `quant.py`).
 
-Two ops, registered as `torch.ops.l4m_cpu.*`:
+Three ops, registered as `torch.ops.l4m_cpu.*`:
 
 - `linear(x [M, K], qs, d, m?) -> [M, N]`: `x @ W.T` with W in GGUF blocks. Up to 4 rows of x, each
   block is converted in registers and used at once (for 1-2 rows scaled per block: d * sum(x q) +
@@ -12,6 +12,8 @@ Two ops, registered as `torch.ops.l4m_cpu.*`:
   page tensor (no gather, no padding; per-item slot visibility = BRLE mask AND page visibility),
   o-proj + residual, RMSNorm, gate_up, SiLU * up, down + residual. It removes the ~25 small torch ops
   per layer (Python and dispatch overhead) and the padded attention of the general path.
+- `decode_attention(q [B, H * D], kv, page_table, ctx_len, visible, num_heads) -> [B, H * D]`: that
+  attention alone, for the single-token items of a mixed batch (`attention.py`), one layer at a time.
 
 Parallel work is cut into many small chunks that the threads pull from a shared counter, so that a
 thread descheduled by another process does not leave its static share of the step undone.

@@ -3,7 +3,8 @@ over the paged KV cache; the architectures it serves are those of `architectures
 window is the attention plans' business).
 
 Tokens of all items of a batch are concatenated (`[N, hidden]`) through every linear layer; only
-attention looks at items separately, via the batch's `AttentionPlan`.
+attention looks at items separately, via the batch's `AttentionPlan` (ragged: a prefill chunk and decode
+steps in one batch attend in calls of their own, see `attention.py`).
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ class LlamaModel:
                 )
             )
         self._decode_weights = self._pack_decode_weights() if quantized else None
+        # Quantized weights mean the CPU kernels are loaded: mixed batches' decode steps attend there.
+        self._decode_attention_kernel = quantized and dtype == torch.float32 and self.config.head_dim in (64, 128)
         cfg = self.config
         inv_freq = 1.0 / (
             cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
@@ -184,7 +187,7 @@ class LlamaModel:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             kv[plan.write_pages, :, plan.write_offsets] = torch.stack((k, v.view_as(k)), dim=1)
-            attn = paged_attention(q, kv, plan)  # [N, H * D]
+            attn = paged_attention(q, kv, plan, self._decode_attention_kernel)  # [N, H * D]
             hidden = hidden + layer.o(attn).float()
             h = F.rms_norm(hidden, (cfg.hidden_size,), layer.post_norm, cfg.rms_norm_eps).to(dtype)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
