@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import grpc
 from l4m.scheduler.executors import OnConnected, OnLost, OnResponse
 from l4m.v1 import executor_pb2, executor_pb2_grpc
 from l4m.wire import frames, limits
-from l4m.wire.credentials import bearer_metadata, open_channel
+from l4m.wire.credentials import bearer_metadata, is_loopback_host, open_channel
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +40,7 @@ def is_on_this_host(address: str) -> bool:
     may the framed socket path its GetInfo reports name the same executor."""
     if address.startswith("unix:"):
         return True
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback_host(address.rsplit(":", 1)[0].strip("[]"))
 
 
 class FramedOpenError(Exception):

@@ -7,13 +7,13 @@ import asyncio
 import contextlib
 import dataclasses
 import getpass
-import ipaddress
 import signal
 import sys
 import tempfile
 from pathlib import Path
 
 from l4m.cluster import ROLES, Cluster, ClusterConfig, ClusterError
+from l4m.wire.credentials import is_loopback_host
 
 DEMO_PROMPT = "What is the capital of France, and what is it famous for?"
 EXAMPLES_DIR = Path(__file__).resolve().parents[3] / "examples" / "controllers"
@@ -123,15 +123,6 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="do not echo the services' logs")
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _host_port(flag: str, value: str) -> tuple[str, int]:
     """`HOST:PORT` (`[V6]:PORT`) with a port in 1..65535; raises ValueError naming `flag` and `value`."""
     host, _, port = value.rpartition(":")
@@ -147,7 +138,7 @@ def check_hosts(args: argparse.Namespace) -> None:
     insecure = args.insecure_executor_links
     for address in remote:
         host, _ = _host_port("--executor", address)
-        if not args.tls_ca and not insecure and not _is_loopback(host):
+        if not args.tls_ca and not insecure and not is_loopback_host(host):
             raise ValueError(f"--executor {address} is on another host: give --tls-ca (the CA that signed its "
                              f"certificate), or --insecure-executor-links for a plaintext development setup")
     if role == "executor":
@@ -161,7 +152,7 @@ def check_hosts(args: argparse.Namespace) -> None:
         if host in ("0.0.0.0", "::"):
             raise ValueError(f"--executor-listen {listen}: give the address the control host dials (and the "
                              f"certificate names), not a wildcard")
-        if not args.tls_cert and not insecure and not _is_loopback(host):
+        if not args.tls_cert and not insecure and not is_loopback_host(host):
             raise ValueError(f"--executor-listen {listen} is reachable from other hosts: give --tls-cert and "
                              f"--tls-key, or --insecure-executor-links for a plaintext development setup")
         return

@@ -14,6 +14,7 @@ One module so that each listener and each channel is built the same way:
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 import secrets
 import stat
@@ -108,6 +109,17 @@ def tls_files(cert_path: Path | None, key_path: Path | None) -> TlsFiles | None:
 
 def is_unix_address(address: str) -> bool:
     return address.startswith("unix:")
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a host name or IP address (no port, no brackets) is this host's loopback: `localhost` or
+    an address in 127.0.0.0/8 or ::1."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def add_listener(server: grpc.aio.Server, address: str, tls: TlsFiles | None) -> int:
