@@ -92,7 +92,7 @@ def stack_config(args: argparse.Namespace) -> ClusterConfig:
                          scheduler_port=args.scheduler_port, metrics_port_base=args.metrics_port_base,
                          batching=args.batching, warm_pool_size=args.warm_pool_size,
                          session_transport=args.session_transport, executor_transport=args.executor_transport,
-                         echo_logs=False)
+                         devices=(getattr(args, "device", "cpu"),), echo_logs=False)
 
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -389,6 +389,8 @@ def run_peer(engine: str, num_streams: int, args: argparse.Namespace) -> Timelin
         command = [sys.executable, str(BENCH_DIR / "peers.py"), "--engine", engine, "--streams", str(num_streams),
                    "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens),
                    "--seed", str(args.seed), "--out", out.name]
+        if engine == "l4m-executor":
+            command += ["--device", args.device]
         env = dict(os.environ, HF_HUB_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error")
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.peer_timeout_s)
         if done.returncode == peers.EXIT_UNAVAILABLE:
@@ -628,6 +630,9 @@ def parse_args() -> argparse.Namespace:
                         "unchunked (the l4m stack only; --engines and --plot are ignored)")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=None,
                         help="--long-prompt's chunked runs: the scheduler's chunk (default: the scheduler's)")
+    parser.add_argument("--device", default="cpu",
+                        help="the stack's executor and l4m-executor's (cuda:0: bfloat16, the executor's default there); "
+                             "the other peers stay on the CPU")
     parser.add_argument("--out", default="bench/results/e2e.json")
     parser.add_argument("--plot", default="", help="write a tok/s vs N PNG here (e.g. docs/img/e2e.png)")
     args = parser.parse_args()

@@ -172,7 +172,9 @@ def own_rss() -> RssSampler:
 # ---- l4m executor alone ------------------------------------------------------------------------
 
 
-def run_l4m_executor(prompts: list[list[int]], new_tokens: int, weights: str = "auto") -> Timeline:
+def run_l4m_executor(prompts: list[list[int]], new_tokens: int, weights: str = "auto", device: str = "cpu") -> Timeline:
+    """Greedy decode, one forward_text per token; on a GPU in bfloat16 (the executor service's default
+    there) with its decode graphs captured first, else in float32."""
     from l4m.executor.commands import Allocate, ForwardText, ResourceKind, SamplerKind, SamplerSpec
     from l4m.executor.engine import Engine, EngineConfig
     from l4m.executor.weights import default_model_path, load_model
@@ -180,8 +182,11 @@ def run_l4m_executor(prompts: list[list[int]], new_tokens: int, weights: str = "
     greedy = (SamplerSpec(SamplerKind.GREEDY),)
     page_size, num_streams = 16, len(prompts)
     pages_per_stream = -(-(len(prompts[0]) + new_tokens) // page_size)
-    config = EngineConfig(dtype="float32", page_size=page_size, num_pages=num_streams * pages_per_stream,
-                          num_embed_slots=0, weights=weights)
+    dtype = "float32" if device == "cpu" else "bfloat16"
+    # On a GPU the decode graphs are captured before the clock starts, as the executor service does.
+    config = EngineConfig(device=device, dtype=dtype, page_size=page_size,
+                          num_pages=num_streams * pages_per_stream, num_embed_slots=0, weights=weights,
+                          capture_graphs_at_start=device != "cpu")
     engine = Engine(load_model(default_model_path()), config)
     engine.allocate([Allocate(ResourceKind.KV_PAGE, tuple(range(num_streams * pages_per_stream)))])
 
@@ -209,7 +214,8 @@ def run_l4m_executor(prompts: list[list[int]], new_tokens: int, weights: str = "
                 times[stream].append(now)
             position = len(prompts[0]) + len(token_ids[0]) - 1
             pending = [item(s, [ids[-1]], position) for s, ids in enumerate(token_ids)]
-    return Timeline("l4m-executor", token_ids, times, rss.peak_bytes, {"weights": engine.weights})
+    return Timeline("l4m-executor", token_ids, times, rss.peak_bytes,
+                    {"weights": engine.weights, "device": device, "dtype": dtype})
 
 
 def _chunks_within(items: list, max_tokens: int) -> Iterator[list]:  # type: ignore[type-arg]
@@ -386,10 +392,12 @@ def run_llama_cpp(prompts: list[list[int]], new_tokens: int, precision: str, thr
                     {"threads": threads, "gguf": path.name, "llama_cpp_python": ll.__version__})
 
 
-def run_engine(engine: str, prompts: list[list[int]], new_tokens: int, threads: int = 0) -> Timeline:
-    """One run of `engine` (a name from ENGINES); raises PeerUnavailable when its package is missing."""
+def run_engine(engine: str, prompts: list[list[int]], new_tokens: int, threads: int = 0,
+               device: str = "cpu") -> Timeline:
+    """One run of `engine` (a name from ENGINES); raises PeerUnavailable when its package is missing.
+    `device` is the l4m executor's alone (the other peers run on the CPU)."""
     if engine == "l4m-executor":
-        return run_l4m_executor(prompts, new_tokens)
+        return run_l4m_executor(prompts, new_tokens, device=device)
     if engine in ("hf-fp32", "hf-bf16"):
         try:
             import transformers  # noqa: F401
@@ -409,8 +417,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0, help="of the random prompts")
     parser.add_argument("--threads", type=int, default=0, help="torch / llama.cpp threads; 0 = all cores")
+    parser.add_argument("--device", default="cpu", help="l4m-executor's device (cuda:0: bfloat16)")
     parser.add_argument("--out", default="", help="write the timeline here as JSON (default: stdout)")
     args = parser.parse_args()
+    if args.device != "cpu" and args.engine != "l4m-executor":
+        parser.error(f"--device {args.device}: only l4m-executor runs off the CPU here (bench/executor.py has HF on a GPU)")
     if min(args.streams, args.prompt_tokens, args.new_tokens) < 1:
         parser.error("--streams, --prompt-tokens and --new-tokens must be at least 1")
     if args.threads > 0:
@@ -419,7 +430,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     prompts = make_prompts(args.streams, args.prompt_tokens, args.seed)
     try:
-        timeline = run_engine(args.engine, prompts, args.new_tokens, args.threads)
+        timeline = run_engine(args.engine, prompts, args.new_tokens, args.threads, args.device)
     except PeerUnavailable as error:
         print(f"peers.py: {args.engine} unavailable: {error}", file=sys.stderr)
         sys.exit(EXIT_UNAVAILABLE)

@@ -22,7 +22,7 @@ from l4m.common.metrics import (
 )
 from l4m.common.serving import bound_address, serve_until_signal
 from l4m.executor.architectures import UnsupportedModel
-from l4m.executor.engine import EngineConfig
+from l4m.executor.engine import Engine, EngineConfig
 from l4m.executor.metrics import executor_registry
 from l4m.executor.server import ExecutorConfig, create_server
 from l4m.executor.weights import default_model_path
@@ -65,6 +65,11 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Metrics
         "off: the per-op torch path",
     )
     parser.add_argument("--graph-max-batch", type=int, default=64, help="the largest decode batch run as a CUDA graph")
+    parser.add_argument(
+        "--graph-capture", default="start", choices=["start", "first-use"],
+        help="start: capture every batch/page bucket's decode and continuation graphs before serving (startup "
+        "takes longer; no batch pays for a capture); first-use: each when a batch first needs it",
+    )
     parser.add_argument("--page-size", type=int, default=16, help="token slots per KV page")
     parser.add_argument("--num-pages", type=int, default=0, help="KV pages; 0 = size from free memory")
     parser.add_argument("--swap-space-pages", type=int, default=-1,
@@ -106,11 +111,20 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Metrics
         decode_kernel=args.decode_kernel == "on",
         decode_graphs=args.decode_graphs == "on",
         graph_max_batch=args.graph_max_batch,
+        capture_graphs_at_start=args.graph_capture == "start",
         swap_space_pages=args.swap_space_pages,
     )
     config = ExecutorConfig(listen=args.listen, model_path=str(args.model or default_model_path()), engine=engine,
                             cluster_secret=secret, tls=tls, listen_framed=args.listen_framed, model_name=args.model_name)
     return config, metrics_endpoint(parser, args)
+
+
+def graphs_state(engine: Engine) -> str:
+    """How decode steps run, for the ready line: "off: <why>", "on", or "on, N captured in S s"."""
+    if engine.graphs_off_reason:
+        return f"off: {engine.graphs_off_reason}"
+    captured, seconds = engine.captured_at_start
+    return f"on, {captured} captured in {seconds:.1f} s" if captured else "on"
 
 
 async def serve(config: ExecutorConfig, metrics: MetricsEndpoint = METRICS_OFF) -> None:
@@ -120,7 +134,7 @@ async def serve(config: ExecutorConfig, metrics: MetricsEndpoint = METRICS_OFF) 
     engine = server.engine
     print(f"l4m executor: model ready in {time.monotonic() - started:.1f} s ({engine.weights} weights, "
           f"decode kernel {'on' if engine.model.has_decode_kernel and config.engine.decode_kernel else 'off'}, "
-          f"decode graphs {'off: ' + engine.graphs_off_reason if engine.graphs_off_reason else 'on'})",
+          f"decode graphs {graphs_state(engine)})",
           flush=True)
     # The model's Python objects live as long as the process: keep the cyclic GC from rescanning them on
     # every full collection (a batch allocates many short-lived objects, which trigger collections).

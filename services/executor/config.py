@@ -35,6 +35,11 @@ class EngineConfig:
     # the static decode step (`decode_graphs.py`); False keeps them on the per-op torch path.
     decode_graphs: bool = True
     graph_max_batch: int = 64
+    # Capture every bucket's decode and continuation graphs when the engine is built (`StaticDecoder.
+    # capture_all`) rather than the first time a batch needs one: a capture takes the device for tens of
+    # milliseconds (the first of a shape compiles its Triton kernels: seconds), which a serving executor
+    # should pay before it takes traffic, not in some batch's step. The executor service turns it on.
+    capture_graphs_at_start: bool = False
     # Host swap slots for the pages of instances the scheduler preempts (one KV page each). -1: as many as
     # the device cache holds, at most what `MAX_AUTO_SWAP_BYTES` of host memory holds; 0: no swap space.
     swap_space_pages: int = -1

@@ -17,8 +17,9 @@ Python, plus a per-batch attention plan; on a GPU the CPU launching them is the 
 Masks stay exact: a slot counts when it is before the item's length, its page's visibility allows it,
 the item's BRLE row (if it sent one) allows it, and it lies in the model's sliding window (if any); an item that sees nothing gets a zero attention
 output, as on the per-op path. A bucket's graph is captured the first time a batch needs it (one
-eager warm-up run, which compiles the Triton kernels, then the capture); all graphs share one memory
-pool, which is safe because steps run one at a time and the output is copied out before the next.
+eager warm-up run, which compiles the Triton kernels, then the capture), or, with `capture_all`, every
+bucket's at once before the engine takes traffic (the executor service does that); all graphs share one
+memory pool, which is safe because steps run one at a time and the output is copied out before the next.
 
 **Continuation on the device** (`StaticDecoder.continue_greedy`): items that decode on greedily feed each
 sampled token back without the host. A second graph per bucket holds a whole step: embedding of the
@@ -64,6 +65,16 @@ def page_buckets(max_pages: int) -> tuple[int, ...]:
     while buckets[-1] < max_pages:
         buckets.append(buckets[-1] * 2)
     return tuple(buckets)
+
+
+def capture_keys(batch_buckets_: Sequence[int], page_buckets_: Sequence[int], max_pages: int) -> list[tuple[int, int]]:
+    """The (batch, pages) buckets `StaticDecoder.capture_all` captures: every batch bucket with every page
+    bucket up to the one that holds `max_pages` (an item never has more pages than the cache), the
+    small page buckets first (the contexts most batches have)."""
+    if max_pages < 1:
+        raise ValueError(f"max_pages must be >= 1, got {max_pages}")
+    last = bucket_for(max_pages, page_buckets_) or page_buckets_[-1]
+    return [(batch, pages) for pages in page_buckets_ if pages <= last for batch in batch_buckets_]
 
 
 def bucket_for(n: int, buckets: Sequence[int]) -> int | None:
@@ -297,6 +308,22 @@ class StaticDecoder:
         took = time.perf_counter() - started
         self.capture_seconds += took
         log.info("captured the %s graph of batch %d x %d pages in %.2f s", what, *key, took)
+
+    def capture_all(self, max_steps: int) -> tuple[int, float]:
+        """Capture the decode graph and the continuation graph (`max_steps` steps at most) of every
+        bucket an item of this cache can fall in (`capture_keys`) that has none yet; returns how many
+        graphs were captured and the seconds it took. Nothing to do off CUDA (the steps run eagerly)."""
+        if not self.graphs:
+            return 0, 0.0
+        before, seconds_before = self.num_graphs, self.capture_seconds
+        for key in capture_keys(self.batch_buckets, self.page_buckets, self.cache.num_pages):
+            step = self._step(key)
+            if step.graph is None:
+                self._timed_capture("decode", key, step.capture)
+            if step.loop is None:
+                step.loop = _Loop(step, max_steps)
+                self._timed_capture("continuation", key, step.loop.capture)
+        return self.num_graphs - before, self.capture_seconds - seconds_before
 
     def bucket(self, layouts: Sequence[ItemLayout]) -> tuple[int, int] | None:
         """The (batch, pages) bucket of a decode batch, or None when it is bigger than every bucket."""

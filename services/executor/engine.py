@@ -148,11 +148,21 @@ class Engine:
         }
         self._num_batches = 0
         self._num_forward_tokens = 0
+        # (graphs, seconds) captured while the engine was built (EngineConfig.capture_graphs_at_start).
+        self.captured_at_start = self.capture_decode_graphs() if config.capture_graphs_at_start else (0, 0.0)
         self._num_decode_kernel_batches = 0
         self._num_graph_batches = 0
         self._num_device_continuation_steps = 0
         # Seconds each batch took in `execute`, by command kind (its class name); read by the metrics.
         self.batch_seconds = DurationsByKind()
+
+    def capture_decode_graphs(self) -> tuple[int, float]:
+        """Capture every decode-graph bucket now (`StaticDecoder.capture_all`): (graphs captured, seconds);
+        (0, 0.0) where decode steps do not run as graphs."""
+        if self.static_decoder is None:
+            return 0, 0.0
+        with torch.inference_mode():
+            return self.static_decoder.capture_all(rules.MAX_CONTINUATION_STEPS)
 
     def _graphs_off_reason(self, config: EngineConfig, cfg) -> str | None:
         """Why decode steps do not run as CUDA graphs here, or None when they do."""

@@ -76,7 +76,9 @@ def engine_stats(engine: Engine) -> dict:
 
 
 class LogitsRecorder:
-    """Wraps `engine.model.logits` to keep the float32 logits of every forward."""
+    """Wraps `engine.model.logits` to keep the float32 logits of every forward run op by op. A CUDA graph's
+    capture is skipped (a copy to the host cannot be captured, and a replay never calls Python): what a
+    graph computes is checked through the tokens it returns."""
 
     def __init__(self, engine: Engine) -> None:
         self.calls: list[torch.Tensor] = []
@@ -84,6 +86,8 @@ class LogitsRecorder:
 
         def record(normed: torch.Tensor) -> torch.Tensor:
             out = inner(normed)
+            if out.is_cuda and torch.cuda.is_current_stream_capturing():
+                return out
             self.calls.append(out.float().cpu())  # a copy: compared on the CPU with the reference
             return out
 

@@ -20,7 +20,7 @@ import torch
 from l4m.executor import decode_ops
 from l4m.executor.attention import ItemLayout, build_plan
 from l4m.executor.commands import ForwardText, SamplerKind, SamplerSpec
-from l4m.executor.decode_graphs import StaticDecoder, batch_buckets, bucket_for, page_buckets
+from l4m.executor.decode_graphs import StaticDecoder, batch_buckets, bucket_for, capture_keys, page_buckets
 from l4m.executor.decode_ops import TorchOps, TritonOps
 from l4m.executor.engine import Engine, EngineConfig
 from l4m.executor.kv_cache import KvCache
@@ -51,6 +51,15 @@ def test_buckets() -> None:
     assert bucket_for(3, (1, 2, 4)) == 4
     assert bucket_for(4, (1, 2, 4)) == 4
     assert bucket_for(5, (1, 2, 4)) is None
+
+
+def test_capture_keys_cover_every_bucket_an_item_of_the_cache_can_fall_in() -> None:
+    pages = page_buckets(512)
+    assert capture_keys((1, 2), pages, 5) == [(1, 1), (2, 1), (1, 2), (2, 2), (1, 4), (2, 4), (1, 8), (2, 8)]
+    assert capture_keys((1,), pages, 8)[-1] == (1, 8)  # exactly a bucket: nothing past it
+    assert len(capture_keys((1, 2), pages, 100_000)) == 2 * len(pages)  # a cache past the context: every bucket
+    with pytest.raises(ValueError, match="max_pages must be >= 1"):
+        capture_keys((1,), pages, 0)
 
 
 def test_supports_names_the_shape_it_refuses() -> None:
@@ -291,6 +300,29 @@ def _continuation_batch(engine: Engine, prompts: list[list[int]], steps: list[in
         items.append(dataclasses.replace(item, kv_page_ids=pages, kv_last_page_length=last,
                                          num_continuation_steps=k, continuation_stop_token_ids=stop))
     return items
+
+
+def test_graphs_captured_at_start_serve_every_later_batch_without_a_capture(loaded, prompts) -> None:
+    """EngineConfig.capture_graphs_at_start: on CUDA every bucket's decode and continuation graphs exist
+    once the engine is built, and a continuation batch captures nothing more and gives the tokens of an
+    engine that captures on first use; off CUDA there is nothing to capture."""
+    config = EngineConfig(device=TEST_DEVICE, dtype="float32", page_size=PAGE, num_pages=64, num_embed_slots=0,
+                          weights="dequantized", graph_max_batch=2)
+    eager = Engine(loaded, dataclasses.replace(config, capture_graphs_at_start=True))
+    lazy = Engine(loaded, config)
+    if ON_CPU:
+        assert eager.captured_at_start == (0, 0.0) and eager.capture_decode_graphs() == (0, 0.0)
+        return
+    decoder = eager.static_decoder
+    keys = capture_keys(decoder.batch_buckets, decoder.page_buckets, eager.cache.num_pages)
+    assert eager.captured_at_start[0] == decoder.num_graphs == 2 * len(keys) == 2 * 2 * 7
+    greedy = SamplerSpec(SamplerKind.GREEDY)
+    batches = [_continuation_batch(engine, [prompts[0], prompts[1]], [5, 3], [frozenset(), frozenset()], greedy)
+               for engine in (eager, lazy)]
+    got = [[[o.token_id for o in r.outputs] for r in engine.forward_text(items)]
+           for engine, items in zip((eager, lazy), batches, strict=True)]
+    assert decoder.num_graphs == 2 * len(keys)  # nothing captured on the way
+    assert got[0] == got[1] and [len(tokens) for tokens in got[0]] == [6, 4]
 
 
 def test_greedy_continuation_on_the_device_matches_the_host_loop(loaded, prompts) -> None:

@@ -25,6 +25,9 @@ def test_a_bad_decode_kernel_value_is_refused(capsys: pytest.CaptureFixture[str]
 def test_decode_graphs_flags_reach_the_config(capsys: pytest.CaptureFixture[str]) -> None:
     engine = parse_config(["--model", "m.gguf"])[0].engine
     assert engine.decode_graphs is True and engine.graph_max_batch == 64
+    assert engine.capture_graphs_at_start is True  # a serving executor captures before it takes traffic
+    lazy = parse_config(["--model", "m.gguf", "--graph-capture", "first-use"])[0].engine
+    assert lazy.capture_graphs_at_start is False
     engine = parse_config(["--model", "m.gguf", "--decode-graphs", "off", "--graph-max-batch", "16"])[0].engine
     assert engine.decode_graphs is False and engine.graph_max_batch == 16
     with pytest.raises(SystemExit) as exit_:
