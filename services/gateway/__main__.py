@@ -12,10 +12,12 @@ from pathlib import Path
 import uvicorn
 
 from l4m import eventloop
+from l4m.common.metrics import add_metrics_flags, metrics_endpoint, start_metrics_server
 from l4m.common.serving import serve_until_signal
 from l4m.common.users import Authenticator
 from l4m.gateway.backend import ClusterBackend
 from l4m.gateway.config import GatewayConfig
+from l4m.gateway.metrics import GatewayMetrics
 from l4m.gateway.programs import SpawnerClient
 from l4m.gateway.server import create_app
 from l4m.wire.credentials import CredentialError, read_secret_file
@@ -49,7 +51,9 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
                         "context leaves)")
     parser.add_argument("--prefix-cache-pages", type=int, default=512,
                         help="KV pages of cached prompt prefixes at most (automatic prefix caching, per user); 0: off")
+    add_metrics_flags(parser)
     args = parser.parse_args(argv)
+    metrics = metrics_endpoint(parser, args)
     if not args.keys_file and not args.insecure_local:
         parser.error("give --keys-file (API keys) or --insecure-local")
     if args.max_n < 1:
@@ -65,13 +69,15 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
                          keys_path=args.keys_file, spawner_address=args.spawner, spawner_tls_ca=args.spawner_tls_ca,
                          insecure_local=args.insecure_local, max_n=args.max_n,
                          max_requests_per_user=args.max_requests_per_user,
-                         max_tokens_default=args.max_tokens_default, prefix_cache_pages=args.prefix_cache_pages)
+                         max_tokens_default=args.max_tokens_default, prefix_cache_pages=args.prefix_cache_pages,
+                         metrics=metrics)
 
 
 async def serve(config: GatewayConfig) -> None:
     backend = await ClusterBackend.connect(config)
     spawner = SpawnerClient(config.spawner_address, config.spawner_tls_ca) if config.spawner_address else None
-    app = create_app(config, backend, Authenticator(config.keys_path, config.insecure_local), spawner)
+    metrics = GatewayMetrics()
+    app = create_app(config, backend, Authenticator(config.keys_path, config.insecure_local), spawner, metrics)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            lifespan="off", access_log=False))
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # serve_until_signal's
@@ -79,6 +85,7 @@ async def serve(config: GatewayConfig) -> None:
 
     async def start() -> None:
         nonlocal task
+        start_metrics_server(config.metrics.port, metrics.registry, host=config.metrics.host)
         task = asyncio.create_task(server.serve())
         while not server.started:
             if task.done():

@@ -50,6 +50,8 @@ def unknown_model(name: str, served: list[str]) -> GatewayError:
 
 
 class Backend(Protocol):
+    prefix_cache: PrefixCache  # the gateway's one cache (off with 0 pages); its metrics read `stats()`
+
     async def model_names(self) -> list[str]:
         """The served models, the default first."""
 
@@ -145,7 +147,8 @@ class ClusterBackend:
                     raise
                 self._maintenance[model] = (instance_id, session)
             session = self._maintenance[model][1]
-            session.send("unexport_kv_pages", l4m_pb2.UnexportKvPagesCommand(name=name))
+            # missing_ok: the scheduler may have evicted it under memory pressure already.
+            session.send("unexport_kv_pages", l4m_pb2.UnexportKvPagesCommand(name=name, missing_ok=True))
             await session.synchronize()
         except Exception as error:
             log.warning("prefix cache: could not unexport %s of %s: %s", name, model, error)
@@ -198,7 +201,7 @@ class FakeBackend:
 
     async def _unexport(self, model: str, name: str) -> None:
         async with self.open(User(MAINTENANCE_USER, is_admin=True), model) as opened:
-            opened.unexport(name)
+            opened.unexport(name, missing_ok=True)
             await opened.session.synchronize()
 
     async def model_names(self) -> list[str]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from l4m.common.metrics import METRICS_OFF, MetricsEndpoint
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -26,3 +28,4 @@ class GatewayConfig:
     max_request_bytes: int = 4 << 20
     # Automatic prefix caching (prefix_cache.py): KV pages of cached prompt prefixes at most; 0: off.
     prefix_cache_pages: int = 512
+    metrics: MetricsEndpoint = METRICS_OFF  # Prometheus /metrics (metrics.py): port 0 is off, loopback by default

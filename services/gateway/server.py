@@ -6,7 +6,8 @@ handler (handlers.py) and shapes the answer; errors leave in OpenAI's shape (`er
 status OpenAI uses: 400 bad request, 401 key, 404 unknown model or route, 413 body too large, 429
 quota, 503 no executor. A streamed answer is server-sent events, `data: {chunk}` ... `data: [DONE]`;
 the request's session lives inside the stream, so a client that disconnects mid-stream ends it and
-the scheduler frees its pages.
+the scheduler frees its pages. Every answer is counted by endpoint and status code and timed to its end,
+and every answered completion's usage is added up (metrics.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from l4m.gateway import tools
 from l4m.gateway.backend import Backend, GatewayError
 from l4m.gateway.config import GatewayConfig
 from l4m.gateway.handlers import Choice, GenerationParams, complete
+from l4m.gateway.metrics import GatewayMetrics, RequestMetrics
 from l4m.gateway.prefix_cache import PrefixScope
 from l4m.gateway.programs import Spawner, answer_program, program_models, program_of
 from l4m.gateway.schemas import (
@@ -74,8 +76,10 @@ def _json_error(error: GatewayError) -> JSONResponse:
 
 
 def create_app(config: GatewayConfig, backend: Backend, authenticator: Authenticator,
-               spawner: Spawner | None = None) -> FastAPI:
+               spawner: Spawner | None = None, metrics: GatewayMetrics | None = None) -> FastAPI:
     app = FastAPI(title="l4m gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = metrics or GatewayMetrics()
+    metrics.bind_prefix_cache(backend.prefix_cache.stats)
     backend = _PerUserLimit(backend, config.max_requests_per_user)
     app.state.backend = backend
 
@@ -105,6 +109,8 @@ def create_app(config: GatewayConfig, backend: Backend, authenticator: Authentic
             return _json_error(GatewayError(413, f"the request body is {length} bytes; at most "
                                             f"{config.max_request_bytes}", code="request_too_large"))
         return await call_next(request)
+
+    app.add_middleware(RequestMetrics, metrics=metrics)  # outermost: it sees every answer, a 413 included
 
     def user_of(request: Request) -> User:
         """The caller, before anything of the request is read: a dependency runs before body validation."""
@@ -146,7 +152,8 @@ def create_app(config: GatewayConfig, backend: Backend, authenticator: Authentic
                 plan.check(model)
             return [model.tokenizer.encode(tools.render_prompt(model.tokenizer, messages, plan))]
 
-        return await _run(backend, user, body, prompts, max_new, stops, "chat.completion", config, schema, plan)
+        return await _run(backend, user, body, prompts, max_new, stops, "chat.completion", config, metrics, schema,
+                          plan)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request,
@@ -171,7 +178,7 @@ def create_app(config: GatewayConfig, backend: Backend, authenticator: Authentic
                 out.append(ids)
             return out
 
-        return await _run(backend, user, body, prompts, body.max_tokens, stops, "text_completion", config)
+        return await _run(backend, user, body, prompts, body.max_tokens, stops, "text_completion", config, metrics)
 
     return app
 
@@ -224,7 +231,7 @@ def _check_options(body: ChatCompletionRequest | CompletionRequest, config: Gate
 
 
 async def _run(backend: Backend, user: User, body: ChatCompletionRequest | CompletionRequest, prompts_of,  # type: ignore[no-untyped-def]
-               max_new: int | None, stops: list[str], kind: str, config: GatewayConfig,
+               max_new: int | None, stops: list[str], kind: str, config: GatewayConfig, metrics: GatewayMetrics,
                json_schema: dict | bool | None = None, tool_plan: tools.ToolPlan | None = None) -> Any:
     """Open the request's model, tokenize, then answer at once or as a stream that owns the session."""
     stack = contextlib.AsyncExitStack()
@@ -250,9 +257,11 @@ async def _run(backend: Backend, user: User, body: ChatCompletionRequest | Compl
                 choices = await _complete_all(model, prompts, params, None, prefixes)
             except Exception as error:
                 raise _as_gateway_error(error) from error
-        return answer.whole(choices, _usage(prompts, body.n, choices))
+        usage = _usage(prompts, body.n, choices)
+        metrics.observe_usage(usage)
+        return answer.whole(choices, usage)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return StreamingResponse(_stream(stack, model, prompts, params, answer, body.n, include_usage, prefixes),
+    return StreamingResponse(_stream(stack, model, prompts, params, answer, body.n, include_usage, prefixes, metrics),
                              media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
 
@@ -415,7 +424,8 @@ def _event(payload: dict[str, Any]) -> str:
 
 
 async def _stream(stack: contextlib.AsyncExitStack, model: Model, prompts: list[list[int]], params: GenerationParams,
-                  answer: _Answer, n: int, include_usage: bool, prefixes: PrefixScope | None) -> AsyncIterator[str]:
+                  answer: _Answer, n: int, include_usage: bool, prefixes: PrefixScope | None,
+                  metrics: GatewayMetrics) -> AsyncIterator[str]:
     """The chunks as the choices generate; the session (in `stack`) ends when the stream does, however."""
     queue: asyncio.Queue[tuple[int, str, list[int], list[float], list[tuple[tuple[int, float], ...]]] | None] = \
         asyncio.Queue()
@@ -446,8 +456,10 @@ async def _stream(stack: contextlib.AsyncExitStack, model: Model, prompts: list[
             for choice in result:
                 for chunk in answer.last_pieces(choice):
                     yield _event(chunk)
+            usage = _usage(prompts, n, result)
+            metrics.observe_usage(usage)
             if include_usage:
-                yield _event(answer.usage_chunk(_usage(prompts, n, result)))
+                yield _event(answer.usage_chunk(usage))
         yield "data: [DONE]\n\n"
     finally:
         task.cancel()

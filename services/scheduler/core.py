@@ -22,7 +22,8 @@ batches are kept (`Executor.unanswered`) until a later reply shows they ran, so 
 blamed the same way.
 
 Memory pressure (contention.py; docs/operations.md "Under memory pressure"): an allocate of kv pages the
-pool cannot hold preempts instances ranked after its instance (`_make_kv_room`, `_preempt`): their
+pool cannot hold first evicts persistent, unpinned exports, least recently used first (`_evict_exports`),
+then preempts instances ranked after its instance (`_make_kv_room`, `_preempt`): their
 unshared pages are copied to host swap slots (`swap_out`, sent before the allocate that reuses them) and
 their commands are held, unsent, in `Instance.held` (at `_route` and at `_fire`; batches already sent
 finish first: the executor runs in order). When nothing ranked after it can make room, the requester
@@ -241,6 +242,7 @@ class Scheduler:
         instance.state = InstanceState.ACTIVE
         instance.sink = sink
         instance.trace_context = self.tracer.extract(traceparent) if self.tracer.enabled else None
+        self.metrics.session_opened(instance, self.clock())
         return instance
 
     def _companion(self, instance: Instance, model: ServedModel) -> Instance:
@@ -505,9 +507,10 @@ class Scheduler:
     def _make_kv_room(self, executor: Executor, requester: Instance, num_ids: int,
                       admitted: list[tuple[Instance, bool, int]], num_reserved: int = 0) -> bool:
         """Whether `num_ids` more kv pages fit beside the batch's admitted allocates (and `num_reserved`),
-        after preempting instances ranked after `requester` (contention.py), the last-ranked first, as few as
-        it takes. Nobody is preempted when that would not be enough, nor when an instance ranked before
-        the requester is parked on this executor (it goes first: the requester waits behind it)."""
+        after evicting persistent unpinned exports, least recently used first, then preempting instances
+        ranked after `requester`, the last-ranked first, each as few as it takes (contention.py). Nothing is
+        evicted nor preempted when all of it would not be enough, nor when an instance ranked before the
+        requester is parked on this executor (it goes first: the requester waits behind it)."""
         pool = executor.pools().kv_pages
 
         def shortfall() -> int:
@@ -517,8 +520,10 @@ class Scheduler:
             return False
         if shortfall() <= 0:
             return True
+        evicted, num_evicted = contention.export_victims(self.exports.evictable_on(executor.index), pool.refcount,
+                                                         shortfall())
         claiming = {i for i, k, n in admitted if k and n and i.is_alive and not i.is_parked}
-        chosen, num_freed = [], 0
+        chosen, num_freed = [], num_evicted
         for victim in contention.preemption_victims(requester, executor.instances, claiming=claiming):
             if num_freed >= shortfall():
                 break
@@ -526,6 +531,7 @@ class Scheduler:
             num_freed += _num_movable(pool, victim) + sum(n for i, k, n in admitted if i is victim and k)
         if num_freed < shortfall():
             return False
+        self._evict_exports(executor, evicted, requester)
         for victim in chosen:
             self._preempt(executor, victim, requester, num_ids)
         return shortfall() <= 0
@@ -565,6 +571,16 @@ class Scheduler:
         self._last_dispatch[victim] = self._dispatch_seq
         log.info("preempted instance %r (%d kv pages to swap) for %r on executor %d", victim.instance_id,
                  len(moving), requester.instance_id, executor.index)
+
+    def _evict_exports(self, executor: Executor, exports: list[Export], requester: Instance) -> None:
+        """Drop exports for `requester`'s pages as if unexported (their owners are not told; importers keep
+        their pages): the deallocate of the pages they free is sent now, before the allocate that reuses them."""
+        for export in exports:
+            num_freed = self._drop_export(self.exports.remove(export))
+            self.metrics.num_exports_evicted += 1
+            self.metrics.num_export_pages_evicted += num_freed
+            log.info("evicted export %r of user %r (%d kv pages freed) for %r on executor %d", export.name,
+                     export.owner_user, num_freed, requester.instance_id, executor.index)
 
     def _wait(self, executor: Executor, instance: Instance, num_ids: int, max_wait_s: float | None) -> None:
         """Park a requester whose kv pages neither the pool nor preemption can give it: the admission
@@ -832,7 +848,7 @@ class Scheduler:
                 pairs = []
             for command, item_result in pairs:
                 if command.chunk is None:
-                    self._reply(command, forward_text=item_result)
+                    self._reply_forward_text(command, item_result)
                 else:
                     self._chunk_answered(command, item_result)
         elif result == "forward":
@@ -868,6 +884,21 @@ class Scheduler:
         while waiters and waiters[0][0] <= stream.num_replies_done:
             self._resolve_sync(waiters.popleft()[1])
 
+    def _reply_forward_text(self, command: Command, result: common_pb2.ForwardTextResult) -> None:
+        """Reply, counting the sampled tokens the reply carries (generated tokens, TTFT, ITL) first: the reply
+        may end the instance (the last one a half-closed session waited for)."""
+        instance = command.stream.instance
+        if instance.is_alive:
+            outputs = result.outputs
+            num_tokens = len(outputs)
+            # Every output is a sampled token unless a sampler asked for a distribution, which `reply_cost`
+            # counted in num_entries when the command arrived (a chunk's counts only its own outputs).
+            if command.num_entries or command.chunk is not None:
+                num_tokens = sum(1 for output in outputs if output.HasField("token"))
+            if num_tokens:
+                self.metrics.observe_sampled(instance, num_tokens, self.clock())
+        self._reply(command, forward_text=result)
+
     def _chunk_answered(self, command: Command, result: common_pb2.ForwardTextResult) -> None:
         """A chunk of a long forward_text was answered: its outputs are kept; the last chunk answers the
         command with all of them (a last chunk is answered only when the command has outputs)."""
@@ -875,7 +906,7 @@ class Scheduler:
         prefill = chunk.prefill
         prefill.collect(chunk.index, result)
         if chunk.is_last:
-            self._reply(command, forward_text=prefill.result())
+            self._reply_forward_text(command, prefill.result())
 
     def _on_batch_error(self, executor: Executor, batch: InflightBatch, error: executor_pb2.BatchError) -> None:
         """The executor rejected a whole batch (it should not: we validate what it checks); a rejected
@@ -1012,6 +1043,7 @@ class Scheduler:
             self.batcher.drop_stream(stream)
             stream.sync_waiters.clear()
         self._last_dispatch.pop(instance, None)
+        self.metrics.forget_instance(instance)
         executor: Executor | None = instance.executor
         swap_slots = self._unpark(instance, reason)
         if executor is None or not executor.is_connected:

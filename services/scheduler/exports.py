@@ -3,7 +3,14 @@
 An export holds one reference on each of its pages, so the pages outlive the exporter's own
 deallocation. Unexport drops only that reference: pages an importer still maps stay alive until the
 importer lets go. A non-persistent export disappears with its exporter; a persistent one stays until
-someone unexports it (or its executor goes away).
+someone unexports it, its executor goes away, or the scheduler evicts it under memory pressure.
+
+Eviction (docs/operations.md "Under memory pressure"): when an allocation cannot be met from free pages,
+persistent exports that their owner did not pin go first, least recently used first (used: exported or
+imported; listing is not a use), before any live instance is preempted (contention.py says which;
+`Scheduler._evict_exports` does it). An evicted export is gone as if unexported: importers keep their
+pages. Pinned exports are never evicted; only a persistent export may be pinned, so a user's pinned pages
+are bounded by its quota below.
 
 Accounting: the distinct pages of a user's persistent exports are counted per user (a page exported
 under several names counts once), since they outlive every instance of the user; the scheduler caps
@@ -49,6 +56,7 @@ class Export:
     owner_user: str
     is_public: bool = False
     model: str = ""  # the model whose KV it holds (the exporter session's)
+    is_pinned: bool = False  # never evicted under memory pressure (persistent exports only)
 
     def is_visible_to(self, user: str, is_admin: bool) -> bool:
         return self.is_public or is_admin or self.owner_user == user
@@ -63,6 +71,9 @@ class ExportTable:
         self._public: dict[tuple[str, str], Export] = {}
         # user -> (executor index, physical page) -> number of the user's persistent exports naming it
         self._persistent_pages: dict[str, dict[tuple[int, int], int]] = {}
+        # (model, owner user, name) -> the use (export, import) that touched it last: least recent is smallest
+        self._last_used: dict[tuple[str, str, str], int] = {}
+        self._num_uses = 0
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -81,6 +92,7 @@ class ExportTable:
         if not self.can_add(export.name, export.owner_user, export.is_public, export.model):
             raise ValueError(f"export {export.name!r} exists")
         self._by_key[(export.model, export.owner_user, export.name)] = export
+        self.touch(export)
         if export.is_public:
             self._public[(export.model, export.name)] = export
         if export.is_persistent:
@@ -92,7 +104,9 @@ class ExportTable:
     def remove(self, export: Export) -> Export:
         if export.is_public:
             del self._public[(export.model, export.name)]
-        removed = self._by_key.pop((export.model, export.owner_user, export.name))
+        key = (export.model, export.owner_user, export.name)
+        removed = self._by_key.pop(key)
+        del self._last_used[key]
         if removed.is_persistent:
             counts = self._persistent_pages[removed.owner_user]
             for page in removed.physical_page_ids:
@@ -103,6 +117,18 @@ class ExportTable:
             if not counts:
                 del self._persistent_pages[removed.owner_user]
         return removed
+
+    def touch(self, export: Export) -> None:
+        """The export was used (exported or imported): the last to be evicted now."""
+        self._num_uses += 1
+        self._last_used[(export.model, export.owner_user, export.name)] = self._num_uses
+
+    def evictable_on(self, executor_index: int) -> list[Export]:
+        """The exports on the executor that memory pressure may evict (persistent, not pinned), least
+        recently used first."""
+        candidates = [e for e in self._by_key.values()
+                      if e.executor_index == executor_index and e.is_persistent and not e.is_pinned]
+        return sorted(candidates, key=lambda e: self._last_used[(e.model, e.owner_user, e.name)])
 
     def num_persistent_pages(self, user: str) -> int:
         """Distinct pages in `user`'s persistent exports."""
@@ -135,6 +161,9 @@ def run_export(view: SchedulerView, command: Command, item: l4m_pb2.ExportKvPage
     instance: Instance = command.stream.instance
     if not view.exports.can_add(item.name, instance.user, item.is_public, _model_name(instance)):
         raise InvalidCommand(f"name {item.name!r} is already exported")
+    if item.pinned and not item.persistent:
+        # A non-persistent export is never evicted (its exporter holds it); pinning it would mean nothing.
+        raise InvalidCommand(f"export {item.name!r}: pinned applies to persistent exports only (set persistent)")
     physical = translate_ids(instance.table.kv_pages, item.kv_page_ids, "kv page")
     executor: Executor = instance.executor  # bound: it owns the pages just translated
     if item.persistent:
@@ -143,7 +172,8 @@ def run_export(view: SchedulerView, command: Command, item: l4m_pb2.ExportKvPage
     pool.retain(physical)
     pool.freeze(physical)
     view.exports.add(Export(item.name, executor.index, tuple(physical), item.persistent, bytes(item.metadata),
-                            instance.instance_id, instance.user, item.is_public, _model_name(instance)))
+                            instance.instance_id, instance.user, item.is_public, _model_name(instance),
+                            item.pinned))
     return DONE
 
 
@@ -178,8 +208,12 @@ def _find_export(exports: ExportTable, instance: Instance, name: str) -> Export:
 
 
 def run_unexport(view: SchedulerView, command: Command, item: l4m_pb2.UnexportKvPagesCommand) -> LocalOutcome:
-    """Only the export's user or an admin may unexport it."""
+    """Only the export's user or an admin may unexport it. With `missing_ok`, a name that finds nothing
+    (an export evicted before) does nothing."""
     instance: Instance = command.stream.instance
+    if item.missing_ok and view.exports.find(item.name, instance.user, instance.is_admin,
+                                             _model_name(instance)) is None:
+        return DONE
     export = _find_export(view.exports, instance, item.name)
     if export.owner_user != instance.user and not instance.is_admin:
         raise PermissionDenied(f"export {export.name!r} belongs to another user; only its user or an admin "
@@ -188,8 +222,12 @@ def run_unexport(view: SchedulerView, command: Command, item: l4m_pb2.UnexportKv
 
 
 def run_import(view: SchedulerView, command: Command, item: l4m_pb2.ImportKvPagesCommand) -> LocalOutcome:
-    """Maps the export's pages into the instance (binding it to the export's executor if unbound)."""
+    """Maps the export's pages into the instance (binding it to the export's executor if unbound). With
+    `missing_ok`, a name that finds nothing answers `is_missing` instead of trapping (an evicted export)."""
     instance: Instance = command.stream.instance
+    if item.missing_ok and view.exports.find(item.name, instance.user, instance.is_admin,
+                                             _model_name(instance)) is None:
+        return LocalOutcome(reply={"import_kv_pages": l4m_pb2.ImportKvPagesResult(is_missing=True)})
     export = _find_export(view.exports, instance, item.name)
     if len(item.kv_page_ids) != len(export.physical_page_ids):
         raise InvalidCommand(
@@ -213,6 +251,7 @@ def run_import(view: SchedulerView, command: Command, item: l4m_pb2.ImportKvPage
             f"{instance.executor.index}"
         )
     executor.pools().kv_pages.retain(export.physical_page_ids)
+    view.exports.touch(export)
     table.update(zip(item.kv_page_ids, export.physical_page_ids, strict=True))
     result = l4m_pb2.ImportKvPagesResult(num_kv_pages=len(export.physical_page_ids), metadata=export.metadata)
     return LocalOutcome(reply={"import_kv_pages": result})
@@ -222,7 +261,7 @@ def run_list_exports(view: SchedulerView, command: Command, item: l4m_pb2.ListEx
     instance: Instance = command.stream.instance
     infos = [
         l4m_pb2.ExportInfo(name=e.name, num_kv_pages=len(e.physical_page_ids), persistent=e.is_persistent,
-                           metadata_bytes=len(e.metadata), is_public=e.is_public)
+                           metadata_bytes=len(e.metadata), is_public=e.is_public, pinned=e.is_pinned)
         for e in view.exports.visible_to(instance.user, instance.is_admin, _model_name(instance))
     ]
     return LocalOutcome(reply={"list_exports": l4m_pb2.ListExportsResult(exports=infos)})

@@ -6,14 +6,17 @@ time and the debug_query "stats" answer is built from `SchedulerMetrics.counts()
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from l4m.common.metrics import DurationsByKind
+from l4m.common.metrics import DurationHistogram, DurationsByKind
 from l4m.scheduler.kinds import EXECUTOR_KINDS
+
+if TYPE_CHECKING:
+    from l4m.scheduler.instances import Instance
 
 _BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -42,6 +45,18 @@ class _DurationCollector(Collector):
         yield self.by_kind.family(self.name, self.documentation)
 
 
+class _HistogramCollector(Collector):
+    """One unlabelled histogram family from a `DurationHistogram`, read at scrape time."""
+
+    def __init__(self, name: str, documentation: str, histogram: DurationHistogram) -> None:
+        self.name, self.documentation, self.histogram = name, documentation, histogram
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        histogram = self.histogram
+        yield HistogramMetricFamily(self.name, self.documentation, buckets=histogram.cumulative_buckets(),
+                                    sum_value=histogram.sum_s)
+
+
 class _Count(Collector):
     """A plain counter (`<name>_total`) read from a callable at scrape time."""
 
@@ -54,6 +69,8 @@ class _Count(Collector):
 
 # Seconds an instance waits in the admission queue: from sub-millisecond to the default timeout's 60 s.
 _WAIT_BUCKETS = (0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# Session opening to first token: a GPU prefill of a short prompt (ms) to a long CPU prefill behind a queue.
+_FIRST_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class SchedulerMetrics:
@@ -82,6 +99,16 @@ class SchedulerMetrics:
                                       lambda: self.num_resumes))
         self.registry.register(_Count("l4m_scheduler_kv_pages_swapped_out", "KV pages copied to host swap",
                                       lambda: self.num_pages_swapped_out))
+        # Persistent exports evicted (least recently used first) before anyone is preempted, and the kv pages
+        # that freed (pages an importer or another export still holds stay).
+        self.num_exports_evicted = 0
+        self.num_export_pages_evicted = 0
+        self.registry.register(_Count("l4m_scheduler_exports_evicted",
+                                      "Persistent, unpinned exports evicted under memory pressure",
+                                      lambda: self.num_exports_evicted))
+        self.registry.register(_Count("l4m_scheduler_export_kv_pages_evicted",
+                                      "KV pages freed by evicting exports under memory pressure",
+                                      lambda: self.num_export_pages_evicted))
         self.kv_pages_swapped = Gauge("l4m_scheduler_kv_pages_swapped",
                                       "KV pages of preempted instances in host swap now, all executors",
                                       registry=self.registry)
@@ -121,6 +148,27 @@ class SchedulerMetrics:
             "l4m_scheduler_executor_batch_seconds",
             "A replied batch's executor round trip: sent to answered, by kind", self.executor_batch_seconds,
         ))
+        # Generation (`observe_sampled`): tokens sampled for instances, time to first token and between tokens.
+        # Per instance, while its session is open: when it opened (until its first token), then when its
+        # last token was answered; `forget_instance` drops both when it ends.
+        self.num_generated_tokens = 0
+        self.time_to_first_token = DurationHistogram(_FIRST_TOKEN_BUCKETS)
+        self.inter_token = DurationHistogram()
+        self._opened_at: dict[Instance, float] = {}
+        self._last_token_at: dict[Instance, float] = {}
+        self.registry.register(_Count(
+            "l4m_scheduler_generated_tokens",
+            "Tokens sampled for instances: the outputs carrying a sampled token (not a distribution) of every "
+            "forward_text reply, continuation steps included", lambda: self.num_generated_tokens))
+        self.registry.register(_HistogramCollector(
+            "l4m_scheduler_time_to_first_token_seconds",
+            "Per instance, once: its L4M session opening to the first forward_text reply carrying a sampled token "
+            "(the controller's own work before its first forward, queueing, prefill)", self.time_to_first_token))
+        self.registry.register(_HistogramCollector(
+            "l4m_scheduler_inter_token_seconds",
+            "Per sampled token after an instance's first reply carrying one: the gap between two consecutive such "
+            "replies of the instance divided by the tokens of the later one (continuation replies carry several), "
+            "observed once per token; a controller's pauses between generations count too", self.inter_token))
 
     def bind_gauges(
         self,
@@ -164,6 +212,34 @@ class SchedulerMetrics:
     def observe_batch_reply(self, kind: str, seconds: float) -> None:
         self.executor_batch_seconds.observe(kind, seconds)
 
+    def session_opened(self, instance: Instance, now: float) -> None:
+        """An instance's session opened: its time to first token starts."""
+        self._opened_at[instance] = now
+
+    def observe_sampled(self, instance: Instance, num_tokens: int, now: float) -> None:
+        """A forward_text reply carrying `num_tokens` (> 0) sampled tokens reached `instance` at `now`. Two dict
+        look-ups and plain additions: the reply path of every decode step."""
+        self.num_generated_tokens += num_tokens
+        last = self._last_token_at.get(instance)
+        if last is None:
+            opened = self._opened_at.pop(instance, None)
+            if opened is None:  # no open session known (it ended): nothing to time, nothing to keep
+                return
+            self.time_to_first_token.observe(now - opened)
+        else:
+            self.inter_token.observe_many((now - last) / num_tokens, num_tokens)
+        self._last_token_at[instance] = now
+
+    def forget_instance(self, instance: Instance) -> None:
+        """The instance ended: its timing state goes."""
+        self._opened_at.pop(instance, None)
+        self._last_token_at.pop(instance, None)
+
+    @property
+    def num_timed_instances(self) -> int:
+        """Instances whose generation timing is kept now (those with an open session)."""
+        return len(self._opened_at.keys() | self._last_token_at.keys())
+
     def counts(self) -> dict[str, Any]:
         """The counters as the debug_query "stats" answer names them (copies)."""
         return {
@@ -178,4 +254,7 @@ class SchedulerMetrics:
             "preemptions": self.num_preemptions,
             "resumes": self.num_resumes,
             "kv_pages_swapped_out": self.num_pages_swapped_out,
+            "exports_evicted": self.num_exports_evicted,
+            "export_kv_pages_evicted": self.num_export_pages_evicted,
+            "generated_tokens": self.num_generated_tokens,
         }

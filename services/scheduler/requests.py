@@ -56,9 +56,9 @@ def debug_query(query: str, **kw: int) -> l4m_pb2.SessionRequest:
 
 
 def export(name: str, pages: Sequence[int], persistent: bool = False, metadata: bytes = b"", is_public: bool = False,
-           **kw: int) -> l4m_pb2.SessionRequest:
+           pinned: bool = False, **kw: int) -> l4m_pb2.SessionRequest:
     command = l4m_pb2.ExportKvPagesCommand(name=name, kv_page_ids=pages, persistent=persistent, metadata=metadata,
-                                           is_public=is_public)
+                                           is_public=is_public, pinned=pinned)
     return request(export_kv_pages=command, **kw)
 
 

@@ -35,8 +35,9 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO = Path(__file__).resolve().parents[2]
 L4M_CLI = Path(sys.executable).parent / "l4m"
 UP_TIMEOUT_S = 300.0  # the executor loads the model first: about 10 s idle, a minute on a busy 2-core box
-# `l4m up` puts the spawner's metrics at base+0, the scheduler's at base+1, executor i's at base+10+i.
-METRICS_OFFSETS = {"spawner": 0, "scheduler": 1, "executor": 10}
+# `l4m up` puts the spawner's metrics at base+0, the scheduler's at base+1, the gateway's at base+2, executor
+# i's at base+10+i.
+METRICS_OFFSETS = {"spawner": 0, "scheduler": 1, "gateway": 2, "executor": 10}
 
 
 # ---- ports -------------------------------------------------------------------------------------------

@@ -119,7 +119,7 @@ def _compose_up_run_down() -> None:
     print(_must(["scripts/docker-build.sh"], 1800, "building the l4m images (scripts/docker-build.sh)"))
 
     host_dir = Path(tempfile.mkdtemp(prefix="l4m-compose-"))
-    spawner_port, scheduler_port, gateway_port, *metrics_ports = free_ports(6)
+    spawner_port, scheduler_port, gateway_port, *metrics_ports = free_ports(7)
     receiver = OtlpReceiver().__enter__()  # stopped in the finally below
     env = {
         **os.environ,
@@ -130,6 +130,7 @@ def _compose_up_run_down() -> None:
         "L4M_SPAWNER_METRICS_PORT": str(metrics_ports[0]),
         "L4M_SCHEDULER_METRICS_PORT": str(metrics_ports[1]),
         "L4M_EXECUTOR_METRICS_PORT": str(metrics_ports[2]),
+        "L4M_GATEWAY_METRICS_PORT": str(metrics_ports[3]),
         "L4M_OTLP_ENDPOINT": receiver.endpoint,
     }
     env.pop("COMPOSE_FILE", None)

@@ -65,7 +65,7 @@ class ClusterConfig:
     scheduler_port: int = 7411
     gateway_port: int = 7412  # the OpenAI-compatible HTTP API (l4m.gateway); -1: no gateway
     gateway_prefix_cache_pages: int | None = None  # the gateway's --prefix-cache-pages (None: its default; 0: off)
-    metrics_port_base: int = 9410  # spawner +0, scheduler +1, executor i +10+i; 0 = no metrics
+    metrics_port_base: int = 9410  # spawner +0, scheduler +1, gateway +2, executor i +10+i; 0 = no metrics
     devices: tuple[str, ...] = ("cpu",)
     dtype: str = "auto"
     role: str = "all"  # one of ROLES
@@ -300,7 +300,9 @@ def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
         if config.gateway_prefix_cache_pages is not None:
             argv += ["--prefix-cache-pages", str(config.gateway_prefix_cache_pages)]
         argv += ["--spawner-tls-ca", str(config.health_ca)] if config.tls_cert and config.health_ca else []
-        specs.append(ServiceSpec("gateway", tuple(argv), f"{config.gateway_url}/health", health_check="http"))
+        argv += ["--metrics-port", str(config.metrics_port(2))]
+        specs.append(ServiceSpec("gateway", tuple(argv), f"{config.gateway_url}/health", config.metrics_port(2),
+                                 health_check="http"))
     argv = [python, "-m", "l4m.spawner", "--listen", config.spawner_address, *tls]
     argv += ["--scheduler", f"unix:{config.registry_socket}", *secret, "--socket-dir", str(config.socket_dir)]
     argv += ["--state-dir", str(config.state_dir / "spawner"), "--sandbox", config.sandbox]

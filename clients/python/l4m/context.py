@@ -360,16 +360,22 @@ class Context:
         return child
 
     async def export(self, name: str, persistent: bool = False, is_public: bool = False,
-                     num_pages: int | None = None) -> None:
+                     num_pages: int | None = None, pinned: bool = False) -> None:
         """Publish this context's pages under `name` (copy-free). Another instance of the same user, or a
         later run with `persistent=True`, continues from here with `Context.import_(model, name)`;
         `is_public=True` lets every user's instances import it. The pages become read-only to every
         holder (this context keeps writing into fresh pages of its own).
 
+        Under memory pressure the scheduler may evict a persistent export (least recently used first, before
+        preempting anyone): it is then gone as if unexported, and an import of it raises. `pinned=True`
+        (persistent only) keeps it; pinned pages count in the user's quota of persistent export pages.
+
         `num_pages` publishes only the first `num_pages` pages, which must be full and written (after a
         `flush`): the context's first `num_pages * kv_page_size` slots, as if it had stopped there (how a
         prompt's prefix is shared while its context goes on)."""
         self._check_alive()
+        if pinned and not persistent:
+            raise ValueError("pinned=True needs persistent=True: a non-persistent export goes with its exporter")
         if num_pages is not None:
             self.flush()
             if not 0 < num_pages * self._page_size <= self.num_kv_slots:
@@ -399,7 +405,7 @@ class Context:
             metadata = _prefix_metadata(self._page_size, num_pages, self._slot_token_ids, self._slot_positions)
         command = l4m_pb2.ExportKvPagesCommand(
             name=name, kv_page_ids=page_ids, persistent=persistent, metadata=json.dumps(metadata).encode(),
-            is_public=is_public,
+            is_public=is_public, pinned=pinned,
         )
         self._session.send("export_kv_pages", command, self.stream_id)
         self.model.frozen_kv_pages.update(page_ids)
@@ -416,12 +422,18 @@ class Context:
             raise ValueError(f"num_pages: export {name!r} has {exports[name].num_kv_pages} pages, asked for {num_pages}")
         context = cls(model)
         page_ids = model.kv_pages.acquire(exports[name].num_kv_pages)
-        command = l4m_pb2.ImportKvPagesCommand(name=name, kv_page_ids=page_ids)
+        # missing_ok: the export may go between the list and the import (unexported, or evicted under memory
+        # pressure); that raises below instead of trapping the session.
+        command = l4m_pb2.ImportKvPagesCommand(name=name, kv_page_ids=page_ids, missing_ok=True)
         try:
             response = await model.session.request("import_kv_pages", command, context.stream_id)
         except BaseException:
             model.kv_pages.release(page_ids)
             raise
+        if response.import_kv_pages.is_missing:  # nothing was mapped: the ids are still free
+            model.kv_pages.release(page_ids)
+            raise L4MError(f"no export named {name!r}: it went away after it was listed (unexported, or evicted "
+                           f"under memory pressure)")
         metadata = json.loads(response.import_kv_pages.metadata or b"{}")
         if metadata.get("version") != EXPORT_METADATA_VERSION or metadata.get("kv_page_size") != model.kv_page_size:
             model.release_kv_pages(page_ids, context.stream_id)

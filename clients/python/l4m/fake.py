@@ -99,6 +99,7 @@ class _Export:
     persistent: bool
     owner: int
     is_public: bool = False
+    pinned: bool = False  # reported only: the fake never evicts
 
 
 @dataclass
@@ -443,14 +444,18 @@ class FakeCall:
     def _do_export_kv_pages(self, command: l4m_pb2.ExportKvPagesCommand) -> None:
         if command.name in self._backend.exports:
             raise _invalid(f"export_kv_pages.name: {command.name!r} is taken")
+        if command.pinned and not command.persistent:
+            raise _invalid(f"export_kv_pages.pinned: export {command.name!r}: pinned applies to persistent exports only")
         physical = [self._physical(v, "export_kv_pages.kv_page_ids") for v in command.kv_page_ids]
         for p in physical:
             self._backend.pages[p].num_holders += 1
             self._backend.pages[p].is_frozen = True
         self._backend.exports[command.name] = _Export(physical, command.metadata, command.persistent, self._number,
-                                                      command.is_public)
+                                                      command.is_public, command.pinned)
 
     def _do_unexport_kv_pages(self, command: l4m_pb2.UnexportKvPagesCommand) -> None:
+        if command.name not in self._backend.exports and command.missing_ok:
+            return
         if command.name not in self._backend.exports:
             raise _invalid(f"unexport_kv_pages.name: no export {command.name!r}")
         self._drop_export(command.name)
@@ -461,6 +466,8 @@ class FakeCall:
 
     def _do_import_kv_pages(self, command: l4m_pb2.ImportKvPagesCommand) -> l4m_pb2.SessionResponse:
         export = self._backend.exports.get(command.name)
+        if export is None and command.missing_ok:  # as the scheduler: nothing mapped, no trap
+            return l4m_pb2.SessionResponse(import_kv_pages=l4m_pb2.ImportKvPagesResult(is_missing=True))
         if export is None:
             raise _invalid(f"import_kv_pages.name: no export {command.name!r}")
         if len(command.kv_page_ids) != len(export.physical_ids):
@@ -475,7 +482,7 @@ class FakeCall:
 
     def _do_list_exports(self, command: l4m_pb2.ListExportsCommand) -> l4m_pb2.SessionResponse:
         exports = [l4m_pb2.ExportInfo(name=n, num_kv_pages=len(e.physical_ids), persistent=e.persistent,
-                                      metadata_bytes=len(e.metadata), is_public=e.is_public)
+                                      metadata_bytes=len(e.metadata), is_public=e.is_public, pinned=e.pinned)
                    for n, e in self._backend.exports.items()]
         return l4m_pb2.SessionResponse(list_exports=l4m_pb2.ListExportsResult(exports=exports))
 

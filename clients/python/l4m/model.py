@@ -103,8 +103,10 @@ class Model:
     async def has_export(self, name: str) -> bool:
         return any(e.name == name for e in await self.list_exports())
 
-    def unexport(self, name: str) -> None:
-        self.session.send("unexport_kv_pages", l4m_pb2.UnexportKvPagesCommand(name=name))
+    def unexport(self, name: str, missing_ok: bool = False) -> None:
+        """Remove the export `name`; a name that finds no export traps the session, unless `missing_ok`
+        (an export the scheduler may have evicted under memory pressure)."""
+        self.session.send("unexport_kv_pages", l4m_pb2.UnexportKvPagesCommand(name=name, missing_ok=missing_ok))
 
     async def debug_query(self, query: str) -> str:
         response = await self.session.request("debug_query", l4m_pb2.DebugQueryCommand(query=query))

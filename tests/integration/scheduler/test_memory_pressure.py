@@ -1,6 +1,9 @@
-"""Memory pressure through a real `l4m up` (SmolLM2 on CPU, a KV cache of 8 pages, host swap): four child
+"""Memory pressure through a real `l4m up` (SmolLM2 on CPU, a KV cache of 8 pages and one that a pinned
+export holds, host swap): four child
 controllers whose KV needs total twice the cache decode at once; the scheduler preempts (swaps out) and
-resumes them instead of trapping anyone, and each gets exactly the tokens it gets when run alone."""
+resumes them instead of trapping anyone, and each gets exactly the tokens it gets when run alone. Two
+persistent exports made before wait beside them: the unpinned one is evicted (before anyone is preempted),
+the pinned one stays."""
 
 from __future__ import annotations
 
@@ -15,6 +18,9 @@ from tests.integration.harness import L4M_CLI, REPO, CliRun, UpCluster, service_
 pytestmark = pytest.mark.slow
 
 NUM_PAGES = 8  # of 16 token slots
+# One more page, held by the pinned export throughout (the children contend for the 8 above, as they would
+# without it); the unpinned export's page is evicted at the first shortfall.
+NUM_PINNED_PAGES = 1
 # Each child: a prompt of one page, then 47 generated tokens: 4 pages; four children need 16, twice the cache.
 PROMPTS = ["The history of the river", "A recipe for bread starts", "In the year 1900 the city", "Dear diary, today I"]
 NUM_TOKENS = 47
@@ -49,6 +55,10 @@ async def main(ctx):
         # Alone: one prompt after the other, in this instance, before any child exists (nothing to contend with).
         alone = [await generate(ctx, p, num_tokens, None) for p in prompts]
         stats_alone = await ctx.model.scheduler_stats()
+        for name, pinned in (("loose", False), ("kept", True)):  # a page each, held by the export alone
+            async with ctx.new_context() as context:
+                context.fill(prompts[0])
+                await context.export(name, persistent=True, pinned=pinned)
         # Together: one child per prompt, launched in order, released together.
         children = [await ctx.spawn(args=["child", str(num_tokens), str(i), p]) for i, p in enumerate(prompts)]
         for i in range(len(prompts)):
@@ -57,7 +67,9 @@ async def main(ctx):
         exits = [await child.wait(timeout_s=150) for child in children]
         tokens = [json.loads((await ctx.vars.get(f"tokens/{i}")).text) if e is not None and e.is_success else None
                   for i, e in enumerate(exits)]
+        exports = {e.name: e.pinned for e in await ctx.model.list_exports()}
         await ctx.send(json.dumps({"alone": alone, "preemptions_alone": stats_alone["preemptions"],
+                                   "exports": exports,
                                    "tokens": tokens, "exits": [
             "ok" if e is not None and e.is_success else e and f"{e.reason}: {e.message}" for e in exits]}))
 """
@@ -73,7 +85,7 @@ def _run(up: UpCluster, program: Path, *args: str) -> CliRun:
 def test_twice_the_cache_runs_to_the_end_with_the_tokens_each_gets_alone(tmp_path: Path) -> None:
     program = tmp_path / "pressure.py"
     program.write_text(PROGRAM)
-    args = ["--num-pages", str(NUM_PAGES), "--swap-space-pages", "32", "--gateway-port", "-1"]
+    args = ["--num-pages", str(NUM_PAGES + NUM_PINNED_PAGES), "--swap-space-pages", "32", "--gateway-port", "-1"]
     with up_cluster(tmp_path, args) as up:
         runs: list[CliRun] = []
         try:
@@ -85,7 +97,10 @@ def test_twice_the_cache_runs_to_the_end_with_the_tokens_each_gets_alone(tmp_pat
             assert result["preemptions_alone"] == 0
             assert result["exits"] == ["ok"] * len(PROMPTS)
             assert result["tokens"] == result["alone"]  # only a delay: exactly the tokens each gets alone
+            assert result["exports"] == {"kept": True}  # "loose" was evicted, the pinned one stayed
             metrics = up.metrics("scheduler")
+            assert metrics.value("l4m_scheduler_exports_evicted_total") == 1
+            assert metrics.value("l4m_scheduler_export_kv_pages_evicted_total") == 1
             assert metrics.value("l4m_scheduler_preemptions_total") > 0
             assert metrics.value("l4m_scheduler_resumes_total") == metrics.value("l4m_scheduler_preemptions_total")
             assert metrics.value("l4m_scheduler_traps_total", 0, kind="TRAP_KIND_EVICTED") == 0

@@ -5,7 +5,9 @@ Kubernetes do, inside networks only their Prometheus shares).
 
 Checked on the listening sockets themselves (/proc/net/tcp*: bound to 127.0.0.1, nothing on a wildcard or
 IPv6 address) and by connecting: 127.0.0.1 answers, 127.0.0.2 (loopback too, but not the bound address,
-as any other address of the host) is refused."""
+as any other address of the host) is refused. Every service `l4m up` starts is checked, the gateway
+included; the gateway's labels are its own routes, never a path a caller made up (which could carry
+anything, a key included)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import METRICS_OFFSETS, UpCluster, free_port
+from tests.integration.harness import METRICS_OFFSETS, ServiceProcess, UpCluster, free_port
 from tests.integration.scheduler.scheduler_procs import Cluster
 
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's `st` column
@@ -71,6 +73,31 @@ def test_metrics_host_names_the_one_address_metrics_listen_on() -> None:
         raise
     finally:
         cluster.stop()
+
+
+def test_the_gateways_metrics_host_names_the_one_address_and_no_caller_path_becomes_a_label(tmp_path: Path) -> None:
+    port = free_port()
+    nowhere = f"unix:{tmp_path / 'no-scheduler.sock'}"  # the gateway dials lazily: no cluster needed here
+    gateway = ServiceProcess("l4m.gateway", ["--port", "0", "--insecure-local", "--scheduler", nowhere,
+                                             "--registry", nowhere, "--metrics-port", str(port),
+                                             "--metrics-host", "127.0.0.2"], name="gateway")
+    try:
+        http = gateway.wait_listening()
+        assert _listening_addresses(port) == ["127.0.0.2"]
+        assert _answers("127.0.0.2", port)
+        assert not _answers("127.0.0.1", port)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{http}/v1/sk-pasted-by-mistake", timeout=10)
+        assert refused.value.code == 404
+        with urllib.request.urlopen(f"http://127.0.0.2:{port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        assert 'l4m_gateway_requests_total{code="404",endpoint="other"} 1.0' in text
+        assert "sk-pasted" not in text
+    except BaseException:
+        print(f"----- gateway log -----\n{gateway.log_tail(8000)}")
+        raise
+    finally:
+        gateway.stop()
 
 
 def test_a_bad_metrics_host_stops_the_service_before_it_listens() -> None:

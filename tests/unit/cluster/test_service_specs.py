@@ -42,8 +42,10 @@ def test_sandboxes_cannot_reach_executor_sockets(tmp_path: Path) -> None:
 def test_metrics_ports_follow_the_base(tmp_path: Path) -> None:
     specs = service_specs(_config(tmp_path, metrics_port_base=9000))
     assert {s.name: s.metrics_port for s in specs} == {
-        "executor-0": 9010, "executor-1": 9011, "scheduler": 9001, "spawner": 9000, "gateway": 0,
+        "executor-0": 9010, "executor-1": 9011, "scheduler": 9001, "spawner": 9000, "gateway": 9002,
     }
+    for spec in specs:  # each service is told the port its spec names
+        assert spec.argv[spec.argv.index("--metrics-port") + 1] == str(spec.metrics_port), spec.name
     assert all(s.metrics_port == 0 for s in service_specs(_config(tmp_path, metrics_port_base=0)))
 
 

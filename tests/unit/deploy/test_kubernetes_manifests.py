@@ -447,7 +447,7 @@ PORT_PEERS: dict[str, dict[int, set[str] | None]] = {
     "executor": {7420: {"scheduler"}, 9420: {"prometheus"}},
     "scheduler": {7411: {"gateway"}, 7413: {"gateway"}, 9411: {"prometheus"}},
     "spawner": {7410: None, 9410: {"prometheus"}},
-    "gateway": {7412: None},
+    "gateway": {7412: None, 9412: {"prometheus"}},
 }
 
 

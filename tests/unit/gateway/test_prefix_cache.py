@@ -19,6 +19,8 @@ from l4m.gateway.config import GatewayConfig
 from l4m.gateway.prefix_cache import EXPORT_PREFIX, PrefixCache, page_keys
 from l4m.gateway.server import create_app
 from l4m.keys import KeyStore
+from l4m.model import Model
+from l4m.v1 import l4m_pb2
 
 MODEL = "fake-tiny"
 PAGE = 4
@@ -204,6 +206,40 @@ async def test_a_prefix_unexported_behind_the_caches_back_is_fed_again(cached: G
     assert again.choices[0].message.content == reference.choices[0].message.content
     assert len(cached.exports()) == 1  # published anew
     cached.assert_freed()
+
+
+async def test_a_prefix_evicted_between_the_list_and_the_import_is_fed_again(
+        cached: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler may evict the export under memory pressure after `Context.import_` listed it: the
+    import (missing_ok) finds nothing, the session goes on and the whole prompt is fed."""
+    await cached.chat("What is a tide?")
+    reference = await cached.chat("Why is the sea salty?")
+    listed = Model.list_exports
+
+    async def list_then_evict(model: Model) -> list[l4m_pb2.ExportInfo]:
+        exports = await listed(model)
+        for name in cached.exports():
+            await cached.backend._unexport(MODEL, name)
+        return exports
+
+    monkeypatch.setattr(Model, "list_exports", list_then_evict)
+    again = await cached.chat("Why is the sea salty?")
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.choices[0].message.content == reference.choices[0].message.content
+    assert len(cached.exports()) == 1  # published anew
+    cached.assert_freed()
+
+
+async def test_the_caches_own_eviction_of_a_prefix_the_scheduler_evicted_is_quiet(tmp_path: Path) -> None:
+    gateway = Gateway(tmp_path, prefix_cache_pages=60)  # one prompt's 55 pages fit, two do not
+    await gateway.chat("What is a tide?")
+    (evicted,) = gateway.exports()
+    await gateway.backend._unexport(MODEL, evicted)  # as the scheduler's eviction: the cache does not know
+    answer = await gateway.chat("Completely different: name a colour.", key=gateway.bob)
+    assert answer.choices[0].message.content  # its publish evicted the stale entry without failing
+    assert len(gateway.exports()) == 1 and gateway.exports() != [evicted]
+    assert gateway.backend.prefix_cache.stats()["evictions"] == 1 and len(gateway.backend.prefix_cache) == 1
+    gateway.assert_freed()
 
 
 async def test_usage_reports_cached_tokens_on_completions_too(cached: Gateway) -> None:

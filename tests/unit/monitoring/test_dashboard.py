@@ -211,7 +211,7 @@ def test_kubernetes_prometheus_gives_the_l4m_pods_the_compose_job_names_and_port
 def test_compose_prometheus_scrapes_every_service_at_its_metrics_port_on_all_interfaces() -> None:
     services = _yaml(REPO / "docker-compose.yml")["services"]
     targets = _static_targets(COMPOSE_PROMETHEUS)
-    assert set(targets) == {"l4m-scheduler", "l4m-executor", "l4m-spawner"}
+    assert set(targets) == {"l4m-scheduler", "l4m-executor", "l4m-spawner", "l4m-gateway"}
     for job, job_targets in targets.items():
         for target in job_targets:
             service, port = target.split(":")

@@ -246,6 +246,36 @@ def test_export_then_import_skips_the_prefill(run, open_model, fake: FakeL4M) ->
     run(body())
 
 
+def test_an_export_may_be_pinned_only_when_persistent_and_an_import_may_find_it_gone(run, open_model,
+                                                                                        fake: FakeL4M) -> None:
+    async def body() -> None:
+        model = await open_model(fake)
+        c = model.new_context()
+        c.fill(PROMPT)
+        with pytest.raises(ValueError, match="pinned=True needs persistent=True"):
+            await c.export("pinned", pinned=True)
+        await c.export("pinned", persistent=True, pinned=True)
+        await model.session.synchronize(c.stream_id)
+        assert [(e.name, e.pinned) for e in _commands(fake, "export_kv_pages")] == [("pinned", True)]
+        listed = await model.list_exports()
+        assert [(e.name, e.pinned) for e in listed] == [("pinned", True)]
+        model.unexport("pinned")  # gone after the list (as an eviction under memory pressure would do)
+        model.list_exports = lambda: _listed(listed)  # type: ignore[method-assign]
+        with pytest.raises(L4MError, match="went away after it was listed"):
+            await Context.import_(model, "pinned")
+        assert _commands(fake, "import_kv_pages")[-1].missing_ok
+        fresh = model.new_context()
+        fresh.fill(PROMPT)
+        token, _ = await fresh.next_token()  # the session goes on
+        assert token >= 0 and model.session.failure is None
+
+    run(body())
+
+
+async def _listed(exports: list) -> list:
+    return exports
+
+
 def test_logprobs_of_candidates(run, open_model, fake: FakeL4M) -> None:
     async def body() -> None:
         model = await open_model(fake)

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from l4m.v1 import common_pb2 as l4m_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10l4m/v1/l4m.proto\x12\x06l4m.v1\x1a\x13l4m/v1/common.proto\"<\n\x0eGetInfoRequest\x12\x1b\n\x13omit_tokenizer_json\x18\x01 \x01(\x08\x12\r\n\x05model\x18\x02 \x01(\t\"\x98\x04\n\x0fGetInfoResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\t\x12 \n\x05model\x18\x02 \x01(\x0b\x32\x11.l4m.v1.ModelInfo\x12\x14\n\x0ckv_page_size\x18\x03 \x01(\r\x12!\n\x19max_kv_pages_per_instance\x18\x04 \x01(\r\x12$\n\x1cmax_embed_slots_per_instance\x18\x05 \x01(\r\x12\x19\n\x11num_free_kv_pages\x18\x06 \x01(\r\x12\x15\n\rnum_executors\x18\x07 \x01(\r\x12\x1e\n\x16max_continuation_steps\x18\x08 \x01(\r\x12,\n$max_distribution_entries_per_command\x18\t \x01(\r\x12\x1e\n\x16max_tokens_per_command\x18\n \x01(\r\x12\x19\n\x11max_command_bytes\x18\x0b \x01(\x04\x12\x1a\n\x12max_response_bytes\x18\x0c \x01(\x04\x12!\n\x19max_mask_runs_per_command\x18\r \x01(\r\x12\x13\n\x0bmodel_names\x18\x0e \x03(\t\x12\x18\n\x10max_batch_tokens\x18\x0f \x01(\r\x12\x1c\n\x14prefill_chunk_tokens\x18\x10 \x01(\r\x12#\n\x1bmax_tokens_per_forward_text\x18\x11 \x01(\r\"\x94\x07\n\x0eSessionRequest\x12\x11\n\tstream_id\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\x12*\n\x08get_info\x18\n \x01(\x0b\x32\x16.l4m.v1.GetInfoCommandH\x00\x12(\n\x08\x61llocate\x18\x0b \x01(\x0b\x32\x14.l4m.v1.AllocateItemH\x00\x12,\n\ndeallocate\x18\x0c \x01(\x0b\x32\x16.l4m.v1.DeallocateItemH\x00\x12+\n\nembed_text\x18\r \x01(\x0b\x32\x15.l4m.v1.EmbedTextItemH\x00\x12&\n\x07\x66orward\x18\x0e \x01(\x0b\x32\x13.l4m.v1.ForwardItemH\x00\x12/\n\x0c\x66orward_text\x18\x0f \x01(\x0b\x32\x17.l4m.v1.ForwardTextItemH\x00\x12.\n\x0csample_top_k\x18\x10 \x01(\x0b\x32\x16.l4m.v1.SampleTopKItemH\x00\x12.\n\x0c\x63opy_kv_page\x18\x11 \x01(\x0b\x32\x16.l4m.v1.CopyKvPageItemH\x00\x12.\n\x0cmask_kv_page\x18\x12 \x01(\x0b\x32\x16.l4m.v1.MaskKvPageItemH\x00\x12\x37\n\x0f\x65xport_kv_pages\x18\x13 \x01(\x0b\x32\x1c.l4m.v1.ExportKvPagesCommandH\x00\x12;\n\x11unexport_kv_pages\x18\x14 \x01(\x0b\x32\x1e.l4m.v1.UnexportKvPagesCommandH\x00\x12\x37\n\x0fimport_kv_pages\x18\x15 \x01(\x0b\x32\x1c.l4m.v1.ImportKvPagesCommandH\x00\x12\x32\n\x0clist_exports\x18\x16 \x01(\x0b\x32\x1a.l4m.v1.ListExportsCommandH\x00\x12\x31\n\x0bsynchronize\x18\x17 \x01(\x0b\x32\x1a.l4m.v1.SynchronizeCommandH\x00\x12?\n\x13set_stream_priority\x18\x18 \x01(\x0b\x32 .l4m.v1.SetStreamPriorityCommandH\x00\x12-\n\x0b\x65mbed_image\x18\x19 \x01(\x0b\x32\x16.l4m.v1.EmbedImageItemH\x00\x12\x30\n\x0b\x64\x65\x62ug_query\x18\x1a \x01(\x0b\x32\x19.l4m.v1.DebugQueryCommandH\x00\x42\t\n\x07\x63ommand\"-\n\x0eGetInfoCommand\x12\x1b\n\x13omit_tokenizer_json\x18\x01 \x01(\x08\"r\n\x14\x45xportKvPagesCommand\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bkv_page_ids\x18\x02 \x03(\r\x12\x12\n\npersistent\x18\x03 \x01(\x08\x12\x10\n\x08metadata\x18\x04 \x01(\x0c\x12\x11\n\tis_public\x18\x05 \x01(\x08\"&\n\x16UnexportKvPagesCommand\x12\x0c\n\x04name\x18\x01 \x01(\t\"9\n\x14ImportKvPagesCommand\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bkv_page_ids\x18\x02 \x03(\r\"\x14\n\x12ListExportsCommand\"\x14\n\x12SynchronizeCommand\"D\n\x18SetStreamPriorityCommand\x12(\n\x08priority\x18\x01 \x01(\x0e\x32\x16.l4m.v1.StreamPriority\"\"\n\x11\x44\x65\x62ugQueryCommand\x12\r\n\x05query\x18\x01 \x01(\t\"\xdd\x03\n\x0fSessionResponse\x12\x11\n\tstream_id\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\x12\'\n\x04info\x18\n \x01(\x0b\x32\x17.l4m.v1.GetInfoResponseH\x00\x12\x31\n\x0c\x66orward_text\x18\x0b \x01(\x0b\x32\x19.l4m.v1.ForwardTextResultH\x00\x12&\n\x07\x66orward\x18\x0c \x01(\x0b\x32\x13.l4m.v1.ForwardDoneH\x00\x12,\n\x0csample_top_k\x18\r \x01(\x0b\x32\x14.l4m.v1.DistributionH\x00\x12\x36\n\x0fimport_kv_pages\x18\x0e \x01(\x0b\x32\x1b.l4m.v1.ImportKvPagesResultH\x00\x12\x31\n\x0clist_exports\x18\x0f \x01(\x0b\x32\x19.l4m.v1.ListExportsResultH\x00\x12.\n\x0bsynchronize\x18\x10 \x01(\x0b\x32\x17.l4m.v1.SynchronizeDoneH\x00\x12/\n\x0b\x64\x65\x62ug_query\x18\x11 \x01(\x0b\x32\x18.l4m.v1.DebugQueryResultH\x00\x12\x1c\n\x04trap\x18\x12 \x01(\x0b\x32\x0c.l4m.v1.TrapH\x00\x42\x07\n\x05\x65vent\"\r\n\x0b\x46orwardDone\"=\n\x13ImportKvPagesResult\x12\x14\n\x0cnum_kv_pages\x18\x01 \x01(\r\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\"8\n\x11ListExportsResult\x12#\n\x07\x65xports\x18\x01 \x03(\x0b\x32\x12.l4m.v1.ExportInfo\"o\n\nExportInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0cnum_kv_pages\x18\x02 \x01(\r\x12\x12\n\npersistent\x18\x03 \x01(\x08\x12\x16\n\x0emetadata_bytes\x18\x04 \x01(\r\x12\x11\n\tis_public\x18\x05 \x01(\x08\"\x11\n\x0fSynchronizeDone\"$\n\x10\x44\x65\x62ugQueryResult\x12\x10\n\x08response\x18\x01 \x01(\t\"T\n\x04Trap\x12\x1e\n\x04kind\x18\x01 \x01(\x0e\x32\x10.l4m.v1.TrapKind\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x1c\n\x14offending_request_id\x18\x03 \x01(\x04\"i\n\x11\x46ramedSessionOpen\x12\x18\n\x10protocol_version\x18\x01 \x01(\t\x12\x16\n\x0einstance_token\x18\x02 \x01(\t\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\"4\n\x13\x46ramedSessionStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t*\x80\x01\n\x0eStreamPriority\x12\x1f\n\x1bSTREAM_PRIORITY_UNSPECIFIED\x10\x00\x12\x17\n\x13STREAM_PRIORITY_LOW\x10\x01\x12\x1a\n\x16STREAM_PRIORITY_NORMAL\x10\x02\x12\x18\n\x14STREAM_PRIORITY_HIGH\x10\x03*\x8b\x02\n\x08TrapKind\x12\x19\n\x15TRAP_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19TRAP_KIND_INVALID_COMMAND\x10\x01\x12 \n\x1cTRAP_KIND_RESOURCE_EXHAUSTED\x10\x02\x12\x15\n\x11TRAP_KIND_EVICTED\x10\x03\x12\x1b\n\x17TRAP_KIND_EXECUTOR_LOST\x10\x04\x12\x17\n\x13TRAP_KIND_DESTROYED\x10\x05\x12\x1a\n\x16TRAP_KIND_TOKEN_BUDGET\x10\x06\x12\x19\n\x15TRAP_KIND_UNSUPPORTED\x10\x07\x12\x1f\n\x1bTRAP_KIND_PERMISSION_DENIED\x10\x08\x32\x88\x01\n\nL4MService\x12:\n\x07GetInfo\x12\x16.l4m.v1.GetInfoRequest\x1a\x17.l4m.v1.GetInfoResponse\x12>\n\x07Session\x12\x16.l4m.v1.SessionRequest\x1a\x17.l4m.v1.SessionResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10l4m/v1/l4m.proto\x12\x06l4m.v1\x1a\x13l4m/v1/common.proto\"<\n\x0eGetInfoRequest\x12\x1b\n\x13omit_tokenizer_json\x18\x01 \x01(\x08\x12\r\n\x05model\x18\x02 \x01(\t\"\x98\x04\n\x0fGetInfoResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\t\x12 \n\x05model\x18\x02 \x01(\x0b\x32\x11.l4m.v1.ModelInfo\x12\x14\n\x0ckv_page_size\x18\x03 \x01(\r\x12!\n\x19max_kv_pages_per_instance\x18\x04 \x01(\r\x12$\n\x1cmax_embed_slots_per_instance\x18\x05 \x01(\r\x12\x19\n\x11num_free_kv_pages\x18\x06 \x01(\r\x12\x15\n\rnum_executors\x18\x07 \x01(\r\x12\x1e\n\x16max_continuation_steps\x18\x08 \x01(\r\x12,\n$max_distribution_entries_per_command\x18\t \x01(\r\x12\x1e\n\x16max_tokens_per_command\x18\n \x01(\r\x12\x19\n\x11max_command_bytes\x18\x0b \x01(\x04\x12\x1a\n\x12max_response_bytes\x18\x0c \x01(\x04\x12!\n\x19max_mask_runs_per_command\x18\r \x01(\r\x12\x13\n\x0bmodel_names\x18\x0e \x03(\t\x12\x18\n\x10max_batch_tokens\x18\x0f \x01(\r\x12\x1c\n\x14prefill_chunk_tokens\x18\x10 \x01(\r\x12#\n\x1bmax_tokens_per_forward_text\x18\x11 \x01(\r\"\x94\x07\n\x0eSessionRequest\x12\x11\n\tstream_id\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\x12*\n\x08get_info\x18\n \x01(\x0b\x32\x16.l4m.v1.GetInfoCommandH\x00\x12(\n\x08\x61llocate\x18\x0b \x01(\x0b\x32\x14.l4m.v1.AllocateItemH\x00\x12,\n\ndeallocate\x18\x0c \x01(\x0b\x32\x16.l4m.v1.DeallocateItemH\x00\x12+\n\nembed_text\x18\r \x01(\x0b\x32\x15.l4m.v1.EmbedTextItemH\x00\x12&\n\x07\x66orward\x18\x0e \x01(\x0b\x32\x13.l4m.v1.ForwardItemH\x00\x12/\n\x0c\x66orward_text\x18\x0f \x01(\x0b\x32\x17.l4m.v1.ForwardTextItemH\x00\x12.\n\x0csample_top_k\x18\x10 \x01(\x0b\x32\x16.l4m.v1.SampleTopKItemH\x00\x12.\n\x0c\x63opy_kv_page\x18\x11 \x01(\x0b\x32\x16.l4m.v1.CopyKvPageItemH\x00\x12.\n\x0cmask_kv_page\x18\x12 \x01(\x0b\x32\x16.l4m.v1.MaskKvPageItemH\x00\x12\x37\n\x0f\x65xport_kv_pages\x18\x13 \x01(\x0b\x32\x1c.l4m.v1.ExportKvPagesCommandH\x00\x12;\n\x11unexport_kv_pages\x18\x14 \x01(\x0b\x32\x1e.l4m.v1.UnexportKvPagesCommandH\x00\x12\x37\n\x0fimport_kv_pages\x18\x15 \x01(\x0b\x32\x1c.l4m.v1.ImportKvPagesCommandH\x00\x12\x32\n\x0clist_exports\x18\x16 \x01(\x0b\x32\x1a.l4m.v1.ListExportsCommandH\x00\x12\x31\n\x0bsynchronize\x18\x17 \x01(\x0b\x32\x1a.l4m.v1.SynchronizeCommandH\x00\x12?\n\x13set_stream_priority\x18\x18 \x01(\x0b\x32 .l4m.v1.SetStreamPriorityCommandH\x00\x12-\n\x0b\x65mbed_image\x18\x19 \x01(\x0b\x32\x16.l4m.v1.EmbedImageItemH\x00\x12\x30\n\x0b\x64\x65\x62ug_query\x18\x1a \x01(\x0b\x32\x19.l4m.v1.DebugQueryCommandH\x00\x42\t\n\x07\x63ommand\"-\n\x0eGetInfoCommand\x12\x1b\n\x13omit_tokenizer_json\x18\x01 \x01(\x08\"\x82\x01\n\x14\x45xportKvPagesCommand\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bkv_page_ids\x18\x02 \x03(\r\x12\x12\n\npersistent\x18\x03 \x01(\x08\x12\x10\n\x08metadata\x18\x04 \x01(\x0c\x12\x11\n\tis_public\x18\x05 \x01(\x08\x12\x0e\n\x06pinned\x18\x06 \x01(\x08\":\n\x16UnexportKvPagesCommand\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nmissing_ok\x18\x02 \x01(\x08\"M\n\x14ImportKvPagesCommand\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bkv_page_ids\x18\x02 \x03(\r\x12\x12\n\nmissing_ok\x18\x03 \x01(\x08\"\x14\n\x12ListExportsCommand\"\x14\n\x12SynchronizeCommand\"D\n\x18SetStreamPriorityCommand\x12(\n\x08priority\x18\x01 \x01(\x0e\x32\x16.l4m.v1.StreamPriority\"\"\n\x11\x44\x65\x62ugQueryCommand\x12\r\n\x05query\x18\x01 \x01(\t\"\xdd\x03\n\x0fSessionResponse\x12\x11\n\tstream_id\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\x12\'\n\x04info\x18\n \x01(\x0b\x32\x17.l4m.v1.GetInfoResponseH\x00\x12\x31\n\x0c\x66orward_text\x18\x0b \x01(\x0b\x32\x19.l4m.v1.ForwardTextResultH\x00\x12&\n\x07\x66orward\x18\x0c \x01(\x0b\x32\x13.l4m.v1.ForwardDoneH\x00\x12,\n\x0csample_top_k\x18\r \x01(\x0b\x32\x14.l4m.v1.DistributionH\x00\x12\x36\n\x0fimport_kv_pages\x18\x0e \x01(\x0b\x32\x1b.l4m.v1.ImportKvPagesResultH\x00\x12\x31\n\x0clist_exports\x18\x0f \x01(\x0b\x32\x19.l4m.v1.ListExportsResultH\x00\x12.\n\x0bsynchronize\x18\x10 \x01(\x0b\x32\x17.l4m.v1.SynchronizeDoneH\x00\x12/\n\x0b\x64\x65\x62ug_query\x18\x11 \x01(\x0b\x32\x18.l4m.v1.DebugQueryResultH\x00\x12\x1c\n\x04trap\x18\x12 \x01(\x0b\x32\x0c.l4m.v1.TrapH\x00\x42\x07\n\x05\x65vent\"\r\n\x0b\x46orwardDone\"Q\n\x13ImportKvPagesResult\x12\x14\n\x0cnum_kv_pages\x18\x01 \x01(\r\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\x12\x12\n\nis_missing\x18\x03 \x01(\x08\"8\n\x11ListExportsResult\x12#\n\x07\x65xports\x18\x01 \x03(\x0b\x32\x12.l4m.v1.ExportInfo\"\x7f\n\nExportInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0cnum_kv_pages\x18\x02 \x01(\r\x12\x12\n\npersistent\x18\x03 \x01(\x08\x12\x16\n\x0emetadata_bytes\x18\x04 \x01(\r\x12\x11\n\tis_public\x18\x05 \x01(\x08\x12\x0e\n\x06pinned\x18\x06 \x01(\x08\"\x11\n\x0fSynchronizeDone\"$\n\x10\x44\x65\x62ugQueryResult\x12\x10\n\x08response\x18\x01 \x01(\t\"T\n\x04Trap\x12\x1e\n\x04kind\x18\x01 \x01(\x0e\x32\x10.l4m.v1.TrapKind\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x1c\n\x14offending_request_id\x18\x03 \x01(\x04\"i\n\x11\x46ramedSessionOpen\x12\x18\n\x10protocol_version\x18\x01 \x01(\t\x12\x16\n\x0einstance_token\x18\x02 \x01(\t\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\"4\n\x13\x46ramedSessionStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t*\x80\x01\n\x0eStreamPriority\x12\x1f\n\x1bSTREAM_PRIORITY_UNSPECIFIED\x10\x00\x12\x17\n\x13STREAM_PRIORITY_LOW\x10\x01\x12\x1a\n\x16STREAM_PRIORITY_NORMAL\x10\x02\x12\x18\n\x14STREAM_PRIORITY_HIGH\x10\x03*\x8b\x02\n\x08TrapKind\x12\x19\n\x15TRAP_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19TRAP_KIND_INVALID_COMMAND\x10\x01\x12 \n\x1cTRAP_KIND_RESOURCE_EXHAUSTED\x10\x02\x12\x15\n\x11TRAP_KIND_EVICTED\x10\x03\x12\x1b\n\x17TRAP_KIND_EXECUTOR_LOST\x10\x04\x12\x17\n\x13TRAP_KIND_DESTROYED\x10\x05\x12\x1a\n\x16TRAP_KIND_TOKEN_BUDGET\x10\x06\x12\x19\n\x15TRAP_KIND_UNSUPPORTED\x10\x07\x12\x1f\n\x1bTRAP_KIND_PERMISSION_DENIED\x10\x08\x32\x88\x01\n\nL4MService\x12:\n\x07GetInfo\x12\x16.l4m.v1.GetInfoRequest\x1a\x17.l4m.v1.GetInfoResponse\x12>\n\x07Session\x12\x16.l4m.v1.SessionRequest\x1a\x17.l4m.v1.SessionResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'l4m.v1.l4m_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STREAMPRIORITY']._serialized_start=3015
-  _globals['_STREAMPRIORITY']._serialized_end=3143
-  _globals['_TRAPKIND']._serialized_start=3146
-  _globals['_TRAPKIND']._serialized_end=3413
+  _globals['_STREAMPRIORITY']._serialized_start=3108
+  _globals['_STREAMPRIORITY']._serialized_end=3236
+  _globals['_TRAPKIND']._serialized_start=3239
+  _globals['_TRAPKIND']._serialized_end=3506
   _globals['_GETINFOREQUEST']._serialized_start=49
   _globals['_GETINFOREQUEST']._serialized_end=109
   _globals['_GETINFORESPONSE']._serialized_start=112
@@ -44,40 +44,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SESSIONREQUEST']._serialized_end=1567
   _globals['_GETINFOCOMMAND']._serialized_start=1569
   _globals['_GETINFOCOMMAND']._serialized_end=1614
-  _globals['_EXPORTKVPAGESCOMMAND']._serialized_start=1616
-  _globals['_EXPORTKVPAGESCOMMAND']._serialized_end=1730
-  _globals['_UNEXPORTKVPAGESCOMMAND']._serialized_start=1732
-  _globals['_UNEXPORTKVPAGESCOMMAND']._serialized_end=1770
-  _globals['_IMPORTKVPAGESCOMMAND']._serialized_start=1772
-  _globals['_IMPORTKVPAGESCOMMAND']._serialized_end=1829
-  _globals['_LISTEXPORTSCOMMAND']._serialized_start=1831
-  _globals['_LISTEXPORTSCOMMAND']._serialized_end=1851
-  _globals['_SYNCHRONIZECOMMAND']._serialized_start=1853
-  _globals['_SYNCHRONIZECOMMAND']._serialized_end=1873
-  _globals['_SETSTREAMPRIORITYCOMMAND']._serialized_start=1875
-  _globals['_SETSTREAMPRIORITYCOMMAND']._serialized_end=1943
-  _globals['_DEBUGQUERYCOMMAND']._serialized_start=1945
-  _globals['_DEBUGQUERYCOMMAND']._serialized_end=1979
-  _globals['_SESSIONRESPONSE']._serialized_start=1982
-  _globals['_SESSIONRESPONSE']._serialized_end=2459
-  _globals['_FORWARDDONE']._serialized_start=2461
-  _globals['_FORWARDDONE']._serialized_end=2474
-  _globals['_IMPORTKVPAGESRESULT']._serialized_start=2476
-  _globals['_IMPORTKVPAGESRESULT']._serialized_end=2537
-  _globals['_LISTEXPORTSRESULT']._serialized_start=2539
-  _globals['_LISTEXPORTSRESULT']._serialized_end=2595
-  _globals['_EXPORTINFO']._serialized_start=2597
-  _globals['_EXPORTINFO']._serialized_end=2708
-  _globals['_SYNCHRONIZEDONE']._serialized_start=2710
-  _globals['_SYNCHRONIZEDONE']._serialized_end=2727
-  _globals['_DEBUGQUERYRESULT']._serialized_start=2729
-  _globals['_DEBUGQUERYRESULT']._serialized_end=2765
-  _globals['_TRAP']._serialized_start=2767
-  _globals['_TRAP']._serialized_end=2851
-  _globals['_FRAMEDSESSIONOPEN']._serialized_start=2853
-  _globals['_FRAMEDSESSIONOPEN']._serialized_end=2958
-  _globals['_FRAMEDSESSIONSTATUS']._serialized_start=2960
-  _globals['_FRAMEDSESSIONSTATUS']._serialized_end=3012
-  _globals['_L4MSERVICE']._serialized_start=3416
-  _globals['_L4MSERVICE']._serialized_end=3552
+  _globals['_EXPORTKVPAGESCOMMAND']._serialized_start=1617
+  _globals['_EXPORTKVPAGESCOMMAND']._serialized_end=1747
+  _globals['_UNEXPORTKVPAGESCOMMAND']._serialized_start=1749
+  _globals['_UNEXPORTKVPAGESCOMMAND']._serialized_end=1807
+  _globals['_IMPORTKVPAGESCOMMAND']._serialized_start=1809
+  _globals['_IMPORTKVPAGESCOMMAND']._serialized_end=1886
+  _globals['_LISTEXPORTSCOMMAND']._serialized_start=1888
+  _globals['_LISTEXPORTSCOMMAND']._serialized_end=1908
+  _globals['_SYNCHRONIZECOMMAND']._serialized_start=1910
+  _globals['_SYNCHRONIZECOMMAND']._serialized_end=1930
+  _globals['_SETSTREAMPRIORITYCOMMAND']._serialized_start=1932
+  _globals['_SETSTREAMPRIORITYCOMMAND']._serialized_end=2000
+  _globals['_DEBUGQUERYCOMMAND']._serialized_start=2002
+  _globals['_DEBUGQUERYCOMMAND']._serialized_end=2036
+  _globals['_SESSIONRESPONSE']._serialized_start=2039
+  _globals['_SESSIONRESPONSE']._serialized_end=2516
+  _globals['_FORWARDDONE']._serialized_start=2518
+  _globals['_FORWARDDONE']._serialized_end=2531
+  _globals['_IMPORTKVPAGESRESULT']._serialized_start=2533
+  _globals['_IMPORTKVPAGESRESULT']._serialized_end=2614
+  _globals['_LISTEXPORTSRESULT']._serialized_start=2616
+  _globals['_LISTEXPORTSRESULT']._serialized_end=2672
+  _globals['_EXPORTINFO']._serialized_start=2674
+  _globals['_EXPORTINFO']._serialized_end=2801
+  _globals['_SYNCHRONIZEDONE']._serialized_start=2803
+  _globals['_SYNCHRONIZEDONE']._serialized_end=2820
+  _globals['_DEBUGQUERYRESULT']._serialized_start=2822
+  _globals['_DEBUGQUERYRESULT']._serialized_end=2858
+  _globals['_TRAP']._serialized_start=2860
+  _globals['_TRAP']._serialized_end=2944
+  _globals['_FRAMEDSESSIONOPEN']._serialized_start=2946
+  _globals['_FRAMEDSESSIONOPEN']._serialized_end=3051
+  _globals['_FRAMEDSESSIONSTATUS']._serialized_start=3053
+  _globals['_FRAMEDSESSIONSTATUS']._serialized_end=3105
+  _globals['_L4MSERVICE']._serialized_start=3509
+  _globals['_L4MSERVICE']._serialized_end=3645
 # @@protoc_insertion_point(module_scope)

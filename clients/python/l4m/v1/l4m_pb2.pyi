@@ -135,32 +135,38 @@ class GetInfoCommand(_message.Message):
     def __init__(self, omit_tokenizer_json: _Optional[bool] = ...) -> None: ...
 
 class ExportKvPagesCommand(_message.Message):
-    __slots__ = ("name", "kv_page_ids", "persistent", "metadata", "is_public")
+    __slots__ = ("name", "kv_page_ids", "persistent", "metadata", "is_public", "pinned")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KV_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     PERSISTENT_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     IS_PUBLIC_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
     name: str
     kv_page_ids: _containers.RepeatedScalarFieldContainer[int]
     persistent: bool
     metadata: bytes
     is_public: bool
-    def __init__(self, name: _Optional[str] = ..., kv_page_ids: _Optional[_Iterable[int]] = ..., persistent: _Optional[bool] = ..., metadata: _Optional[bytes] = ..., is_public: _Optional[bool] = ...) -> None: ...
+    pinned: bool
+    def __init__(self, name: _Optional[str] = ..., kv_page_ids: _Optional[_Iterable[int]] = ..., persistent: _Optional[bool] = ..., metadata: _Optional[bytes] = ..., is_public: _Optional[bool] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class UnexportKvPagesCommand(_message.Message):
-    __slots__ = ("name",)
+    __slots__ = ("name", "missing_ok")
     NAME_FIELD_NUMBER: _ClassVar[int]
+    MISSING_OK_FIELD_NUMBER: _ClassVar[int]
     name: str
-    def __init__(self, name: _Optional[str] = ...) -> None: ...
+    missing_ok: bool
+    def __init__(self, name: _Optional[str] = ..., missing_ok: _Optional[bool] = ...) -> None: ...
 
 class ImportKvPagesCommand(_message.Message):
-    __slots__ = ("name", "kv_page_ids")
+    __slots__ = ("name", "kv_page_ids", "missing_ok")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KV_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_OK_FIELD_NUMBER: _ClassVar[int]
     name: str
     kv_page_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., kv_page_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    missing_ok: bool
+    def __init__(self, name: _Optional[str] = ..., kv_page_ids: _Optional[_Iterable[int]] = ..., missing_ok: _Optional[bool] = ...) -> None: ...
 
 class ListExportsCommand(_message.Message):
     __slots__ = ()
@@ -213,12 +219,14 @@ class ForwardDone(_message.Message):
     def __init__(self) -> None: ...
 
 class ImportKvPagesResult(_message.Message):
-    __slots__ = ("num_kv_pages", "metadata")
+    __slots__ = ("num_kv_pages", "metadata", "is_missing")
     NUM_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    IS_MISSING_FIELD_NUMBER: _ClassVar[int]
     num_kv_pages: int
     metadata: bytes
-    def __init__(self, num_kv_pages: _Optional[int] = ..., metadata: _Optional[bytes] = ...) -> None: ...
+    is_missing: bool
+    def __init__(self, num_kv_pages: _Optional[int] = ..., metadata: _Optional[bytes] = ..., is_missing: _Optional[bool] = ...) -> None: ...
 
 class ListExportsResult(_message.Message):
     __slots__ = ("exports",)
@@ -227,18 +235,20 @@ class ListExportsResult(_message.Message):
     def __init__(self, exports: _Optional[_Iterable[_Union[ExportInfo, _Mapping]]] = ...) -> None: ...
 
 class ExportInfo(_message.Message):
-    __slots__ = ("name", "num_kv_pages", "persistent", "metadata_bytes", "is_public")
+    __slots__ = ("name", "num_kv_pages", "persistent", "metadata_bytes", "is_public", "pinned")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     PERSISTENT_FIELD_NUMBER: _ClassVar[int]
     METADATA_BYTES_FIELD_NUMBER: _ClassVar[int]
     IS_PUBLIC_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_kv_pages: int
     persistent: bool
     metadata_bytes: int
     is_public: bool
-    def __init__(self, name: _Optional[str] = ..., num_kv_pages: _Optional[int] = ..., persistent: _Optional[bool] = ..., metadata_bytes: _Optional[int] = ..., is_public: _Optional[bool] = ...) -> None: ...
+    pinned: bool
+    def __init__(self, name: _Optional[str] = ..., num_kv_pages: _Optional[int] = ..., persistent: _Optional[bool] = ..., metadata_bytes: _Optional[int] = ..., is_public: _Optional[bool] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class SynchronizeDone(_message.Message):
     __slots__ = ()

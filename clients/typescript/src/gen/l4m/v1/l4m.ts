@@ -329,14 +329,22 @@ export interface ExportKvPagesCommand {
   /** The exporter's pages, in order. */
   kvPageIds: number[];
   /**
-   * TRUE: the export (and its pages) outlives the exporter until unexported.
-   * FALSE: it disappears when the exporter ends.
+   * TRUE: the export (and its pages) outlives the exporter until unexported, or until the scheduler
+   * evicts it because an allocation cannot be met from free pages (unless `pinned`): least recently used
+   * (exported or imported) first, before any instance is preempted; it is then gone as if unexported.
+   * FALSE: it disappears when the exporter ends (never evicted: the exporter holds it).
    */
   persistent: boolean;
   /** Opaque bytes stored with the export (e.g. the tokens and last-page length), at most 1 MiB. */
   metadata: Buffer;
   /** TRUE: every user's instances may list and import it. FALSE: only the exporter's user's. */
   isPublic: boolean;
+  /**
+   * TRUE: never evicted under memory pressure (an allocation that needs its pages waits or preempts
+   * instead). Persistent exports only: `pinned` without `persistent` traps (INVALID_COMMAND). Pinned
+   * pages count in the owner's quota of persistent export pages like any others.
+   */
+  pinned: boolean;
 }
 
 /**
@@ -346,6 +354,11 @@ export interface ExportKvPagesCommand {
  */
 export interface UnexportKvPagesCommand {
   name: string;
+  /**
+   * TRUE: a name that finds no export (already unexported, evicted under memory pressure, never made, or
+   * another user's private one) does nothing instead of trapping. FALSE: it traps (INVALID_COMMAND).
+   */
+  missingOk: boolean;
 }
 
 /**
@@ -357,6 +370,13 @@ export interface ImportKvPagesCommand {
   name: string;
   /** New virtual page ids, exactly as many as the export has pages. */
   kvPageIds: number[];
+  /**
+   * TRUE: a name that finds no export (never made, unexported, evicted under memory pressure, or another
+   * user's private one) does not trap: the reply has `is_missing` set and nothing is mapped (the ids stay
+   * free). FALSE: it traps (INVALID_COMMAND, "no export is named ..."). For a program that listed an
+   * export and imports it, when it may have been evicted in between.
+   */
+  missingOk: boolean;
 }
 
 /** Replied with `list_exports`. */
@@ -409,6 +429,8 @@ export interface ImportKvPagesResult {
   numKvPages: number;
   /** The exporter's metadata bytes. */
   metadata: Buffer;
+  /** TRUE: no export had that name (only with `ImportKvPagesCommand.missing_ok`); nothing was mapped. */
+  isMissing: boolean;
 }
 
 export interface ListExportsResult {
@@ -423,6 +445,8 @@ export interface ExportInfo {
   metadataBytes: number;
   /** Visible to every user (ExportKvPagesCommand.is_public). */
   isPublic: boolean;
+  /** Never evicted under memory pressure (ExportKvPagesCommand.pinned). */
+  pinned: boolean;
 }
 
 export interface SynchronizeDone {
@@ -1526,7 +1550,7 @@ export const GetInfoCommand: MessageFns<GetInfoCommand> = {
 };
 
 function createBaseExportKvPagesCommand(): ExportKvPagesCommand {
-  return { name: "", kvPageIds: [], persistent: false, metadata: Buffer.alloc(0), isPublic: false };
+  return { name: "", kvPageIds: [], persistent: false, metadata: Buffer.alloc(0), isPublic: false, pinned: false };
 }
 
 export const ExportKvPagesCommand: MessageFns<ExportKvPagesCommand> = {
@@ -1549,6 +1573,9 @@ export const ExportKvPagesCommand: MessageFns<ExportKvPagesCommand> = {
     }
     if (message.isPublic !== false) {
       writer.uint32(40).bool(message.isPublic);
+    }
+    if (message.pinned !== false) {
+      writer.uint32(48).bool(message.pinned);
     }
     return writer;
   },
@@ -1616,6 +1643,14 @@ export const ExportKvPagesCommand: MessageFns<ExportKvPagesCommand> = {
             message.isPublic = reader.bool();
             continue;
           }
+          case 6: {
+            if (tag !== 48) {
+              break;
+            }
+
+            message.pinned = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1643,6 +1678,7 @@ export const ExportKvPagesCommand: MessageFns<ExportKvPagesCommand> = {
         : isSet(object.is_public)
         ? globalThis.Boolean(object.is_public)
         : false,
+      pinned: isSet(object.pinned) ? globalThis.Boolean(object.pinned) : false,
     };
   },
 
@@ -1663,6 +1699,9 @@ export const ExportKvPagesCommand: MessageFns<ExportKvPagesCommand> = {
     if (message.isPublic !== false) {
       obj.isPublic = message.isPublic;
     }
+    if (message.pinned !== false) {
+      obj.pinned = message.pinned;
+    }
     return obj;
   },
 
@@ -1676,18 +1715,22 @@ export const ExportKvPagesCommand: MessageFns<ExportKvPagesCommand> = {
     message.persistent = object.persistent ?? false;
     message.metadata = object.metadata ?? Buffer.alloc(0);
     message.isPublic = object.isPublic ?? false;
+    message.pinned = object.pinned ?? false;
     return message;
   },
 };
 
 function createBaseUnexportKvPagesCommand(): UnexportKvPagesCommand {
-  return { name: "" };
+  return { name: "", missingOk: false };
 }
 
 export const UnexportKvPagesCommand: MessageFns<UnexportKvPagesCommand> = {
   encode(message: UnexportKvPagesCommand, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
     if (message.name !== "") {
       writer.uint32(10).string(message.name);
+    }
+    if (message.missingOk !== false) {
+      writer.uint32(16).bool(message.missingOk);
     }
     return writer;
   },
@@ -1713,6 +1756,14 @@ export const UnexportKvPagesCommand: MessageFns<UnexportKvPagesCommand> = {
             message.name = reader.string();
             continue;
           }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.missingOk = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1726,13 +1777,23 @@ export const UnexportKvPagesCommand: MessageFns<UnexportKvPagesCommand> = {
   },
 
   fromJSON(object: any): UnexportKvPagesCommand {
-    return { name: isSet(object.name) ? globalThis.String(object.name) : "" };
+    return {
+      name: isSet(object.name) ? globalThis.String(object.name) : "",
+      missingOk: isSet(object.missingOk)
+        ? globalThis.Boolean(object.missingOk)
+        : isSet(object.missing_ok)
+        ? globalThis.Boolean(object.missing_ok)
+        : false,
+    };
   },
 
   toJSON(message: UnexportKvPagesCommand): unknown {
     const obj: any = {};
     if (message.name !== "") {
       obj.name = message.name;
+    }
+    if (message.missingOk !== false) {
+      obj.missingOk = message.missingOk;
     }
     return obj;
   },
@@ -1743,12 +1804,13 @@ export const UnexportKvPagesCommand: MessageFns<UnexportKvPagesCommand> = {
   fromPartial<I extends Exact<DeepPartial<UnexportKvPagesCommand>, I>>(object: I): UnexportKvPagesCommand {
     const message = createBaseUnexportKvPagesCommand();
     message.name = object.name ?? "";
+    message.missingOk = object.missingOk ?? false;
     return message;
   },
 };
 
 function createBaseImportKvPagesCommand(): ImportKvPagesCommand {
-  return { name: "", kvPageIds: [] };
+  return { name: "", kvPageIds: [], missingOk: false };
 }
 
 export const ImportKvPagesCommand: MessageFns<ImportKvPagesCommand> = {
@@ -1762,6 +1824,9 @@ export const ImportKvPagesCommand: MessageFns<ImportKvPagesCommand> = {
         writer.uint32(v);
       }
       writer.join();
+    }
+    if (message.missingOk !== false) {
+      writer.uint32(24).bool(message.missingOk);
     }
     return writer;
   },
@@ -1805,6 +1870,14 @@ export const ImportKvPagesCommand: MessageFns<ImportKvPagesCommand> = {
 
             break;
           }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.missingOk = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1825,6 +1898,11 @@ export const ImportKvPagesCommand: MessageFns<ImportKvPagesCommand> = {
         : globalThis.Array.isArray(object?.kv_page_ids)
         ? object.kv_page_ids.map((e: any) => globalThis.Number(e))
         : [],
+      missingOk: isSet(object.missingOk)
+        ? globalThis.Boolean(object.missingOk)
+        : isSet(object.missing_ok)
+        ? globalThis.Boolean(object.missing_ok)
+        : false,
     };
   },
 
@@ -1836,6 +1914,9 @@ export const ImportKvPagesCommand: MessageFns<ImportKvPagesCommand> = {
     if (message.kvPageIds?.length) {
       obj.kvPageIds = message.kvPageIds.map((e) => Math.round(e));
     }
+    if (message.missingOk !== false) {
+      obj.missingOk = message.missingOk;
+    }
     return obj;
   },
 
@@ -1846,6 +1927,7 @@ export const ImportKvPagesCommand: MessageFns<ImportKvPagesCommand> = {
     const message = createBaseImportKvPagesCommand();
     message.name = object.name ?? "";
     message.kvPageIds = object.kvPageIds?.map((e) => e) || [];
+    message.missingOk = object.missingOk ?? false;
     return message;
   },
 };
@@ -2439,7 +2521,7 @@ export const ForwardDone: MessageFns<ForwardDone> = {
 };
 
 function createBaseImportKvPagesResult(): ImportKvPagesResult {
-  return { numKvPages: 0, metadata: Buffer.alloc(0) };
+  return { numKvPages: 0, metadata: Buffer.alloc(0), isMissing: false };
 }
 
 export const ImportKvPagesResult: MessageFns<ImportKvPagesResult> = {
@@ -2449,6 +2531,9 @@ export const ImportKvPagesResult: MessageFns<ImportKvPagesResult> = {
     }
     if (message.metadata.length !== 0) {
       writer.uint32(18).bytes(message.metadata);
+    }
+    if (message.isMissing !== false) {
+      writer.uint32(24).bool(message.isMissing);
     }
     return writer;
   },
@@ -2482,6 +2567,14 @@ export const ImportKvPagesResult: MessageFns<ImportKvPagesResult> = {
             message.metadata = Buffer.from(reader.bytes());
             continue;
           }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.isMissing = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2502,6 +2595,11 @@ export const ImportKvPagesResult: MessageFns<ImportKvPagesResult> = {
         ? globalThis.Number(object.num_kv_pages)
         : 0,
       metadata: isSet(object.metadata) ? Buffer.from(bytesFromBase64(object.metadata)) : Buffer.alloc(0),
+      isMissing: isSet(object.isMissing)
+        ? globalThis.Boolean(object.isMissing)
+        : isSet(object.is_missing)
+        ? globalThis.Boolean(object.is_missing)
+        : false,
     };
   },
 
@@ -2513,6 +2611,9 @@ export const ImportKvPagesResult: MessageFns<ImportKvPagesResult> = {
     if (message.metadata.length !== 0) {
       obj.metadata = base64FromBytes(message.metadata);
     }
+    if (message.isMissing !== false) {
+      obj.isMissing = message.isMissing;
+    }
     return obj;
   },
 
@@ -2523,6 +2624,7 @@ export const ImportKvPagesResult: MessageFns<ImportKvPagesResult> = {
     const message = createBaseImportKvPagesResult();
     message.numKvPages = object.numKvPages ?? 0;
     message.metadata = object.metadata ?? Buffer.alloc(0);
+    message.isMissing = object.isMissing ?? false;
     return message;
   },
 };
@@ -2597,7 +2699,7 @@ export const ListExportsResult: MessageFns<ListExportsResult> = {
 };
 
 function createBaseExportInfo(): ExportInfo {
-  return { name: "", numKvPages: 0, persistent: false, metadataBytes: 0, isPublic: false };
+  return { name: "", numKvPages: 0, persistent: false, metadataBytes: 0, isPublic: false, pinned: false };
 }
 
 export const ExportInfo: MessageFns<ExportInfo> = {
@@ -2616,6 +2718,9 @@ export const ExportInfo: MessageFns<ExportInfo> = {
     }
     if (message.isPublic !== false) {
       writer.uint32(40).bool(message.isPublic);
+    }
+    if (message.pinned !== false) {
+      writer.uint32(48).bool(message.pinned);
     }
     return writer;
   },
@@ -2673,6 +2778,14 @@ export const ExportInfo: MessageFns<ExportInfo> = {
             message.isPublic = reader.bool();
             continue;
           }
+          case 6: {
+            if (tag !== 48) {
+              break;
+            }
+
+            message.pinned = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2704,6 +2817,7 @@ export const ExportInfo: MessageFns<ExportInfo> = {
         : isSet(object.is_public)
         ? globalThis.Boolean(object.is_public)
         : false,
+      pinned: isSet(object.pinned) ? globalThis.Boolean(object.pinned) : false,
     };
   },
 
@@ -2724,6 +2838,9 @@ export const ExportInfo: MessageFns<ExportInfo> = {
     if (message.isPublic !== false) {
       obj.isPublic = message.isPublic;
     }
+    if (message.pinned !== false) {
+      obj.pinned = message.pinned;
+    }
     return obj;
   },
 
@@ -2737,6 +2854,7 @@ export const ExportInfo: MessageFns<ExportInfo> = {
     message.persistent = object.persistent ?? false;
     message.metadataBytes = object.metadataBytes ?? 0;
     message.isPublic = object.isPublic ?? false;
+    message.pinned = object.pinned ?? false;
     return message;
   },
 };
