@@ -95,7 +95,7 @@ async def bench_mode(args: argparse.Namespace, mode: str) -> list[dict[str, floa
     batch_events = attach == "batched"
     config = ClusterConfig(state_dir=Path(args.state_dir), spawner_port=args.spawner_port, gateway_port=-1,
                            scheduler_port=args.scheduler_port, metrics_port_base=0, echo_logs=False,
-                           session_transport=transport)
+                           session_transport=transport, models=(args.model,) if args.model else ())
     cluster = Cluster(config, say=lambda line: None)
     rows = []
     try:
@@ -141,6 +141,8 @@ def main() -> None:
     parser.add_argument("--state-dir", default="/tmp/l4m-relay-bench")
     parser.add_argument("--spawner-port", type=int, default=7610)
     parser.add_argument("--scheduler-port", type=int, default=7611)
+    parser.add_argument("--model", default="", help="what the cluster's executor serves (`l4m up --model`; default "
+                        "SmolLM2): the relay never uses it, a tiny one just starts sooner")
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
     args = parser.parse_args()
     try:

@@ -46,31 +46,56 @@ NUM_PAGES = 256  # the same on both executors, so placement (most free pages, th
 DETECTION_BOUND_S = 15.0  # keepalive: 2 s between pings + 2 s for the answer; the rest is a busy machine's slack
 STEP_TIMEOUT_S = 120.0
 
-HOLD_S = 20.0  # longer than the launches' stagger: each holds its pages until host 2 is gone
-# Generates greedy tokens past any stop token, 8 at a time, for HOLD_S seconds after its first 8 (at most 64
-# rounds); says "started" after the first round, so the test knows it holds pages and has batches in flight on
-# its executor when the host vanishes.
+MAX_HOLD_ROUNDS = 160  # a released controller's bound: 1,280 tokens, minutes on a busy 2-core machine
+# Generates greedy tokens past any stop token, 8 at a time, until its user sends "release" (at most
+# MAX_HOLD_ROUNDS rounds); says "started INSTANCE_ID" after the first round, so the test knows it holds pages
+# and has batches in flight on its executor when the host vanishes. Each holds its pages until host 2 is gone,
+# however long the launches' stagger and the loss's detection take: placement alternates and none ends early.
 HOLDING_CONTROLLER = '''
+import asyncio
 import json
-import time
 
 from l4m import Greedy
 from l4m.stop import on_tokens
 
 
 async def main(ctx):
-    hold_s = float(ctx.args[1])
+    release = asyncio.ensure_future(ctx.receive())
     async with ctx.new_context() as chat:
         chat.fill_chat([{"role": "user", "content": ctx.args[0]}])
-        for round_ in range(64):
+        for round_ in range(int(ctx.args[1])):
             await chat.generate(Greedy(), stop=on_tokens([]), max_tokens=8)
             if round_ == 0:
-                await ctx.send("started")
-                until = time.monotonic() + hold_s
-            elif time.monotonic() > until:
+                await ctx.send(f"started {ctx.instance_id}")
+            elif release.done():
                 break
-    await ctx.send(json.dumps({"held": True}))
+    released = release.done() and release.result() == "release"
+    release.cancel()
+    await ctx.send(json.dumps({"held": True, "released": released}))
 '''
+
+# Run on the control host: sends "release" to each instance named; an instance already gone is passed over.
+RELEASE = """
+import asyncio
+import sys
+from pathlib import Path
+
+from l4m.client import Client
+from l4m.errors import L4MError
+
+
+async def release(key, instance_ids):
+    async with Client("127.0.0.1:7410", api_key=key) as client:
+        for instance_id in instance_ids:
+            try:
+                await client.send(instance_id, "release")
+                print(f"released {instance_id}")
+            except L4MError as error:
+                print(f"not released {instance_id}: {error}")
+
+
+asyncio.run(release(Path(sys.argv[1]).read_text().strip(), sys.argv[2:]))
+"""
 
 
 # Run on the control host against an executor host's listener: GetInfo in plaintext, then over TLS without the
@@ -299,14 +324,16 @@ def test_executor_hosts_vanish_and_return_while_the_control_host_keeps_serving(
         # Host 2 vanishes mid-run: link down first (no FIN, no RST reaches the scheduler), then SIGKILL.
         holding = tmp_path / "holding.py"
         holding.write_text(HOLDING_CONTROLLER)
-        long_runs = [runs.start(holding, f"Count to {n}.", str(HOLD_S)) for n in range(4)]
+        long_runs = [runs.start(holding, f"Count to {n}.", str(MAX_HOLD_ROUNDS)) for n in range(4)]
         _wait_for(lambda: all("started" in runs.stdout(i) for i in long_runs), STEP_TIMEOUT_S,
                   "every holding controller generating")
+        instance_ids = [runs.stdout(i).split("started ", 1)[1].split()[0] for i in long_runs]
         print(f"{time.monotonic() - started:.0f} s: holding runs started")
         hosts.set_link(2, is_up=False)
         assert hosts.kill_all(2) >= 2  # its l4m up and its executor
         detection_s = _wait_for(lambda: connections(2, "lost") == 1, DETECTION_BOUND_S, "host 2's loss detected")
         print(f"host 2's loss detected {detection_s:.1f} s after its link went down and its processes died")
+        print(_run(*hosts.on(1, [sys.executable, "-c", RELEASE, str(runs.admin_key), *instance_ids])), end="")
 
         ended = {index: runs.finish(index) for index in long_runs}
         lost = [i for i, run in ended.items() if run.returncode != 0]
@@ -315,8 +342,8 @@ def test_executor_hosts_vanish_and_return_while_the_control_host_keeps_serving(
             if index in lost:  # trapped (exit 3), the reason naming the lost host
                 assert run.returncode == 3 and "EXIT_REASON_TRAPPED" in run.stderr, run.describe()
                 assert f"executor 0 ({hosts.address(2)}:{EXECUTOR_PORT}) was lost" in run.stderr, run.describe()
-            else:
-                assert run.summary() == {"held": True}, run.describe()
+            else:  # held its pages until released, after host 2 was gone
+                assert run.summary() == {"held": True, "released": True}, run.describe()
         assert 0 < len(lost) < len(long_runs), "placement alternates: host 2 had some instances, host 3 others"
         traps = scheduler_metrics().value("l4m_scheduler_traps_total", 0, kind="TRAP_KIND_EXECUTOR_LOST")
         assert traps == len(lost), "each lost instance was trapped EXECUTOR_LOST, and no other"

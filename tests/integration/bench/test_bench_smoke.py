@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.harness import REPO, free_metrics_port_base, free_ports
+from tests.unit.executor.tiny_models import build_hf
 
 
 def run_bench(script: str, *args: str, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
@@ -95,12 +96,14 @@ def test_agentic_variants_agree(tmp_path: Path) -> None:
 
 def test_relay_counts_every_message_and_prices_it_by_role(tmp_path: Path) -> None:
     """bench/relay.py, tiny: every message a controller sends reaches the attached user, on frames with
-    batched Attach responses and on gRPC with one response per event; CPU per message by role."""
+    batched Attach responses and on gRPC with one response per event; CPU per message by role. The relay
+    never uses the model: each mode's cluster serves a tiny random one, which loads in a second."""
     out = tmp_path / "relay.json"
+    build_hf("llama", tmp_path / "tiny-llama")
     spawner, scheduler = free_ports(2)
     done = run_bench("relay.py", "--streams", "2", "--messages", "50", "--out", str(out), "--state-dir",
                      str(tmp_path / "state"), "--spawner-port", str(spawner), "--scheduler-port", str(scheduler),
-                     "--modes", "framed/batched,grpc/single")
+                     "--modes", "framed/batched,grpc/single", "--model", str(tmp_path / "tiny-llama"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [row["mode"] for row in rows] == ["framed/batched", "grpc/single"]

@@ -87,12 +87,20 @@ class PageSampler:
         self._thread.join()
 
 
-@pytest.fixture(scope="module")
-def lone_executor() -> Iterator[str]:
-    """A second executor that only the reference decoding talks to."""
+@pytest.fixture(scope="session")
+def lone_executor_process() -> Iterator[ServiceProcess]:
+    """A second executor that only the reference decoding talks to, started and not waited for. Session-scoped
+    so that, named before the cluster's fixtures, it starts before `l4m_up` and loads its model meanwhile."""
     process = ServiceProcess("l4m.executor", executor_args(), name="lone-executor")
-    yield process.wait_listening(300)
+    yield process
     process.stop()
+
+
+@pytest.fixture(scope="module")
+def lone_executor(lone_executor_process: ServiceProcess) -> Iterator[str]:
+    """The lone executor's address once it serves; stopped with this module."""
+    yield lone_executor_process.wait_listening(300)
+    lone_executor_process.stop()
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +114,9 @@ def tokenizer(model_info: l4m_pb2.GetInfoResponse) -> Tokenizer:
     return Tokenizer(model_info.model.tokenizer_json, model_info.model.chat_template)
 
 
-def test_text_completion_equals_executor_alone_greedy(counted, lone_executor, tokenizer, model_info) -> None:
+# lone_executor_process first: it starts before the session's cluster (when this is the cluster's first test).
+def test_text_completion_equals_executor_alone_greedy(lone_executor_process, counted, lone_executor, tokenizer,
+                                                      model_info) -> None:
     prompt = "What is the capital of France?"
     run, counts = counted(example("text_completion"), prompt, "32")
     assert run.returncode == 0, run.stderr

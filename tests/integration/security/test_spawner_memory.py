@@ -32,8 +32,11 @@ ITEM_OVERHEAD_BYTES = 64  # l4m.spawner.supervisor: what each line or message co
 VARIABLE_OVERHEAD_BYTES = 256  # l4m.spawner.variables
 EXITED_REPLAY_BYTES = 64 * 1024  # l4m.spawner.supervisor: the tail an exited instance keeps
 MAX_PROGRAM_MIB = 4  # the spawner's default --max-program-mib
-VARIABLE_MIB_PER_TREE = 8  # --max-variable-mib-per-tree for this spawner (default 64: the attack is faster)
-OUTPUT_LIMIT_BYTES = 2 * MiB  # the launches' max_output_bytes (default 16 MiB: the attack is faster)
+# Smaller than the defaults so that each attack reaches its limit in seconds; each is still several times
+# what the limit it is measured against leaves (the replay tail, the RSS bound's slack).
+UPLOAD_VALIDATION_MIB = 256  # --upload-validation-memory-mib (default 1024: ~5 s of compiling per dense upload)
+VARIABLE_MIB_PER_TREE = 1  # --max-variable-mib-per-tree (default 64; 2,072 variables of 506 charged bytes)
+OUTPUT_LIMIT_BYTES = 256 * 1024  # the launches' max_output_bytes (default 16 MiB; 4 x the 64 KiB replay tail)
 NAME_BYTES = 250
 MEMORY_MIB_PER_USER = 2048  # --max-memory-mib-per-user for this spawner
 
@@ -127,7 +130,8 @@ def spawner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Spawner]:
         ["--listen", "127.0.0.1:0", "--state-dir", str(state / "state"), "--socket-dir", str(state / "sockets"),
          "--insecure-local", "--warm-pool-size", "0", "--controller-runner", "", "--spawner-id",
          f"secmem-{time.monotonic_ns() % 10**9}", "--max-variable-mib-per-tree", str(VARIABLE_MIB_PER_TREE),
-         "--max-memory-mib-per-user", str(MEMORY_MIB_PER_USER)],
+         "--max-memory-mib-per-user", str(MEMORY_MIB_PER_USER), "--upload-validation-memory-mib",
+         str(UPLOAD_VALIDATION_MIB)],
         state / "spawner.log",
     )  # fmt: skip
     try:
@@ -155,7 +159,8 @@ def test_the_spawner_memory_attacks_are_bounded_by_the_quotas(spawner: Spawner) 
     print(f"spawner VmRSS before the attacks: {rss_before / MiB:.1f} MiB")
 
     # 1. Uploads: over the size limit refused naming it; four dense 3.9 MiB programs (each needs ~2.2 GiB to
-    # compile) refused as out of memory by their bounded validators while another client is served.
+    # compile, the attacker's program far less than the validators' limit) refused as out of memory by their
+    # bounded validators, two at a time, while another client is served.
     with pytest.raises(grpc.RpcError) as too_large:
         spawner.upload(b"#" * (MAX_PROGRAM_MIB * MiB + 1))
     assert too_large.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -173,7 +178,7 @@ def test_the_spawner_memory_attacks_are_bounded_by_the_quotas(spawner: Spawner) 
         for upload in uploads:
             error = upload.exception(timeout=300)
             assert isinstance(error, grpc.RpcError) and error.code() is grpc.StatusCode.INVALID_ARGUMENT
-            assert "ran out of memory" in error.details() and "limit of 1024 MiB" in error.details()
+            assert "ran out of memory" in error.details() and f"limit of {UPLOAD_VALIDATION_MIB} MiB" in error.details()
 
     # 2. 8x10^6 empty lines: the output limit ends it; an exited instance replays at most its 64 KiB tail.
     events = spawner.run(attacker, "lines", "8000000")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -121,15 +122,16 @@ def test_forward_from_embed_slots_takes_the_kernel(make_engine, prompts) -> None
 
 
 def test_falls_back_to_the_torch_path_without_a_compiler(tmp_path, loaded, prompts) -> None:
-    """A fresh extension cache and no C++ compiler: the engine serves with dense weights, correctly."""
+    """A fresh extension cache and no C++ compiler: the engine serves with dense weights, correctly. The fresh
+    process gets the loaded model pickled on its stdin (parsing the GGUF again would take most of its time);
+    which weights the engine serves is decided at its construction, where the kernels fail to load."""
     prompt = prompts[4]
     script = f"""
-import json
+import json, pickle, sys
 from l4m.executor.engine import Engine, EngineConfig
-from l4m.executor.weights import default_model_path, load_model
 from tests.unit.executor.conftest import PageTables, engine_stats
 
-engine = Engine(load_model(default_model_path()), EngineConfig(page_size=4, num_pages=16, num_embed_slots=0))
+engine = Engine(pickle.load(sys.stdin.buffer), EngineConfig(page_size=4, num_pages=16, num_embed_slots=0))
 tables = PageTables(engine)
 prompt = {prompt!r}
 tokens = [engine.forward_text([tables.item("s", prompt, outputs=(len(prompt) - 1,))])[0].outputs[0].token_id]
@@ -138,9 +140,9 @@ for _ in range(3):
 print(json.dumps({{"weights": engine.weights, "tokens": tokens, "stats": engine_stats(engine)}}))
 """
     env = dict(os.environ, CXX=str(tmp_path / "no-such-g++"), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
-    proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT
-    )
+    done = subprocess.run([sys.executable, "-c", script], env=env, input=pickle.dumps(loaded, protocol=5),
+                          capture_output=True, timeout=300, cwd=REPO_ROOT)
+    proc = subprocess.CompletedProcess(done.args, done.returncode, done.stdout.decode(), done.stderr.decode())
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "CPU kernels unavailable" in proc.stderr
