@@ -22,7 +22,17 @@ launches one after another (p50/p99), then `--concurrent` launches at once (the 
 load, and the wall time for all of them). `process-warm` runs the sequential launches twice:
 "refilled" waits (untimed) for a full pool before each launch, the latency while launches come slower
 than the pool refills; "back-to-back" does not wait, so launches that find the pool empty start cold.
-The `warm` column counts launches served by a warm sandbox. Runs as root (the process sandbox switches
+The `warm` column counts launches served by a warm sandbox. `--concurrent` takes a list (`16,64`), each
+burst repeated `--repeats` times; a burst waits for a full pool first, and the second table gives the
+spawner's CPU per launch (this process's CPU time, every thread, the benchmark's own gRPC client
+included) in three windows: `hand-over`, from the burst's start to the last `Launch` answered;
+`run+exit`, from then until every instance has exited and been reported; `refill`, from then until the
+pool is full again (`refill s` counts from the burst's start). `load` is the 1-minute load average.
+
+    flock -x /tmp/l4m-bench.lock taskset -c 0,1 .venv/bin/python bench/spawner.py --backends process-warm \
+        --launches 0 --concurrent 16,64 --pool-size 64 --repeats 2
+
+Runs as root (the process sandbox switches
 uids); the docker backend needs a running engine (`scripts/ci/docker-engine.sh` starts one,
 `scripts/ci/base-image.sh` builds the base image) and builds the controller image on first use.
 Target: process sandbox p50 ≤ 150 ms.
@@ -51,7 +61,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -75,7 +85,8 @@ async def main(ctx):
 HOG = "while True: pass"
 HOG_SETTLE_S = 1.0
 TARGET_PROCESS_P50_MS = 150.0
-POOL_FILL_TIMEOUT_S = 120.0
+# A pool fills at idle CPU priority: on a machine busy with other work, a pool of 64 takes minutes.
+POOL_FILL_TIMEOUT_S = 900.0
 SERVICE_START_TIMEOUT_S = 60.0
 RPC_DEADLINE_S = 120.0
 _LISTENING_RE = re.compile(rb"listening on [\w.]+:(\d+)")
@@ -85,6 +96,18 @@ _LISTENING_RE = re.compile(rb"listening on [\w.]+:(\d+)")
 class Launch:
     latency_ms: float | None  # None: it did not exit cleanly, or its first output was not MARKER
     is_warm: bool
+
+
+@dataclass(frozen=True)
+class BurstCost:
+    """What a burst of launches cost the spawner (see the module docstring's windows)."""
+
+    handover_s: float  # burst start -> the last Launch answered
+    refill_s: float  # burst start -> the pool full again (0 without a pool)
+    handover_cpu_ms: float  # per launch, each window's CPU divided by the burst's launches
+    run_exit_cpu_ms: float
+    refill_cpu_ms: float
+    load_average: float  # 1-minute, at the burst's start
 
 
 @dataclass(frozen=True)
@@ -98,6 +121,7 @@ class Row:
     p99_ms: float
     max_ms: float
     wall_s: float
+    burst: BurstCost | None = None  # the `N at once` rows
 
 
 @dataclass(frozen=True)
@@ -159,11 +183,18 @@ async def scheduler_cluster(root: Path, scheduler_args: tuple[str, ...] = ()) ->
             await process.wait()
 
 
-async def launch_once(server: SpawnerServer, stub: spawner_pb2_grpc.SpawnerServiceStub, sha: str) -> Launch:
+async def launch_once(
+    server: SpawnerServer,
+    stub: spawner_pb2_grpc.SpawnerServiceStub,
+    sha: str,
+    on_answered: Callable[[], None] | None = None,
+) -> Launch:
     """Milliseconds from `Launch` to the controller's line after its first command, and whether a warm
-    sandbox served it."""
+    sandbox served it. `on_answered` is called once `Launch` has answered."""
     started = time.monotonic()
     launched = await stub.Launch(spawner_pb2.LaunchRequest(program=sha), timeout=RPC_DEADLINE_S)
+    if on_answered is not None:
+        on_answered()
     supervisor = server.manager.get(launched.instance_id).supervisor
     info = await supervisor.wait()
     first = await first_output(supervisor)
@@ -186,14 +217,16 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
 
 
-def summarize(backend: str, mode: str, launches: list[Launch], wall_s: float) -> Row:
+def summarize(
+    backend: str, mode: str, launches: list[Launch], wall_s: float, burst: BurstCost | None = None
+) -> Row:
     ok = [launch.latency_ms for launch in launches if launch.latency_ms is not None]
     num_warm = sum(launch.is_warm for launch in launches)
     if not ok:
         nan = float("nan")
-        return Row(backend, mode, len(launches), 0, num_warm, nan, nan, nan, wall_s)
+        return Row(backend, mode, len(launches), 0, num_warm, nan, nan, nan, wall_s, burst)
     p50, p99 = statistics.median(ok), percentile(ok, 0.99)
-    return Row(backend, mode, len(launches), len(ok), num_warm, p50, p99, max(ok), wall_s)
+    return Row(backend, mode, len(launches), len(ok), num_warm, p50, p99, max(ok), wall_s, burst)
 
 
 async def wait_pool_full(server: SpawnerServer) -> None:
@@ -255,7 +288,13 @@ async def running_spawner(
 
 
 async def bench_backend(
-    backend: str, cluster: Cluster, root: Path, pool_size: int, num_launches: int, num_concurrent: int
+    backend: str,
+    cluster: Cluster,
+    root: Path,
+    pool_size: int,
+    num_launches: int,
+    bursts: list[int],
+    num_repeats: int = 1,
 ) -> list[Row]:
     async with running_spawner(backend, cluster, root, pool_size) as spawner:
         server, stub, sha = spawner.server, spawner.stub, spawner.program_sha256
@@ -266,20 +305,51 @@ async def bench_backend(
             else [("sequential", False)]
         )
         rows = []
-        for mode, wait_refilled in modes:
+        for mode, wait_refilled in modes if num_launches else ():
             started, launches = time.monotonic(), []
             for _ in range(num_launches):
                 if wait_refilled:
                     await wait_pool_full(server)
                 launches.append(await launch_once(server, stub, sha))
             rows.append(summarize(backend, mode, launches, time.monotonic() - started))
-        await wait_pool_full(server)
-        started = time.monotonic()
-        concurrent = await asyncio.gather(*(launch_once(server, stub, sha) for _ in range(num_concurrent)))
-        rows.append(
-            summarize(backend, f"{num_concurrent} at once", list(concurrent), time.monotonic() - started)
-        )
+        for num_concurrent in bursts:
+            for _ in range(num_repeats):
+                rows.append(await burst_once(backend, spawner, num_concurrent))
         return rows
+
+
+async def burst_once(backend: str, spawner: Spawner, num_launches: int) -> Row:
+    """`num_launches` launches at once through a full pool: their latencies, and the spawner's CPU
+    per launch in each window (hand-over, run+exit, refill)."""
+    server, stub, sha = spawner.server, spawner.stub, spawner.program_sha256
+    await wait_pool_full(server)
+    num_answered, handover = 0, (0.0, 0.0)  # (monotonic s, CPU s) when the last Launch answered
+
+    def on_answered() -> None:
+        nonlocal num_answered, handover
+        num_answered += 1
+        if num_answered == num_launches:
+            handover = (time.monotonic(), time.process_time())
+
+    load_average = os.getloadavg()[0]
+    print(f"{backend}: a burst of {num_launches} launches", file=sys.stderr, flush=True)
+    started, cpu_started = time.monotonic(), time.process_time()
+    launches = await asyncio.gather(
+        *(launch_once(server, stub, sha, on_answered) for _ in range(num_launches))
+    )
+    exited, cpu_exited = time.monotonic(), time.process_time()
+    await wait_pool_full(server)
+    full, cpu_full = time.monotonic(), time.process_time()
+    has_pool = getattr(server.manager.sandbox, "warm_pool_stats", lambda: None)() is not None
+    cost = BurstCost(
+        handover_s=handover[0] - started,
+        refill_s=full - started if has_pool else 0.0,
+        handover_cpu_ms=1000 * (handover[1] - cpu_started) / num_launches,
+        run_exit_cpu_ms=1000 * (cpu_exited - handover[1]) / num_launches,
+        refill_cpu_ms=1000 * (cpu_full - cpu_exited) / num_launches,
+        load_average=load_average,
+    )
+    return summarize(backend, f"{num_launches} at once", list(launches), exited - started, cost)
 
 
 # -- refill under load ------------------------------------------------------------------------------
@@ -360,6 +430,24 @@ def print_table(rows: list[Row]) -> None:
             f"{row.backend:<12} {row.mode:<12} {row.num_ok:>3}/{row.num_launches:<3} {row.num_warm:>4} "
             f"{row.p50_ms:>8.1f} {row.p99_ms:>8.1f} {row.max_ms:>8.1f} {row.wall_s:>7.2f}"
         )
+    bursts = [row for row in rows if row.burst is not None]
+    if not bursts:
+        return
+    print()
+    header = (
+        f"{'backend':<12} {'burst':>5} {'hand-over s':>11} {'refill s':>8} "
+        f"{'spawner CPU ms/launch: hand-over':>32} {'run+exit':>8} {'refill':>7} {'load':>5}"
+    )
+    print(header)
+    print("-" * len(header))
+    for row in bursts:
+        cost = row.burst
+        assert cost is not None
+        print(
+            f"{row.backend:<12} {row.num_launches:>5} {cost.handover_s:>11.2f} {cost.refill_s:>8.1f} "
+            f"{cost.handover_cpu_ms:>32.1f} {cost.run_exit_cpu_ms:>8.1f} {cost.refill_cpu_ms:>7.1f} "
+            f"{cost.load_average:>5.1f}"
+        )
 
 
 async def main() -> int:
@@ -369,7 +457,10 @@ async def main() -> int:
     parser.add_argument("--backends", default="process,process-warm,docker")
     parser.add_argument("--pool-size", type=int, default=2, help="warm sandboxes for process-warm")
     parser.add_argument("--launches", type=int, default=30, help="sequential launches per backend")
-    parser.add_argument("--concurrent", type=int, default=50, help="launches started at once")
+    parser.add_argument(
+        "--concurrent", default="50", help="launches started at once; a list (16,64) runs a burst of each"
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="bursts of each --concurrent size")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument(
         "--refill",
@@ -394,9 +485,10 @@ async def main() -> int:
                     args.json.parent.mkdir(parents=True, exist_ok=True)
                     args.json.write_text(json.dumps([asdict(refill) for refill in refills], indent=1))
                 return 0
+            bursts = [int(size) for size in args.concurrent.split(",") if size]
             for backend in args.backends.split(","):
                 rows += await bench_backend(
-                    backend, cluster, root, args.pool_size, args.launches, args.concurrent
+                    backend, cluster, root, args.pool_size, args.launches, bursts, args.repeats
                 )
     print_table(rows)
     if args.json:

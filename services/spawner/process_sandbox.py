@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -44,7 +45,7 @@ import tempfile
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -272,13 +273,15 @@ class ProcessSandbox(Sandbox):
             raise SandboxError(f"invalid instance id {spec.instance_id!r}")
         if not spec.program_path.is_file():
             raise SandboxError(f"program file {spec.program_path} does not exist")
-        warm = self._pool.take() if self._pool is not None and not warm_refusal(self.config, spec) else None
-        if warm is not None:
-            try:
-                return await self._hand_off(warm, spec)
-            except Exception as exc:  # noqa: BLE001 - logged; the launch starts cold instead
-                log.warning("warm hand-off of %s failed, starting it cold: %s", spec.instance_id, exc)
-                await self._destroy_warm(warm)
+        if self._pool is not None and not warm_refusal(self.config, spec):
+            # The pool refills once no hand-over is under way: a burst is served before its refill.
+            with self._pool.taking() as warm:
+                if warm is not None:
+                    try:
+                        return await self._hand_off(warm, spec)
+                    except Exception as exc:  # noqa: BLE001 - logged; the launch starts cold instead
+                        log.warning("warm hand-off of %s failed, starting it cold: %s", spec.instance_id, exc)
+                        await self._destroy_warm(warm)
         return await self._start_cold(spec)
 
     async def _start_cold(self, spec: SandboxSpec) -> ProcessHandle:
@@ -298,7 +301,7 @@ class ProcessSandbox(Sandbox):
                 cgroup.remove()
             self._uids.release(uid)
             raise
-        return ProcessHandle(spec, process, cgroup, lambda: self._uids.release(uid))
+        return ProcessHandle(spec, process, cgroup, functools.partial(self._release, uid))
 
     # -- the warm pool ---------------------------------------------------------------------------
 
@@ -333,7 +336,7 @@ class ProcessSandbox(Sandbox):
             else:
                 if cgroup is not None:
                     await asyncio.to_thread(cgroup.remove)
-                self._release(uid, program_dir)
+                await self._release(uid, program_dir)
             raise
 
     async def _read_ready(self, warm: WarmSandbox) -> bytes:
@@ -380,17 +383,24 @@ class ProcessSandbox(Sandbox):
 
         set_normal_priority(list_and_join, os.getpriority(os.PRIO_PROCESS, 0))
 
-    async def _hand_off(self, warm: WarmSandbox, spec: SandboxSpec) -> ProcessHandle:
-        """Turns a warm sandbox into `spec`'s instance: its limits, its program, its CPU priority, then
-        GO."""
-        if not warm.is_alive():
-            raise SandboxError("the warm sandbox died before its launch")
+    def _prepare_hand_off(self, warm: WarmSandbox, spec: SandboxSpec) -> None:
+        """The launch's limits in the sandbox's cgroups, its program in the sandbox's program directory,
+        and the sandbox promoted to normal CPU priority: everything before the launch is written."""
         if warm.cgroup is not None and self._cgroups is not None:
             self._cgroups.apply_limits(warm.cgroup, spec.limits)
         program = warm.program_dir / program_file_name(spec.program_path)
         shutil.copyfile(spec.program_path, program)
         os.chmod(program, 0o644)
-        await asyncio.to_thread(self._promote, warm)
+        self._promote(warm)
+
+    async def _hand_off(self, warm: WarmSandbox, spec: SandboxSpec) -> ProcessHandle:
+        """Turns a warm sandbox into `spec`'s instance: its limits, its program, its CPU priority, then
+        GO."""
+        if not warm.is_alive():
+            raise SandboxError("the warm sandbox died before its launch")
+        # One worker thread does the file work: cgroup writes wait on the kernel's cgroup locks, which a
+        # burst of hand-overs and exits contends for, and must not hold up the event loop meanwhile.
+        await asyncio.to_thread(self._prepare_hand_off, warm, spec)
         has_memory = warm.cgroup is not None and "memory" in warm.cgroup.dirs
         stdin = warm.process.stdin
         stdin.write(json.dumps(warm_launch(spec, has_memory)).encode())
@@ -407,7 +417,7 @@ class ProcessSandbox(Sandbox):
             spec,
             warm.process,
             warm.cgroup,
-            lambda: self._release(warm.uid, warm.program_dir),
+            functools.partial(self._release, warm.uid, warm.program_dir),
             cpu_baseline_s=baseline_s,
             is_warm=True,
         )
@@ -424,14 +434,19 @@ class ProcessSandbox(Sandbox):
         await warm.process.wait()
         if warm.cgroup is not None:
             await asyncio.to_thread(warm.cgroup.remove)
-        self._release(warm.uid, warm.program_dir)
+        await self._release(warm.uid, warm.program_dir)
 
-    def _release(self, uid: int, program_dir: Path | None = None) -> None:
-        if program_dir is not None:
-            shutil.rmtree(program_dir, ignore_errors=True)
-            if program_dir.parent in self._temp_warm_dirs and program_dir.parent != self._warm_dir:
-                self._remove_temp_warm_dir(program_dir.parent)
-        self._uids.release(uid)
+    async def _release(self, uid: int, program_dir: Path | None = None) -> None:
+        """Frees what a sandbox held once none of its processes is left: its uid, and a warm sandbox's
+        program directory, removed in a worker thread (it was a bind source of the sandbox's mount
+        namespace, whose teardown the removal can wait on)."""
+        try:
+            if program_dir is not None:
+                await asyncio.to_thread(shutil.rmtree, program_dir, ignore_errors=True)
+                if program_dir.parent in self._temp_warm_dirs and program_dir.parent != self._warm_dir:
+                    self._remove_temp_warm_dir(program_dir.parent)
+        finally:
+            self._uids.release(uid)
 
     def _remove_temp_warm_dir(self, directory: Path) -> None:
         with contextlib.suppress(OSError):
@@ -474,7 +489,7 @@ class ProcessHandle(SandboxHandle):
         spec: SandboxSpec,
         process: asyncio.subprocess.Process,
         cgroup: InstanceCgroup | None,
-        release: Callable[[], None],
+        release: Callable[[], Awaitable[None]],
         *,
         cpu_baseline_s: float = 0.0,
         is_warm: bool = False,
@@ -547,16 +562,18 @@ class ProcessHandle(SandboxHandle):
                     task.cancel()
             exit_code, signal = split_wait_status(status)
             cgroup = self._cgroup
+            # In a worker thread: cgroup reads wait on the kernel's cgroup locks in a burst of exits.
+            oom_kills, limit_hits, pids_refused, cpu_time_s = await asyncio.to_thread(self._exit_counters)
             facts = ExitFacts(
                 limits=self._limits,
                 exit_code=exit_code,
                 signal=signal,
                 kill_reason=self._kill_reason,
                 kill_message=self._kill_message,
-                memory_oom_kills=cgroup.memory_oom_kills() if cgroup else None,
-                memory_limit_hits=cgroup.memory_limit_hits() if cgroup else None,
-                pids_refused=cgroup.pids_refused() if cgroup else None,
-                cpu_time_s=self.cpu_time_s(),
+                memory_oom_kills=oom_kills,
+                memory_limit_hits=limit_hits,
+                pids_refused=pids_refused,
+                cpu_time_s=cpu_time_s,
                 stderr_tail=bytes(self._stderr_tail),
                 memory_mechanism="cgroup memory" if cgroup and "memory" in cgroup.dirs else "rlimit as",
                 pids_mechanism="cgroup pids" if cgroup and "pids" in cgroup.dirs else "rlimit nproc",
@@ -565,4 +582,11 @@ class ProcessHandle(SandboxHandle):
         finally:
             if self._cgroup is not None:
                 await asyncio.to_thread(self._cgroup.remove)
-            self._release()
+            await self._release()
+
+    def _exit_counters(self) -> tuple[int | None, int | None, int | None, float | None]:
+        """The cgroups' counts of OOM kills, refused memory charges and refused forks, and the CPU time."""
+        cgroup = self._cgroup
+        if cgroup is None:
+            return None, None, None, None
+        return cgroup.memory_oom_kills(), cgroup.memory_limit_hits(), cgroup.pids_refused(), self.cpu_time_s()

@@ -2,7 +2,8 @@
 
 The supervisor owns the limits the spawner itself enforces: wall time (a timer), output bytes
 (counted as output is read; the first byte past the limit kills the instance) and sandbox-wide CPU
-time where the backend can measure it (polled). It splits output into lines, replays what was
+time where the backend can measure it (polled, no sooner than the sandbox could have used up its
+budget on every core: see `_poll_cpu_time`). It splits output into lines, replays what was
 already said to late subscribers, reports one ExitInfo to every subscriber and exit callback, and
 always waits for the handle, which releases what the sandbox held (cgroups, uid, container).
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import inspect
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -108,6 +110,7 @@ class InstanceSupervisor:
         spec: SandboxSpec,
         *,
         cpu_poll_interval_s: float = 0.25,
+        max_cpu_parallelism: int = os.cpu_count() or 1,
         max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
         max_replay_bytes: int = DEFAULT_MAX_REPLAY_BYTES,
         refine_exit: ExitRefiner | None = None,
@@ -118,6 +121,7 @@ class InstanceSupervisor:
         self._count_output_bytes = count_output_bytes
         self._sandbox = sandbox
         self._cpu_poll_interval_s = cpu_poll_interval_s
+        self._max_cpu_parallelism = max(1, max_cpu_parallelism)  # CPU seconds a sandbox can use per second
         self._splitter = _LineSplitter(max_line_bytes)
         self._max_replay_bytes = max_replay_bytes
         self._history: collections.deque[InstanceEvent] = collections.deque()
@@ -296,11 +300,17 @@ class InstanceSupervisor:
 
     async def _poll_cpu_time(self, handle: SandboxHandle, cpu_time_s: float) -> None:
         # rlimit cpu stops each process at the limit; this catches a sandbox that shares the work
-        # among many processes, each under the limit, together over it.
+        # among many processes, each under the limit, together over it. A read costs the event loop a
+        # file read, and a burst of short instances used to make hundreds a second: since a sandbox
+        # uses at most `max_cpu_parallelism` CPU seconds per second, the next read waits until it could
+        # have gone over (at least the poll interval), so it kills no later than a read every interval.
+        used = handle.cpu_time_s() or 0.0
         while True:
-            await asyncio.sleep(self._cpu_poll_interval_s)
-            used = handle.cpu_time_s()
-            if used is not None and used > cpu_time_s + self._cpu_poll_interval_s:
+            room_s = cpu_time_s + self._cpu_poll_interval_s - used
+            await asyncio.sleep(max(self._cpu_poll_interval_s, room_s / self._max_cpu_parallelism))
+            measured = handle.cpu_time_s()
+            used = measured if measured is not None else used
+            if used > cpu_time_s + self._cpu_poll_interval_s:
                 await handle.kill(
                     ExitReason.CPU_TIME_LIMIT,
                     f"its processes used {used:.1f} s of CPU, over the limit of {cpu_time_s:g} s",

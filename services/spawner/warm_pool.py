@@ -6,6 +6,10 @@ Invariants:
 - `take` removes what it returns: an item is handed out at most once and never comes back;
 - one background task refills the pool until `size` items are ready, starting at most
   `max_concurrent_starts` at once (starts are CPU-bound: more than the cores only slows each);
+- no start begins while an item taken with `taking` is being handed over: a burst of launches is
+  served first, and the refill that follows does not compete with it (for the spawner's own CPU, and
+  for the kernel's cgroup lock that both a hand-over and a start take). Hand-overs are bounded in
+  time, and once the pool is empty launches start cold and hold nothing, so the refill always comes;
 - a start that fails is retried after a delay that doubles up to `max_retry_delay_s`, so a broken
   set-up costs a log line now and then, not a loop of failing starts. A slow start is not a failure:
   the pool sets no deadline, and the backend's own (see process_sandbox.py) does not count time a
@@ -24,7 +28,7 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -70,6 +74,9 @@ class WarmPool(Generic[T]):
         self._ready: collections.deque[T] = collections.deque()
         self._wanted = asyncio.Event()  # set when the pool may be short of `size`
         self._grew = asyncio.Event()  # set when an item became ready
+        self._num_handing_over = 0  # items taken with `taking` whose hand-over has not ended
+        self._no_hand_over = asyncio.Event()  # set while _num_handing_over is 0
+        self._no_hand_over.set()
         self._refill_task: asyncio.Task[None] | None = None
         self._destroying: set[asyncio.Task[None]] = set()
         self._is_closed = False
@@ -110,6 +117,23 @@ class WarmPool(Generic[T]):
         self._wanted.set()
         return item
 
+    @contextlib.contextmanager
+    def taking(self) -> Iterator[T | None]:
+        """`take`, holding refills back until the block ends: the caller hands the item over inside
+        it. Yields None when none is ready (nothing is held back then)."""
+        item = self.take()
+        if item is None:
+            yield None
+            return
+        self._num_handing_over += 1
+        self._no_hand_over.clear()
+        try:
+            yield item
+        finally:
+            self._num_handing_over -= 1
+            if not self._num_handing_over:
+                self._no_hand_over.set()
+
     async def wait_full(self) -> None:
         """Returns once `size` items are ready (bound it with a timeout: a broken set-up never fills)."""
         while len(self._ready) < self.size:
@@ -138,6 +162,9 @@ class WarmPool(Generic[T]):
             if num_missing <= 0:
                 self._wanted.clear()
                 await self._wait_wanted()
+                continue
+            if self._num_handing_over:
+                await self._no_hand_over.wait()
                 continue
             num_starts = min(num_missing, self._max_concurrent_starts)
             # return_exceptions: when cancelled, gather still waits for every start to clean up.

@@ -44,6 +44,12 @@ def test_launch_to_first_command_on_cold_and_warm_sandboxes(tmp_path: Path) -> N
         assert 0 < row["p50_ms"] <= row["p99_ms"] <= row["max_ms"]
     assert rows[("process", "sequential")]["num_warm"] == 0
     assert rows[("process-warm", "refilled")]["num_warm"] == 2
+    # A burst's cost to the spawner, by window; only the warm pool has a refill to wait for.
+    warm_burst = rows[("process-warm", "3 at once")]["burst"]
+    cold_burst = rows[("process", "3 at once")]["burst"]
+    for burst in (warm_burst, cold_burst):
+        assert burst["handover_s"] > 0 and burst["handover_cpu_ms"] > 0 and burst["run_exit_cpu_ms"] > 0
+    assert warm_burst["refill_s"] >= warm_burst["handover_s"] and cold_burst["refill_s"] == 0
 
 
 @pytest.mark.slow

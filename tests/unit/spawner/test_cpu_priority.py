@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
+import time
 
 import pytest
 
@@ -47,8 +49,28 @@ def test_the_tree_follows_every_generation(monkeypatch: pytest.MonkeyPatch) -> N
     # bwrap (10) -> its init (11) -> the zygote (12) and a child of it (13); 20 is someone else's.
     parents = {10: 1, 11: 10, 12: 11, 13: 12, 20: 1}
     monkeypatch.setattr(cpu_priority, "parent_pids", lambda: parents)
+    monkeypatch.setattr(cpu_priority, "has_children_files", lambda pid: False)  # the scan, on any kernel
     assert sandbox_tree(10) == {10, 11, 12, 13}
     assert sandbox_tree(12) == {12, 13}
+
+
+def test_the_walk_of_the_children_files_finds_what_the_scan_finds() -> None:
+    if not cpu_priority.has_children_files(os.getpid()):
+        pytest.skip("this kernel has no /proc children files (CONFIG_PROC_CHILDREN): sandbox_tree scans")
+    # A child, and a grandchild that outlives its parent's wait: both in the tree.
+    child = subprocess.Popen(["/bin/sh", "-c", "sleep 30 & wait"])
+    try:
+        deadline = time.monotonic() + 10.0
+        while len(cpu_priority.tree_from_parents(child.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        walked, scanned = sandbox_tree(child.pid), cpu_priority.tree_from_parents(child.pid)
+        assert walked == scanned and len(walked) == 2 and child.pid in walked
+        assert os.getpid() in sandbox_tree(os.getpid()) and child.pid in sandbox_tree(os.getpid())
+    finally:
+        for pid in cpu_priority.descendants(child.pid):
+            os.kill(pid, 9)
+        child.kill()
+        child.wait()
 
 
 def test_the_tree_of_a_process_that_ended_is_empty() -> None:

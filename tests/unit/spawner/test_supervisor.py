@@ -102,6 +102,61 @@ async def collect(supervisor: InstanceSupervisor) -> list[OutputEvent | ExitEven
     return [event async for event in supervisor.subscribe()]
 
 
+class BusyHandle(FakeHandle):
+    """Runs until killed, using `cores` CPU seconds per second of the loop's clock; counts the reads."""
+
+    def __init__(self, spec: SandboxSpec, cores: float) -> None:
+        super().__init__(spec, [], exit_code=None)
+        self._cores = cores
+        self._started_s = asyncio.get_running_loop().time()
+        self.num_cpu_reads = 0
+
+    def cpu_time_s(self) -> float | None:
+        self.num_cpu_reads += 1
+        return self._cores * (asyncio.get_running_loop().time() - self._started_s)
+
+
+class BusySandbox(FakeSandbox):
+    def __init__(self, cores: float) -> None:
+        super().__init__([], exit_code=None)
+        self._cores = cores
+
+    async def start(self, spec: SandboxSpec) -> SandboxHandle:
+        self.handles.append(BusyHandle(spec, self._cores))
+        return self.handles[-1]
+
+
+def test_a_sandbox_over_its_cpu_time_on_every_core_is_killed() -> None:
+    async def go() -> None:
+        sandbox = BusySandbox(cores=2.0)
+        supervisor = InstanceSupervisor(
+            sandbox, spec(cpu_time_s=0.2), cpu_poll_interval_s=0.01, max_cpu_parallelism=2
+        )
+        await supervisor.start()
+        info = await asyncio.wait_for(supervisor.wait(), 10.0)
+        assert info.reason is ExitReason.CPU_TIME_LIMIT, info
+        assert "over the limit of 0.2 s" in info.message
+        # A read every 10 ms would have taken ~10 reads to get there; the first waited for the budget.
+        assert sandbox.handles[0].num_cpu_reads <= 5
+
+    asyncio.run(go())
+
+
+def test_the_cpu_time_is_not_read_before_the_sandbox_could_have_used_its_budget() -> None:
+    async def go() -> None:
+        sandbox = BusySandbox(cores=0.0)
+        supervisor = InstanceSupervisor(
+            sandbox, spec(cpu_time_s=10.0), cpu_poll_interval_s=0.01, max_cpu_parallelism=1
+        )
+        await supervisor.start()
+        await asyncio.sleep(0.2)  # 20 intervals; 10 s of CPU takes one core 10 s
+        assert sandbox.handles[0].num_cpu_reads == 2  # the check that it has a CPU count, and the first
+        info = await supervisor.terminate()
+        assert info.reason is ExitReason.TERMINATED
+
+    asyncio.run(go())
+
+
 def test_output_is_split_into_lines_per_stream_and_ends_with_one_exit() -> None:
     async def go() -> None:
         sandbox = FakeSandbox([out(b"hel"), out(b"oops\n", OutputStream.STDERR), out(b"lo\nwor"), out(b"ld")])

@@ -128,6 +128,75 @@ def test_more_launches_than_the_pool_holds() -> None:
     run(go)
 
 
+def test_no_start_begins_until_every_hand_over_has_ended() -> None:
+    async def go() -> None:
+        backend = FakeBackend()
+        pool = make_pool(backend, size=2)
+        pool.open()
+        await pool.wait_full()
+        with pool.taking() as first:
+            assert first is not None
+            with pool.taking() as second:
+                assert second is not None and second is not first
+            for _ in range(50):  # the refill task runs many times meanwhile
+                await asyncio.sleep(0)
+            assert len(backend.started) == 2  # the first hand-over still holds the refill back
+            assert pool.stats().num_starting == 0
+        await pool.wait_full()
+        assert len(backend.started) == 4
+        await pool.close()
+
+    run(go)
+
+
+def test_a_failed_hand_over_lets_the_refill_go_on() -> None:
+    async def go() -> None:
+        backend = FakeBackend()
+        pool = make_pool(backend, size=1)
+        pool.open()
+        await pool.wait_full()
+        with pytest.raises(RuntimeError, match="hand-over failed"), pool.taking() as taken:
+            assert taken is not None
+            raise RuntimeError("hand-over failed")
+        await pool.wait_full()
+        assert len(backend.started) == 2
+        await pool.close()
+
+    run(go)
+
+
+def test_taking_from_an_empty_pool_holds_nothing_back() -> None:
+    async def go() -> None:
+        backend = FakeBackend(hold=asyncio.Event())
+        pool = make_pool(backend, size=2, max_concurrent_starts=1)
+        pool.open()
+        await until(lambda: backend.num_in_flight == 1)
+        with pool.taking() as taken:
+            assert taken is None  # the launch starts cold, and the pool goes on filling meanwhile
+            backend.hold.set()
+            await pool.wait_full()
+            assert len(backend.started) == 2
+        await pool.close()
+
+    run(go)
+
+
+def test_close_cancels_a_refill_held_back_by_a_hand_over() -> None:
+    async def go() -> None:
+        backend = FakeBackend()
+        pool = make_pool(backend, size=2)
+        pool.open()
+        await pool.wait_full()
+        with pool.taking() as taken:
+            assert taken is not None
+            await asyncio.sleep(0.01)
+            await pool.close()  # returns although the hand-over has not ended
+        assert len(backend.started) == 2
+        assert pool.stats().num_ready == 0
+
+    run(go)
+
+
 def test_dead_sandboxes_are_skipped_destroyed_and_replaced() -> None:
     async def go() -> None:
         backend = FakeBackend()
