@@ -117,13 +117,12 @@ async def run_all(addresses: dict[str, str], modes: list[str], scheduler_pid: in
 
 def write_tokenizer(state: Path) -> Path:
     """SmolLM2's tokenizer (the embedded model's GGUF) as a `tokenizers` JSON file, for the simulated executor."""
-    from gguf import GGUFReader
-
+    from l4m.executor.gguf_file import read_gguf
     from l4m.executor.tokenizer import tokenizer_from_gguf
     from l4m.executor.weights import default_model_path
 
     path = state / "tokenizer.json"
-    path.write_text(tokenizer_from_gguf(GGUFReader(str(default_model_path()))).to_json())
+    path.write_text(tokenizer_from_gguf(read_gguf(default_model_path()).fields).to_json())
     return path
 
 

@@ -12,6 +12,7 @@ turn (an instruct model often has several: Llama 3's `<|eot_id|>`, `<|eom_id|>` 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,12 +61,9 @@ def _merge_pair(merge: str) -> tuple[str, str]:
     return left, right
 
 
-def tokenizer_from_gguf(reader: object) -> TokenizerBundle:
-    """Byte-level BPE from `tokenizer.ggml.*` fields of an open `gguf.GGUFReader`."""
-    fields = reader.fields  # type: ignore[attr-defined]
-
-    def get(key: str, default: object = None) -> object:
-        return fields[key].contents() if key in fields else default
+def tokenizer_from_gguf(fields: Mapping[str, object]) -> TokenizerBundle:
+    """Byte-level BPE from the `tokenizer.ggml.*` metadata of a GGUF (`gguf_file.read_gguf(path).fields`)."""
+    get = fields.get
 
     kind = get("tokenizer.ggml.model")
     if kind != "gpt2":

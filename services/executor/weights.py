@@ -194,11 +194,6 @@ def _unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(out_features, *rest)
 
 
-def _field(reader: object, key: str, default: object = None) -> object:
-    field = reader.fields.get(key)  # type: ignore[attr-defined]
-    return default if field is None else field.contents()
-
-
 def load_gguf(path: Path) -> LoadedModel:
     """A GGUF of a supported architecture, every tensor dequantized to float32 (Q4_1 / Q8_0 also kept
     as blocks).
@@ -206,16 +201,18 @@ def load_gguf(path: Path) -> LoadedModel:
     llama.cpp's converter permutes the Q/K rows of `llama` models (llama.cpp rotates adjacent pairs);
     `qwen2` and `phi3` keep HF's rotate-half order (llama.cpp's NEOX RoPE), so only `llama` is undone.
     """
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(path))
-    arch = str(_field(reader, "general.architecture"))
-    values = {key: _field(reader, key) for key in reader.fields}
-    check_gguf_keys(arch, reader.fields, values)
+    from l4m.executor.gguf_file import read_gguf  # imports gguf-py, as the lines above: only GGUF loads pay
+
+    model_file = read_gguf(path)
+    fields = model_file.fields
+    arch = str(fields.get("general.architecture"))
+    check_gguf_keys(arch, fields, fields)
 
     def meta(key: str, default: object = None) -> object:
-        return _field(reader, f"{arch}.{key}", default)
+        return fields.get(f"{arch}.{key}", default)
 
     num_heads = int(meta("attention.head_count"))
     num_kv_heads = int(meta("attention.head_count_kv", num_heads))
@@ -229,7 +226,7 @@ def load_gguf(path: Path) -> LoadedModel:
     block_kinds = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}
     tensors: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedTensor] = {}
-    for tensor in reader.tensors:
+    for tensor in model_file.tensors:
         name = _hf_name(tensor.name)
         if arch == "phi3" and name.endswith("mlp.up_proj.weight"):
             name = name.replace("up_proj", "gate_up_proj")  # llama.cpp's phi3 ffn_up holds gate and up
@@ -248,13 +245,13 @@ def load_gguf(path: Path) -> LoadedModel:
         kind = block_kinds.get(tensor.tensor_type)
         if kind is not None and len(shape) == 2:
             quantized[name] = from_gguf_blocks(kind, tensor.data, shape[0]).rows(rows)
-    tokenizer = tokenizer_from_gguf(reader)
+    tokenizer = tokenizer_from_gguf(fields)
     vocab_size = int(meta("vocab_size", tensors["model.embed_tokens.weight"].shape[0]))
     theta = float(meta("rope.freq_base", 10000.0))
     if "rope_freq_factors" not in tensors and meta("rope.scaling.type") == "linear":
         tensors["rope_freq_factors"] = torch.full((head_dim // 2,), float(meta("rope.scaling.factor")))
     config = ModelConfig(
-        name=str(_field(reader, "general.name", path.stem)),
+        name=str(fields.get("general.name", path.stem)),
         num_layers=int(meta("block_count")),
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),

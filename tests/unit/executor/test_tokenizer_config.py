@@ -12,6 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 from l4m.executor.convert import info_to_pb
+from l4m.executor.gguf_file import read_gguf
 from l4m.executor.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
 from l4m.executor.weights import LoadedModel
 
@@ -92,7 +93,7 @@ def test_a_gguf_with_end_of_turn_and_end_of_message_ids(tmp_path: Path) -> None:
     writer.write_tensors_to_file()
     writer.close()
 
-    bundle = tokenizer_from_gguf(gguf.GGUFReader(tmp_path / "tiny.gguf"))
+    bundle = tokenizer_from_gguf(read_gguf(tmp_path / "tiny.gguf").fields)
     assert bundle.chat_template == TEMPLATE
     assert bundle.chat_template_variables() == {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
     assert bundle.eos_token_ids == (1, 2, 3)

