@@ -25,8 +25,13 @@ SANDBOX_SOCKET_DIR = "/run/l4m"
 SANDBOX_PROGRAM_DIR = "/opt/l4m/program"
 SANDBOX_SDK_DIR = "/opt/l4m/python"
 # Numeric libraries start one thread per host core at import; in a sandbox those count against the
-# process limit (and the CPU share is one core anyway), so they get one.
-SANDBOX_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# process limit (and the CPU share is one core anyway), so they get one. glibc gives threads malloc arenas
+# of their own, up to 8 per core, each reserving 64 MiB of address space: where the memory limit is
+# RLIMIT_AS (no memory cgroup, e.g. a cgroup v2 host), a controller whose gRPC threads multiply under load
+# ran out of address space starting one (pthread_create: EAGAIN, then SIGABRT; 6-13 of a burst of 64
+# warm launches on 2 cores, none with two arenas), so they get two.
+SANDBOX_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                      "MALLOC_ARENA_MAX": "2"}
 
 
 @dataclass(frozen=True)
@@ -236,6 +241,8 @@ def derive_exit_info(facts: ExitFacts) -> ExitInfo:
     if failed and _has_marker(facts.stderr_tail, _MEMORY_MARKERS):
         return _memory_refused(facts, status)
     if failed and _has_marker(facts.stderr_tail, _PROCESS_MARKERS):
+        if facts.memory_mechanism == "rlimit as" and facts.pids_mechanism == "rlimit nproc":
+            return _process_or_address_space_refused(facts, status)
         return _processes_refused(facts, status)
     if code == 0 and sig is None:
         return ExitInfo(ExitReason.EXITED, status, code, sig)
@@ -276,6 +283,20 @@ def _processes_refused(facts: ExitFacts, status: str) -> ExitInfo:
         facts.exit_code,
         facts.signal,
         facts.pids_mechanism,
+    )
+
+
+def _process_or_address_space_refused(facts: ExitFacts, status: str) -> ExitInfo:
+    """EAGAIN from fork or a thread start under rlimits alone: RLIMIT_NPROC refuses a task, and RLIMIT_AS
+    refuses a thread's stack the same way; no counter says which."""
+    return ExitInfo(
+        ExitReason.PROCESS_LIMIT,
+        f"creating a process or thread was refused ({status}): at the limit of {facts.limits.max_processes} "
+        f"processes, or for address space under the memory limit of {facts.limits.memory_bytes} bytes (a "
+        "thread's stack needs some); without cgroups nothing counts which",
+        facts.exit_code,
+        facts.signal,
+        f"{facts.pids_mechanism} or {facts.memory_mechanism}",
     )
 
 

@@ -100,6 +100,27 @@ def test_without_counters_stderr_symptoms_name_the_limit() -> None:
     assert (processes.reason, processes.enforced_by) == (ExitReason.PROCESS_LIMIT, "rlimit nproc")
 
 
+def test_a_refused_thread_under_rlimits_alone_names_both_limits_that_could_refuse_it() -> None:
+    """No cgroup counts: EAGAIN from a thread start is RLIMIT_NPROC's or RLIMIT_AS's (the stack's mapping),
+    and the report says it cannot tell (a burst of launches without cgroups hit the second)."""
+    abort = b"E1126 thd.cc:157] pthread_create failed: Resource temporarily unavailable\n"
+    info = derive_exit_info(facts(signal=6, stderr_tail=abort, pids_mechanism="rlimit nproc",
+                                  memory_mechanism="rlimit as"))
+    assert (info.reason, info.enforced_by) == (ExitReason.PROCESS_LIMIT, "rlimit nproc or rlimit as")
+    assert f"limit of {LIMITS.max_processes} processes" in info.message
+    assert f"memory limit of {LIMITS.memory_bytes} bytes" in info.message
+    counted = derive_exit_info(facts(signal=6, stderr_tail=abort, pids_mechanism="rlimit nproc"))
+    assert counted.enforced_by == "rlimit nproc"  # a memory cgroup: RLIMIT_AS is not set, so it was the count
+
+
+def test_sandboxes_keep_glibcs_malloc_arenas_few() -> None:
+    """Each arena reserves 64 MiB of address space, which RLIMIT_AS counts; and glibc reads the variable at
+    start, so a launch that sets it cannot take a warm sandbox."""
+    from l4m.spawner.process_command import base_sandbox_env
+
+    assert base_sandbox_env()["MALLOC_ARENA_MAX"] == "2"
+
+
 def test_symptoms_in_stderr_of_a_clean_exit_are_ignored() -> None:
     assert derive_exit_info(facts(exit_code=0, stderr_tail=b"MemoryError\n")).reason is ExitReason.EXITED
 
