@@ -89,6 +89,10 @@ class DurationHistogram:
             buckets.append((bound, total))
         return buckets
 
+    def family(self, name: str, documentation: str) -> HistogramMetricFamily:
+        """An unlabelled HistogramMetricFamily of this histogram, for a collector at scrape time."""
+        return HistogramMetricFamily(name, documentation, buckets=self.cumulative_buckets(), sum_value=self.sum_s)
+
 
 class DurationsByKind(dict[str, DurationHistogram]):
     """`DurationHistogram`s by a label value (a command kind), created on first observation; one writer

@@ -205,13 +205,14 @@ _GGUF_KEYS = frozenset({
 })
 
 
-def check_gguf_keys(arch: str, keys: Iterable[str], values: Mapping[str, object]) -> None:
-    """Refuses a GGUF whose architecture or `<arch>.*` metadata the executor does not implement."""
+def check_gguf_keys(arch: str, values: Mapping[str, object]) -> None:
+    """Refuses a GGUF whose architecture or `<arch>.*` metadata (`values`: key -> value) the executor does
+    not implement."""
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModel(f"GGUF architecture {arch!r} is not implemented; supported: "
                                f"{', '.join(GGUF_ARCHITECTURES)}")
     prefix = arch + "."
-    for key in sorted(keys):
+    for key in sorted(values):
         if key.startswith(prefix) and key[len(prefix):] not in _GGUF_KEYS:
             if key.endswith(".expert_count") and not values.get(key):
                 continue  # an explicit "no experts"

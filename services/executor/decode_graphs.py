@@ -302,6 +302,14 @@ class StaticDecoder:
             step = self._steps[key] = _Step(self, *key)
         return step
 
+    def _loop(self, key: tuple[int, int], step: _Step, max_steps: int) -> _Loop:
+        """`step`'s continuation loop, made (and on CUDA captured) the first time it is needed."""
+        if step.loop is None:
+            step.loop = _Loop(step, max_steps)
+            if self.graphs:
+                self._timed_capture("continuation", key, step.loop.capture)
+        return step.loop
+
     def _timed_capture(self, what: str, key: tuple[int, int], capture) -> None:
         started = time.perf_counter()
         capture(self._pool)
@@ -320,9 +328,7 @@ class StaticDecoder:
             step = self._step(key)
             if step.graph is None:
                 self._timed_capture("decode", key, step.capture)
-            if step.loop is None:
-                step.loop = _Loop(step, max_steps)
-                self._timed_capture("continuation", key, step.loop.capture)
+            self._loop(key, step, max_steps)
         return self.num_graphs - before, self.capture_seconds - seconds_before
 
     def bucket(self, layouts: Sequence[ItemLayout]) -> tuple[int, int] | None:
@@ -369,11 +375,7 @@ class StaticDecoder:
         if key is None:
             raise ValueError(f"a decode batch of {len(layouts)} items is bigger than every bucket")
         step = self._step(key)
-        if step.loop is None:
-            step.loop = _Loop(step, max_steps)
-            if self.graphs:
-                self._timed_capture("continuation", key, step.loop.capture)
-        loop = step.loop
+        loop = self._loop(key, step, max_steps)
         n = len(layouts)
         step.load(layouts, None, torch.tensor(list(positions)))
         loop.tokens[:n].copy_(torch.tensor(list(tokens)))

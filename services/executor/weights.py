@@ -209,7 +209,7 @@ def load_gguf(path: Path) -> LoadedModel:
     model_file = read_gguf(path)
     fields = model_file.fields
     arch = str(fields.get("general.architecture"))
-    check_gguf_keys(arch, fields, fields)
+    check_gguf_keys(arch, fields)
 
     def meta(key: str, default: object = None) -> object:
         return fields.get(f"{arch}.{key}", default)

@@ -199,10 +199,11 @@ def _check_export_quota(view: SchedulerView, user: str, executor: Executor, phys
         )
 
 
-def _find_export(exports: ExportTable, instance: Instance, name: str) -> Export:
-    """The export `name` as the instance sees it; another user's private export is 'no export'."""
+def _find_export(exports: ExportTable, instance: Instance, name: str, missing_ok: bool = False) -> Export | None:
+    """The export `name` as the instance sees it; another user's private export is 'no export': None
+    with `missing_ok`, else a trap."""
     export = exports.find(name, instance.user, instance.is_admin, _model_name(instance))
-    if export is None:
+    if export is None and not missing_ok:
         raise InvalidCommand(f"no export is named {name!r}")
     return export
 
@@ -211,10 +212,9 @@ def run_unexport(view: SchedulerView, command: Command, item: l4m_pb2.UnexportKv
     """Only the export's user or an admin may unexport it. With `missing_ok`, a name that finds nothing
     (an export evicted before) does nothing."""
     instance: Instance = command.stream.instance
-    if item.missing_ok and view.exports.find(item.name, instance.user, instance.is_admin,
-                                             _model_name(instance)) is None:
+    export = _find_export(view.exports, instance, item.name, item.missing_ok)
+    if export is None:
         return DONE
-    export = _find_export(view.exports, instance, item.name)
     if export.owner_user != instance.user and not instance.is_admin:
         raise PermissionDenied(f"export {export.name!r} belongs to another user; only its user or an admin "
                                f"may unexport it")
@@ -225,10 +225,9 @@ def run_import(view: SchedulerView, command: Command, item: l4m_pb2.ImportKvPage
     """Maps the export's pages into the instance (binding it to the export's executor if unbound). With
     `missing_ok`, a name that finds nothing answers `is_missing` instead of trapping (an evicted export)."""
     instance: Instance = command.stream.instance
-    if item.missing_ok and view.exports.find(item.name, instance.user, instance.is_admin,
-                                             _model_name(instance)) is None:
+    export = _find_export(view.exports, instance, item.name, item.missing_ok)
+    if export is None:
         return LocalOutcome(reply={"import_kv_pages": l4m_pb2.ImportKvPagesResult(is_missing=True)})
-    export = _find_export(view.exports, instance, item.name)
     if len(item.kv_page_ids) != len(export.physical_page_ids):
         raise InvalidCommand(
             f"export {item.name!r} has {len(export.physical_page_ids)} pages; kv_page_ids lists {len(item.kv_page_ids)}"

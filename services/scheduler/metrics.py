@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from l4m.common.metrics import DurationHistogram, DurationsByKind
@@ -51,10 +51,8 @@ class _HistogramCollector(Collector):
     def __init__(self, name: str, documentation: str, histogram: DurationHistogram) -> None:
         self.name, self.documentation, self.histogram = name, documentation, histogram
 
-    def collect(self) -> Iterator[HistogramMetricFamily]:
-        histogram = self.histogram
-        yield HistogramMetricFamily(self.name, self.documentation, buckets=histogram.cumulative_buckets(),
-                                    sum_value=histogram.sum_s)
+    def collect(self) -> Iterator[Metric]:
+        yield self.histogram.family(self.name, self.documentation)
 
 
 class _Count(Collector):
