@@ -10,6 +10,8 @@
 #                                  # captured at the executor's start), the executor's capture lines
 #   scripts/gpu-check.sh e2e       # the engine tests, the executor alone (bf16), then bench/e2e.py: the whole
 #                                  # stack (spawner, bubblewrap sandboxes, controllers) with the executor on cuda:0
+#   scripts/gpu-check.sh cgroups   # the spawner's cgroup v2 path (these machines have no v1): cgroup, cleanup,
+#                                  # escape and warm-pool idleness tests, with bubblewrap (.gpubin)
 #   scripts/gpu-check.sh pieces    # (here, not there) the default model cut into .gpua/ and .gpub/
 #   scripts/gpu-check.sh wheels    # (here) .whl/: what the lent machine's Python 3.12 lacks, at our pins;
 #                                  # .whlx/ and .whly/: what the stack needs, installed only where missing
@@ -96,6 +98,18 @@ if [ "$what" != kernels ] && [ "$what" != setup ] && ! "$python" -c 'import llm_
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 [ "$what" = setup ] && exit 0
+if [ "$what" = cgroups ]; then
+  # The lent machines are cgroup v2 only: the spawner's groups there, checked by its cgroup, cleanup,
+  # escape (bubblewrap) and warm-pool idleness tests. The sandboxes need a bwrap for the machine (.gpubin).
+  [ -x .gpubin/bwrap ] && export PATH="$root/.gpubin:$PATH"
+  echo "cgroup $(cat /proc/self/cgroup); v2 controllers: $(cat /sys/fs/cgroup/cgroup.controllers 2>&1)" | tee "$out/cgroups.log"
+  idle=test_a_warm_sandbox_waits_at_idle_priority_and_its_launch_runs_at_normal_priority_in_its_cpu_group
+  "$python" -m pytest -q -p no:cacheprovider -k "not docker" tests/unit/spawner/test_cgroups.py \
+    tests/integration/spawner/test_cgroup_limits.py tests/integration/spawner/test_cleanup.py \
+    tests/integration/spawner/test_escape.py "tests/integration/spawner/test_warm_pool.py::$idle" \
+    2>&1 | tail -30 | tee -a "$out/cgroups.log"
+  exit "${PIPESTATUS[0]}"
+fi
 "$python" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))'
 
 export L4M_TEST_DEVICE=cuda:0 TQDM_DISABLE=1

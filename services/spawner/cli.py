@@ -268,6 +268,13 @@ async def serve(config: SpawnerConfig, metrics: MetricsEndpoint = METRICS_OFF) -
             f"scheduler {config.scheduler_registry_address or 'none'})",
             flush=True,
         )
+        # What enforces the limits here: cgroups v1 or v2, or only rlimits (cgroups.py).
+        enforced = server.manager.sandbox.enforcement()
+        print(
+            f"l4m spawner limits: memory by {enforced['memory_bytes']}; processes by "
+            f"{enforced['max_processes']}; cpu cores by {enforced['cpu_cores']}",
+            flush=True,
+        )
 
     async def stop() -> None:
         logging.getLogger(__name__).info("stopping: ending every instance")

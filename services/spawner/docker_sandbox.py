@@ -192,7 +192,9 @@ class DockerHandle(SandboxHandle):
         self.instance_id = spec.instance_id
         self._limits = spec.limits
         self._container = container
+        # The engine's group for the container (its cgroupfs driver): v1, else v2 (cpu.stat's usage_usec).
         self._cpuacct_usage = cgroup_root / "cpuacct" / "docker" / container.id / "cpuacct.usage"
+        self._cpu_stat = cgroup_root / "docker" / container.id / "cpu.stat"
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[OutputChunk | None] = asyncio.Queue()
         self._stderr_tail = bytearray()
@@ -242,10 +244,12 @@ class DockerHandle(SandboxHandle):
         return self._container.status == "running"
 
     def cpu_time_s(self) -> float | None:
-        try:
+        with contextlib.suppress(OSError, ValueError):
             return int(self._cpuacct_usage.read_text()) / 1e9
-        except (OSError, ValueError):
-            return None
+        with contextlib.suppress(OSError, ValueError, StopIteration):
+            lines = self._cpu_stat.read_text().splitlines()
+            return int(next(line.split()[1] for line in lines if line.startswith("usage_usec "))) / 1e6
+        return None
 
     async def kill(self, reason: ExitReason, message: str) -> None:
         if self._kill_reason is None and (self._exit is None or not self._exit.done()):

@@ -197,20 +197,33 @@ class ProcessSandbox(Sandbox):
     def cgroup_controllers(self) -> tuple[str, ...]:
         return tuple(self._cgroups.available) if self._cgroups else ()
 
+    @property
+    def cgroup_parents(self) -> dict[str, Path]:
+        """Controller -> the directory its instance groups are made in (one for all on cgroup v2)."""
+        return dict(self._cgroups.available) if self._cgroups else {}
+
     def enforcement(self) -> dict[str, str]:
         controllers = self.cgroup_controllers
+
+        def cgroup(controller: str, v1: str, v2: str) -> str:
+            return v2 if self._cgroups is not None and self._cgroups.is_v2(controller) else v1
+
+        cpu_time = cgroup("cpuacct", "cgroup cpuacct", "cgroup v2 cpu.stat")
+        pids = cgroup("pids", "cgroup pids", "cgroup v2 pids.max")
         return {
             "wall_time_s": "spawner timer",
             "cpu_time_s": "rlimit cpu (per process: SIGXCPU, then SIGKILL)"
-            + (" + cgroup cpuacct polled by the spawner (whole sandbox)" if "cpuacct" in controllers else ""),
-            "memory_bytes": "cgroup memory (OOM kill)"
+            + (f" + {cpu_time} polled by the spawner (whole sandbox)" if "cpuacct" in controllers else ""),
+            "memory_bytes": cgroup("memory", "cgroup memory (OOM kill)", "cgroup v2 memory.max (OOM kill)")
             if "memory" in controllers
             else "rlimit as (MemoryError)",
-            "max_processes": ("cgroup pids + " if "pids" in controllers else "")
+            "max_processes": (f"{pids} + " if "pids" in controllers else "")
             + "rlimit nproc (per-instance uid)",
             "max_open_files": "rlimit nofile",
             "max_output_bytes": "spawner pipe counter",
-            "cpu_cores": "cgroup cpu cfs quota" if "cpu" in controllers else "not enforced",
+            "cpu_cores": cgroup("cpu", "cgroup cpu cfs quota", "cgroup v2 cpu.max")
+            if "cpu" in controllers
+            else "not enforced",
             "tmp_bytes": "tmpfs size + rlimit fsize",
             "network": "bwrap --unshare-net (no interfaces but lo)",
             "syscalls": "seccomp filter (bwrap --seccomp: no namespaces, mount, ptrace, bpf, keyctl...) "
@@ -317,7 +330,7 @@ class ProcessSandbox(Sandbox):
         try:
             program_dir.mkdir(mode=0o755)
             if self._cgroups is not None:
-                cgroup = self._cgroups.create(name, self.config.warm_max_limits)
+                cgroup = self._cgroups.create(name, self.config.warm_max_limits, idle=True)
             idle_cpu_group = self._cgroups.idle_cpu_group if self._cgroups is not None else None
             procs = warm_cgroup_joins(cgroup, idle_cpu_group)
             has_memory = cgroup is not None and "memory" in cgroup.dirs

@@ -27,9 +27,9 @@ SANDBOX_SDK_DIR = "/opt/l4m/python"
 # Numeric libraries start one thread per host core at import; in a sandbox those count against the
 # process limit (and the CPU share is one core anyway), so they get one. glibc gives threads malloc arenas
 # of their own, up to 8 per core, each reserving 64 MiB of address space: where the memory limit is
-# RLIMIT_AS (no memory cgroup, e.g. a cgroup v2 host), a controller whose gRPC threads multiply under load
-# ran out of address space starting one (pthread_create: EAGAIN, then SIGABRT; 6-13 of a burst of 64
-# warm launches on 2 cores, none with two arenas), so they get two.
+# RLIMIT_AS (no writable memory cgroup, e.g. in a Kubernetes pod), a controller whose gRPC threads
+# multiply under load ran out of address space starting one (pthread_create: EAGAIN, then SIGABRT;
+# 6-13 of a burst of 64 warm launches on 2 cores, none with two arenas), so they get two.
 SANDBOX_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                       "MALLOC_ARENA_MAX": "2"}
 

@@ -27,9 +27,12 @@ from l4m.spawner.supervisor import ExitEvent, InstanceSupervisor
 from tests.integration.spawner.harness import run_with, serves_warm
 
 MiB = 1024 * 1024
+# Time limits are stretched where the machine is emulated (scripts/cgroup-v2-vm.sh without KVM sets it):
+# an import that takes 0.3 s of CPU here takes seconds there.
+SLOWDOWN = float(os.environ.get("L4M_TEST_SLOWDOWN", "1"))
 HOSTILE_LIMITS = Limits(
-    wall_time_s=60.0,
-    cpu_time_s=2.0,
+    wall_time_s=60.0 * SLOWDOWN,
+    cpu_time_s=2.0 * SLOWDOWN,
     memory_bytes=256 * MiB,
     max_processes=64,
     max_open_files=64,

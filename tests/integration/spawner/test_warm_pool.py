@@ -304,21 +304,28 @@ def test_a_warm_sandbox_waits_at_idle_priority_and_its_launch_runs_at_normal_pri
     warm_process_sandbox: ProcessSandbox, store: ProgramStore
 ) -> None:
     spawner_id = warm_process_sandbox.config.spawner_id
-    if not {"pids", "cpu"} <= set(warm_process_sandbox.cgroup_controllers):
+    parents = warm_process_sandbox.cgroup_parents
+    if not {"pids", "cpu"} <= set(parents):
         pytest.fail("this test finds warm sandboxes through the pids cgroup and needs the cpu one")
-    pids_groups = CGROUP_ROOT / "pids" / "l4m" / spawner_id
-    cpu_groups = CGROUP_ROOT / "cpu" / "l4m" / spawner_id
+    pids_groups, cpu_groups = parents["pids"], parents["cpu"]
+    # v1: a warm sandbox waits in the spawner's idle cpu group; v2: in its own group, set idle.
+    on_v2 = (cpu_groups / "cgroup.controllers").exists()
     idle_group = CGROUP_ROOT / "cpu" / "l4m-idle" / spawner_id
     normal = (os.SCHED_OTHER, os.getpriority(os.PRIO_PROCESS, 0))  # what a cold start inherits
+
+    def is_idle(name: str) -> bool:
+        if on_v2:
+            return (cpu_groups / name / "cpu.idle").read_text().strip() == "1"
+        return bool(group_pids(pids_groups / name)) and group_pids(pids_groups / name) <= group_pids(idle_group)
 
     async def go() -> Run:
         waiting = {group.name: group_pids(group) for group in warm_cgroups(spawner_id)}
         for name, pids in waiting.items():
-            # bwrap, bwrap's init and the zygote: all idle, in the idle cpu group, none in its own.
+            # bwrap, bwrap's init and the zygote: all idle, in an idle cpu group (v1: none in its own).
             assert len(pids) >= 3, (name, pids)
             assert thread_schedules(pids) == {(os.SCHED_IDLE, normal[1])}, name
-            assert pids <= group_pids(idle_group), name
-            assert group_pids(cpu_groups / name) == set(), name
+            assert is_idle(name), name
+            assert on_v2 or group_pids(cpu_groups / name) == set(), name
         supervisor = start(warm_process_sandbox, store, PRIORITY_PROBE)
         await supervisor.start()
         try:
@@ -326,11 +333,11 @@ def test_a_warm_sandbox_waits_at_idle_priority_and_its_launch_runs_at_normal_pri
                 assert not isinstance(event, ExitEvent), event
                 if b"sees-cgroupfs" in event.data:
                     break
-            launched = [name for name in waiting if group_pids(cpu_groups / name)]
+            launched = [name for name in waiting if not is_idle(name) and group_pids(cpu_groups / name)]
             assert len(launched) == 1, launched
             pids = group_pids(pids_groups / launched[0])
             assert group_pids(cpu_groups / launched[0]) == pids
-            assert not pids & group_pids(idle_group)
+            assert on_v2 or not pids & group_pids(idle_group)
             # Every thread of the launch, the program's own included, runs as a cold start would.
             assert thread_schedules(pids) == {normal}
         finally:
@@ -391,17 +398,26 @@ print("traceparent", os.environ.get("TRACEPARENT", ""))
 """
 
 
+def pids_parent(spawner_id: str) -> Path:
+    """Where this spawner id's groups with the pids controller are: in v1's pids hierarchy where it is
+    mounted (the spawner prefers it), else in the v2 one."""
+    if (CGROUP_ROOT / "pids" / "cgroup.procs").exists():
+        return CGROUP_ROOT / "pids" / "l4m" / spawner_id
+    v2_root = CGROUP_ROOT if (CGROUP_ROOT / "cgroup.controllers").exists() else CGROUP_ROOT / "unified"
+    return v2_root / "l4m" / spawner_id
+
+
 def warm_pids(spawner_id: str) -> set[int]:
     """Host pids of every process in this spawner id's warm sandboxes (from their pids cgroups)."""
     pids: set[int] = set()
-    for procs in (CGROUP_ROOT / "pids" / "l4m" / spawner_id).glob("warm-*/cgroup.procs"):
+    for procs in pids_parent(spawner_id).glob("warm-*/cgroup.procs"):
         with contextlib.suppress(OSError):
             pids.update(int(line) for line in procs.read_text().split())
     return pids
 
 
 def warm_cgroups(spawner_id: str) -> list[Path]:
-    return sorted((CGROUP_ROOT / "pids" / "l4m" / spawner_id).glob("warm-*"))
+    return sorted(pids_parent(spawner_id).glob("warm-*"))
 
 
 def is_alive(pid: int) -> bool:
@@ -414,8 +430,6 @@ def is_alive(pid: int) -> bool:
 
 @pytest.fixture
 def server_sandbox(spawner_id: str, tmp_path: Path) -> Iterator[ProcessSandbox]:
-    if not (CGROUP_ROOT / "pids" / "cgroup.procs").exists():
-        pytest.fail("these tests find warm sandboxes through the pids cgroup, which this machine lacks")
     config = ProcessSandboxConfig(
         spawner_id=f"{spawner_id}-srv-{uuid.uuid4().hex[:6]}",
         uid_base=125_000,
@@ -423,6 +437,8 @@ def server_sandbox(spawner_id: str, tmp_path: Path) -> Iterator[ProcessSandbox]:
         warm_socket_dir=tmp_path / "sockets",
     )
     sandbox = ProcessSandbox(config)
+    if sandbox.cgroup_parents.get("pids") != pids_parent(config.spawner_id):
+        pytest.fail("these tests find warm sandboxes through the pids cgroup, which this machine lacks")
     yield sandbox
     sandbox.remove_cgroup_parents()
 
@@ -505,7 +521,7 @@ def test_a_spawner_process_that_ends_leaves_no_warm_sandbox_running(
     if stop_signal == signal.SIGTERM:
         assert warm_cgroups(spawner_id) == [], log_path.read_text()[-4000:]
         assert list((state_dir / "warm").iterdir()) == [], log_path.read_text()[-4000:]
-        assert not (CGROUP_ROOT / "pids" / "l4m" / spawner_id).exists()  # its parent group too
+        assert not pids_parent(spawner_id).exists()  # its parent group too
         return
     # A crash leaves the warm sandboxes' cgroups and directories: the next start removes them as orphans.
     assert len(warm_cgroups(spawner_id)) == 2
