@@ -8,8 +8,8 @@ resident (RSS) memory per sandbox, and the total for many idle controllers.
 
 The cluster is laid out as `l4m up` lays it out: a scheduler (on a simulated executor: no model) serving
 L4M sessions as frames on `scheduler.frames.sock` in the sandbox socket directory and the spawner
-(`create_server`, in this process, as bench/spawner.py runs it) telling controllers to use it, user
-messages over the spawner's runtime socket. Each launch runs `IDLE_CONTROLLER` through the SDK's
+(`create_server`, in this process, as bench/spawner.py runs it) telling controllers to use it, runtime
+calls (user messages, the receive) as frames on the spawner's runtime.frames.sock. Each launch runs `IDLE_CONTROLLER` through the SDK's
 runner (`python -m l4m.controller`): it opens its session, loads the model (GetInfo), prints one line
 and waits on `ctx.receive()`, an agent waiting on a tool. Once every controller has printed its line
 and `--settle-s` has passed, the benchmark reads /proc/PID/smaps_rollup of every process of every
@@ -75,11 +75,12 @@ TARGET_USS_MIB = 15.0
 IDLE_TIMEOUT_S = 120.0
 MiB = 1024 * 1024
 KiB = 1024
-# The runner's imports, in the order a controller meets them, then what a warm sandbox adds.
+# The runner's imports, in the order a controller meets them, then what a warm sandbox adds, then grpc
+# (which only a program that opens a gRPC channel imports: the runner does not).
 IMPORT_STEPS = (
-    "asyncio", "grpc", "google.protobuf.message", "l4m.v1.l4m_pb2", "l4m.v1.spawner_pb2_grpc", "l4m.session",
-    "l4m.framed", "l4m.runtime", "l4m.model", "l4m.context", "l4m.instance", "l4m.controller", "uvloop",
-    "numpy", "l4m.wire.brle", "l4m.constraint", "l4m.search", "l4m.drafter", "tokenizers", "llguidance",
+    "asyncio", "google.protobuf.message", "l4m.v1.l4m_pb2", "l4m.v1.spawner_pb2", "l4m.session", "l4m.framed",
+    "l4m.runtime", "l4m.model", "l4m.context", "l4m.instance", "l4m.controller", "uvloop",
+    "numpy", "l4m.wire.brle", "l4m.constraint", "l4m.search", "l4m.drafter", "tokenizers", "llguidance", "grpc",
 )  # fmt: skip
 
 

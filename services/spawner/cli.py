@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--runtime-framed-socket-name",
         default=defaults.runtime_framed_socket_name,
-        help="the socket in --socket-dir on which controllers send their user messages as frames "
+        help="the socket in --socket-dir on which controllers make their runtime calls as frames "
         f"(default {defaults.runtime_framed_socket_name}; empty: not served, they use RuntimeService on gRPC)",
     )
     add("--state-dir", type=Path, default=_default_state_dir(), help="programs are stored under it")

@@ -27,8 +27,9 @@ class SpawnerConfig:
     # speak L4M over it (`framed:` addresses, ~4x less CPU per message than gRPC); empty: over gRPC.
     scheduler_framed_socket_name: str = ""
     runtime_socket_name: str = "runtime.sock"
-    # Where controllers send their user messages as frames (spawner.proto, "SendToUser over frames"), in
-    # socket_dir beside the runtime socket; empty: not served, messages go over RuntimeService on gRPC.
+    # Where controllers make their runtime calls (user messages, user input, variables, children) as frames
+    # (spawner.proto, "SendToUser over frames"), in socket_dir beside the runtime socket; empty: not served,
+    # they go over RuntimeService on gRPC.
     runtime_framed_socket_name: str = "runtime.frames.sock"
     max_program_bytes: int = 4 * MiB  # per upload; see validate_upload.py for what compiling costs
     # Uploads are validated in child processes, each under this address-space limit and wall time,

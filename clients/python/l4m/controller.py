@@ -5,8 +5,8 @@ PROGRAM is a `.py` file or a zip with `__main__.py` defining `async def main(ctx
 
   L4M_SCHEDULER_ADDR   the scheduler (`unix:///run/l4m/scheduler.sock` or `host:port`), required
   L4M_RUNTIME_ADDR     the spawner's RuntimeService; unset = local development (stdout/stdin)
-  L4M_RUNTIME_FRAMED_ADDR  where `ctx.send` sends its messages as frames (`framed:///run/l4m/...`); unset:
-                       over RuntimeService
+  L4M_RUNTIME_FRAMED_ADDR  where the runtime calls go as frames (`framed:///run/l4m/...`), all but
+                       `ctx.vars.watch`; unset: over RuntimeService on gRPC
   L4M_INSTANCE_TOKEN   the instance's token (absent with an anonymous scheduler)
   L4M_INSTANCE_ID      the instance's id
   L4M_MODEL            the model its session serves, by name (`l4m run --model`); unset = the default
@@ -67,7 +67,7 @@ class ControllerConfig:
     instance_token: str | None
     instance_id: str
     traceparent: str | None
-    runtime_framed_address: str | None = None  # user messages as frames (L4M_RUNTIME_FRAMED_ADDR)
+    runtime_framed_address: str | None = None  # runtime calls as frames (L4M_RUNTIME_FRAMED_ADDR)
     model: str = ""  # the model the session serves (L4M_MODEL); "" = the scheduler's default
 
     @classmethod

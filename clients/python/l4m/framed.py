@@ -4,7 +4,9 @@ sessions over length-prefixed frames").
 `FramedStub` has the two methods `Session` needs of an `L4MServiceStub` (`GetInfo`, `Session`), and
 `FramedCall` the grpc.aio stream-call interface (`initial_metadata`, `write`, `read`, `done_writing`,
 `cancel`) plus a direct one without tasks (`attach`, `send_nowait`) that `Session` uses; a refusal or a
-trap's status is a `grpc.aio.AioRpcError` carrying the status the scheduler sent, as on gRPC.
+trap's status is a `l4m.wire.status.StatusError` carrying the status the scheduler sent (`code()`,
+`details()`, as grpc's AioRpcError), and the end of a stream `l4m.wire.status.EOF`: nothing here imports
+grpc (docs/benchmarks.md, "Controller memory").
 """
 
 from __future__ import annotations
@@ -15,21 +17,16 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-import grpc
-
 from l4m.v1 import l4m_pb2
 from l4m.wire import frames, limits
 from l4m.wire.metadata import MODEL_METADATA_KEY, TOKEN_METADATA_KEY
+from l4m.wire.status import EOF, StatusCode, StatusError
 
 
-def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
-
-
-def _status_error(payload: bytes) -> grpc.aio.AioRpcError | None:
+def _status_error(payload: bytes) -> StatusError | None:
     """The error a status frame says, None for OK."""
-    code, message = frames.parse_status(payload)
-    return None if code == grpc.StatusCode.OK else _rpc_error(code, message)
+    code, message = frames.read_status(payload)
+    return None if code == StatusCode.OK else StatusError(code, message)
 
 
 P = TypeVar("P", bound=asyncio.BaseProtocol)
@@ -65,8 +62,8 @@ class _Connection(frames.FrameProtocol):
 
     def stream_ended(self, error: Exception | None) -> None:
         detail = f": {error}" if error is not None else ""
-        self.call._end(_rpc_error(grpc.StatusCode.UNAVAILABLE,
-                                  f"the scheduler closed the framed session without a status{detail}"))
+        self.call._end(StatusError(StatusCode.UNAVAILABLE,
+                                   f"the scheduler closed the framed session without a status{detail}"))
 
 
 class FramedCall:
@@ -93,7 +90,7 @@ class FramedCall:
         self._flush_scheduled = False
         self._connection: _Connection | None = None
         self._opened = False  # the scheduler's OK to the opening came
-        self._ended: Any = None  # grpc.aio.EOF or the AioRpcError the session ended with
+        self._ended: Any = None  # EOF or the StatusError the session ended with
         self._responses: deque[l4m_pb2.SessionResponse] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._on_response: Callable[[l4m_pb2.SessionResponse], None] | None = None
@@ -104,13 +101,13 @@ class FramedCall:
         try:
             self._connection = await connect_unix(self._loop, lambda: _Connection(self), self._path)
         except OSError as error:
-            self._end(_rpc_error(grpc.StatusCode.UNAVAILABLE, f"cannot connect to framed:{self._path}: {error}"))
+            self._end(StatusError(StatusCode.UNAVAILABLE, f"cannot connect to framed:{self._path}: {error}"))
             return
         self._flush()
 
     # -- the direct interface ----------------------------------------------------------------------------
     def attach(self, on_response: Callable[[l4m_pb2.SessionResponse], None], on_end: Callable[[Any], None]) -> None:
-        """Every event from now on goes to `on_response`, and the end (grpc.aio.EOF or the AioRpcError)
+        """Every event from now on goes to `on_response`, and the end (EOF or the StatusError)
         to `on_end`, each called once, from the callback that read it."""
         self._on_response, self._on_end = on_response, on_end
         while self._responses:
@@ -148,11 +145,11 @@ class FramedCall:
                 self._opened = True  # the session is open
                 self._wake()
             else:
-                self._end(grpc.aio.EOF if error is None else error)
+                self._end(EOF if error is None else error)
         else:
-            self._end(_rpc_error(grpc.StatusCode.INTERNAL if self._opened else grpc.StatusCode.UNAVAILABLE,
-                                 f"the scheduler sent a frame of kind {kind} "
-                                 + ("on an open session" if self._opened else "before answering the opening")))
+            self._end(StatusError(StatusCode.INTERNAL if self._opened else StatusCode.UNAVAILABLE,
+                                  f"the scheduler sent a frame of kind {kind} "
+                                  + ("on an open session" if self._opened else "before answering the opening")))
 
     def _end(self, result: Any) -> None:
         if self._ended is not None:
@@ -181,7 +178,7 @@ class FramedCall:
     async def initial_metadata(self) -> tuple[tuple[str, str], ...]:
         while not self._opened and self._ended is None:
             await self._wait()
-        if not self._opened and self._ended is not grpc.aio.EOF:
+        if not self._opened and self._ended is not EOF:
             raise self._ended
         return ()
 
@@ -191,13 +188,13 @@ class FramedCall:
             await self._connection.drain()
 
     async def read(self) -> Any:
-        """The next event; `grpc.aio.EOF` once the scheduler ended the session with OK."""
+        """The next event; `EOF` once the scheduler ended the session with OK."""
         while not self._responses and self._ended is None:
             await self._wait()
         if self._responses:
             return self._responses.popleft()
-        if self._ended is grpc.aio.EOF:
-            return grpc.aio.EOF
+        if self._ended is EOF:
+            return EOF
         raise self._ended
 
     async def done_writing(self) -> None:
@@ -232,7 +229,7 @@ class FramedStub:
         try:
             reader, writer = await asyncio.open_unix_connection(self.path)
         except OSError as error:
-            raise _rpc_error(grpc.StatusCode.UNAVAILABLE, f"cannot connect to framed:{self.path}: {error}") from None
+            raise StatusError(StatusCode.UNAVAILABLE, f"cannot connect to framed:{self.path}: {error}") from None
         try:
             writer.write(frames.encode(frames.GET_INFO, request))
             frame = await frames.read_frame(reader, limits.MAX_RESPONSE_BYTES)
@@ -255,7 +252,7 @@ class FramedStub:
                     size, kind = frames.parse_header(header, limits.MAX_RESPONSE_BYTES)
                     return _info_from((kind, stream.read(size)))
             except (OSError, frames.FrameError) as error:
-                raise _rpc_error(grpc.StatusCode.UNAVAILABLE, f"GetInfo on framed:{self.path}: {error}") from None
+                raise StatusError(StatusCode.UNAVAILABLE, f"GetInfo on framed:{self.path}: {error}") from None
 
 
 def _info_from(frame: tuple[int, bytes] | None) -> l4m_pb2.GetInfoResponse:
@@ -265,4 +262,4 @@ def _info_from(frame: tuple[int, bytes] | None) -> l4m_pb2.GetInfoResponse:
         error = _status_error(frame[1])
         if error is not None:
             raise error
-    raise _rpc_error(grpc.StatusCode.UNAVAILABLE, "the scheduler did not answer GetInfo")
+    raise StatusError(StatusCode.UNAVAILABLE, "the scheduler did not answer GetInfo")

@@ -8,7 +8,8 @@ the connection's read callback answers the futures. A `Trap` fails every pending
 command, with `Trapped`.
 
 The session only needs an object with the `L4MServiceStub` methods (`GetInfo`, `Session`), so the
-unit tests and `l4m.fake` put an in-process backend behind the very same code.
+unit tests and `l4m.fake` put an in-process backend behind the very same code. grpc is imported only
+where a gRPC channel opens: a framed session never imports it (docs/benchmarks.md, "Controller memory").
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
-
-import grpc
+from typing import TYPE_CHECKING, Any
 
 from l4m.errors import SessionClosed, Trapped
-from l4m.v1 import l4m_pb2, l4m_pb2_grpc
+from l4m.v1 import l4m_pb2
 from l4m.wire import limits
 from l4m.wire.frames import framed_path
 from l4m.wire.metadata import MODEL_METADATA_KEY, TOKEN_METADATA_KEY
+from l4m.wire.status import code_name, is_eof
+
+if TYPE_CHECKING:
+    import grpc
 
 # A synchronous GetInfo: (request, timeout_s, metadata) -> GetInfoResponse.
 BlockingGetInfo = Callable[[l4m_pb2.GetInfoRequest, float, Any], l4m_pb2.GetInfoResponse]
@@ -64,19 +67,20 @@ def grpc_target(address: str) -> str:
     return address
 
 
-_STREAM_END_HINTS = {
-    grpc.StatusCode.UNAVAILABLE: " -- is the scheduler still running?",
-    grpc.StatusCode.UNAUTHENTICATED: (
+_STREAM_END_HINTS = {  # by status code name
+    "UNAVAILABLE": " -- is the scheduler still running?",
+    "UNAUTHENTICATED": (
         " -- run the controller through the spawner (`l4m run`), which gives it a token, or start the "
         "scheduler with --allow-anonymous (`l4m up --allow-anonymous`) for local runs"
     ),
 }
 
 
-def _get_info_failure(error: grpc.RpcError) -> str:
+def _get_info_failure(error: Exception, code: str) -> str:
+    """Why GetInfo failed: `error` a failed call (grpc's or a framed one) whose status code is named `code`."""
     hint = (" -- is the scheduler running at the address in L4M_SCHEDULER_ADDR?"
-            if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else "")
-    return f"GetInfo failed ({error.code().name}): {error.details()}{hint}"
+            if code in ("UNAVAILABLE", "DEADLINE_EXCEEDED") else "")
+    return f"GetInfo failed ({code}): {error.details()}{hint}"  # type: ignore[attr-defined]
 
 
 class Session:
@@ -138,6 +142,10 @@ class Session:
             session = cls(stub, metadata, call_timeout_s, None, stub.get_info_blocking, model)
             session._connect_to = connect_to
             return session
+        import grpc
+
+        from l4m.v1 import l4m_pb2_grpc
+
         # The scheduler's limits (l4m.wire.limits): it accepts commands of MAX_COMMAND_BYTES and answers each
         # within MAX_RESPONSE_BYTES.
         options = limits.grpc_options(limits.MAX_COMMAND_BYTES, limits.MAX_RESPONSE_BYTES)
@@ -169,8 +177,11 @@ class Session:
                 timeout=self._call_timeout_s,
                 metadata=self._metadata,
             )
-        except grpc.aio.AioRpcError as error:
-            raise SessionClosed(_get_info_failure(error)) from error
+        except Exception as error:
+            code = code_name(error)
+            if code is None:
+                raise
+            raise SessionClosed(_get_info_failure(error, code)) from error
 
     @property
     def can_get_info_blocking(self) -> bool:
@@ -184,8 +195,11 @@ class Session:
         try:
             return self._blocking_get_info(l4m_pb2.GetInfoRequest(model=self.model), self._call_timeout_s,
                                            self._metadata)
-        except grpc.RpcError as error:
-            raise SessionClosed(_get_info_failure(error)) from error
+        except Exception as error:
+            code = code_name(error)
+            if code is None:
+                raise
+            raise SessionClosed(_get_info_failure(error, code)) from error
 
     def open(self) -> None:
         """Open the command stream and start the writer and reader tasks."""
@@ -291,25 +305,27 @@ class Session:
         try:
             while True:
                 response = await self._call.read()
-                if response is grpc.aio.EOF:
+                if is_eof(response):
                     self._stream_ended(response)
                     return
                 self._dispatch(response)
-        except grpc.aio.AioRpcError as error:
-            self._stream_ended(error)
         except asyncio.CancelledError:
             raise
         except Exception as error:
-            self._fail(SessionClosed(f"the L4M stream failed: {type(error).__name__}: {error}"))
+            if code_name(error) is not None:  # the stream's status
+                self._stream_ended(error)
+            else:
+                self._fail(SessionClosed(f"the L4M stream failed: {type(error).__name__}: {error}"))
 
     def _stream_ended(self, end: Any) -> None:
-        """The stream's end: grpc.aio.EOF (the scheduler closed it with OK) or the AioRpcError of its status."""
-        if end is grpc.aio.EOF:
+        """The stream's end: an EOF, grpc.aio's or `l4m.wire.status`'s (the scheduler closed it with OK), or
+        the error of its status (grpc's AioRpcError, or a framed call's StatusError)."""
+        if is_eof(end):
             detail = f" (sending failed: {self._write_error})" if self._write_error else ""
             self._fail(SessionClosed(f"the scheduler ended the L4M stream{detail}"))
         else:
             self._fail(SessionClosed(f"the L4M stream ended ({end.code().name}): {end.details()}"
-                                     f"{_STREAM_END_HINTS.get(end.code(), '')}"))
+                                     f"{_STREAM_END_HINTS.get(end.code().name, '')}"))
 
     def _dispatch(self, response: l4m_pb2.SessionResponse) -> None:
         if response.WhichOneof("event") == "trap":

@@ -113,8 +113,9 @@ def sandbox(request: pytest.FixtureRequest) -> Sandbox:
 
 @dataclass(frozen=True)
 class SchedulerCluster:
-    """A real scheduler (with a simulated executor) whose L4M Unix socket lies in `socket_dir`; its
-    registry is on a separate socket, outside `socket_dir`, and needs the cluster secret."""
+    """A real scheduler (with a simulated executor) whose L4M Unix sockets lie in `socket_dir` (gRPC's
+    scheduler.sock, framed sessions' scheduler.frames.sock); its registry is on a separate socket,
+    outside `socket_dir`, and needs the cluster secret."""
 
     socket_dir: Path
     registry_address: str  # the spawner's --scheduler
@@ -144,7 +145,8 @@ def scheduler_cluster(tmp_path: Path) -> Iterator[SchedulerCluster]:
         scheduler = ServiceProcess(
             "l4m.scheduler",
             ["--executor", executor_address, "--listen", "127.0.0.1:0",
-             "--listen-unix", str(scheduler_socket), "--allow-anonymous",
+             "--listen-unix", str(scheduler_socket), "--listen-framed", str(socket_dir / "scheduler.frames.sock"),
+             "--allow-anonymous",
              "--registry-listen", f"unix:{registry_socket}", "--cluster-secret-file", str(secret_file)],
             tmp_path / "scheduler.log",
         )  # fmt: skip

@@ -165,3 +165,47 @@ def test_killing_a_controller_mid_generation_frees_its_pages(
             assert executor["embed_slots_free"] == executor["embed_slots_total"], stats
 
     asyncio.run(go())
+
+
+# Waits on its user, then uses every runtime call a controller makes over frames; reports what it got and
+# whether anything imported grpc (an idle controller's 2.8 MiB: docs/benchmarks.md, "Controller memory").
+FRAMES_ONLY = """
+import sys
+
+async def main(ctx):
+    if ctx.args == ["child"]:
+        await ctx.vars.append("log", "child ran")
+        return
+    await ctx.send("waiting")
+    text = await ctx.receive()
+    version = await ctx.vars.set("greeting", text)
+    swapped = (await ctx.vars.compare_and_set("greeting", version, text + "!")).swapped
+    child = await ctx.spawn(args=["child"])
+    exit_ = await child.wait(timeout_s=60)
+    greeting, log = (await ctx.vars.get("greeting")).text, (await ctx.vars.get("log")).text
+    await ctx.send(f"{greeting} {swapped} {exit_.is_success} {log!r} grpc imported: {'grpc' in sys.modules}")
+"""
+
+
+def test_a_controller_on_frames_alone_receives_shares_and_spawns_without_grpc(
+    process_sandbox: ProcessSandbox, scheduler_cluster: SchedulerCluster, tmp_path: Path
+) -> None:
+    config = _config(tmp_path, scheduler_cluster, scheduler_framed_socket_name="scheduler.frames.sock")
+
+    async def go() -> list[spawner_pb2.AttachResponse]:
+        async with running_spawner(config, process_sandbox) as spawner:
+            sha = await upload(spawner.stub, FRAMES_ONLY)
+            launched = await spawner.stub.Launch(spawner_pb2.LaunchRequest(program=sha), timeout=30)
+            events = []
+            async for event in spawner.stub.Attach(spawner_pb2.AttachRequest(instance_id=launched.instance_id),
+                                                   timeout=120):
+                events.append(event)
+                if event.HasField("message") and event.message.text == "waiting":
+                    await spawner.stub.SendMessage(spawner_pb2.SendMessageRequest(
+                        instance_id=launched.instance_id, text="hello"), timeout=30)
+            return events
+
+    events = asyncio.run(go())
+    assert exit_of(events).reason == spawner_pb2.EXIT_REASON_EXITED, events
+    messages = [e.message.text for e in events if e.HasField("message")]
+    assert messages == ["waiting", "hello! True True 'child ran' grpc imported: False"], events

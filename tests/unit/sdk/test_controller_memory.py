@@ -1,6 +1,6 @@
 """What an idle controller holds (docs/benchmarks.md, "Controller memory"): the runner trims the C heap
 once the session is up, before `main`, and the runtime client opens its gRPC channel (and gRPC's
-threads) only when a RuntimeService call needs it."""
+threads) only when a RuntimeService call needs it: with the spawner's framed socket, only `watch` does."""
 
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ def test_the_runner_trims_after_the_session_is_up_and_before_main(
 
 
 def test_a_runtime_that_made_no_grpc_call_opened_no_channel(run) -> None:
-    # Messages as frames and no other call: no gRPC channel, so none of gRPC's threads. (The first
-    # RuntimeService call opens it: tests/integration/spawner/test_runtime.py.)
+    # Runtime calls as frames: no gRPC channel, so none of gRPC's threads (every call but `watch` over
+    # frames alone: tests/unit/spawner/test_framed_runtime_calls.py).
     client = RuntimeClient("unix:///nonexistent/runtime.sock", "token", framed_address="framed:///x.sock")
     assert client._channel is None
     run(client.close())

@@ -1,16 +1,19 @@
 """The framed sessions' frame format (`l4m.wire.frames`), without sockets: addresses, the header's bound,
-and where a stream may end."""
+where a stream may end, and status frames read alike in grpc's codes and in the SDK's own
+(`l4m.wire.status`)."""
 
 from __future__ import annotations
 
 import asyncio
 import re
 
+import grpc
 import pytest
 
 from l4m.scheduler import requests as rq
 from l4m.v1 import l4m_pb2
 from l4m.wire import frames
+from l4m.wire.status import EOF, StatusCode, StatusError, code_name, is_eof
 
 
 @pytest.mark.parametrize(("address", "path"), [
@@ -76,3 +79,30 @@ def test_an_oversized_frame_keeps_what_came_before_it_and_nothing_after() -> Non
     assert received == [(frames.REQUEST, rq.allocate([0]).SerializeToString())]
     assert str(decoder.error) == "a SessionRequest frame of 65 bytes is larger than the 64 allowed"
     assert decoder.feed(good) == []
+
+
+def test_status_frames_mean_the_same_in_grpcs_codes_and_the_sdks_own() -> None:
+    assert [code.name for code in StatusCode] == [code.name for code in grpc.StatusCode]
+    for code in grpc.StatusCode:
+        ours = StatusCode[code.name]
+        assert ours == code.value[0]
+        frame = frames.status_frame(code, "why")
+        assert frames.status_frame(ours, "why") == frame
+        [(kind, payload)] = frames.FrameDecoder(1 << 10).feed(frame)
+        assert kind == frames.STATUS
+        assert frames.read_status(payload) == (ours, "why")
+        assert frames.parse_status(payload) == (code, "why")
+        assert frames.STATUS_CODES[ours] is code
+    unknown = l4m_pb2.FramedSessionStatus(code=99, message="?").SerializeToString()
+    assert frames.read_status(unknown) == (StatusCode.UNKNOWN, "?")
+    assert frames.parse_status(unknown) == (grpc.StatusCode.UNKNOWN, "?")
+
+
+def test_a_failed_call_and_a_streams_end_read_alike_from_either_transport() -> None:
+    framed = StatusError(StatusCode.UNAVAILABLE, "gone")
+    assert (framed.code(), framed.details(), str(framed)) == (StatusCode.UNAVAILABLE, "gone", "UNAVAILABLE: gone")
+    over_grpc = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone")
+    assert code_name(framed) == code_name(over_grpc) == "UNAVAILABLE"
+    assert code_name(ValueError("not a call")) is None
+    assert is_eof(EOF) and is_eof(grpc.aio.EOF)
+    assert not is_eof(None) and not is_eof(framed)

@@ -1,5 +1,5 @@
 """A controller's user messages as frames (spawner.proto, "SendToUser over frames"): the spawner's
-`FramedRuntimeConnection` and its core over a fake sandbox, and the SDK's `FramedSender` (or raw frames
+`FramedRuntimeConnection` and its core over a fake sandbox, and the SDK's `FramedRuntime` (or raw frames
 for what the SDK would never send), joined by an in-memory transport (no sockets in unit tests; the
 cluster's integration tests send every controller message over the real socket).
 
@@ -21,7 +21,7 @@ import pytest
 
 from l4m.controller import ControllerConfig
 from l4m.errors import L4MError
-from l4m.runtime import FramedSender, RuntimeClient
+from l4m.runtime import FramedRuntime, RuntimeClient
 from l4m.spawner.framed_runtime import FramedRuntimeConnection, FramedRuntimeServer
 from l4m.spawner.instances import Instance
 from l4m.spawner.sandbox import ExitReason, Limits
@@ -103,7 +103,7 @@ class Harness:
         await settle()
         return frames.FrameDecoder(1 << 30).feed(bytes(transport.written))
 
-    def sender(self, token: str) -> FramedSender:
+    def sender(self, token: str) -> FramedRuntime:
         """The SDK's sender, its connection wired to a server connection (`create_unix_connection` is
         the one call it makes to reach a socket)."""
         loop = asyncio.get_running_loop()
@@ -116,7 +116,7 @@ class Harness:
             return to_server, sender
 
         loop.create_unix_connection = connect  # type: ignore[method-assign]  # (for this test's loop only)
-        return FramedSender("runtime.frames.sock", token)
+        return FramedRuntime("runtime.frames.sock", token)
 
 
 async def settle() -> None:
@@ -255,7 +255,7 @@ def test_a_sender_that_cannot_connect_fails_clearly() -> None:
             raise FileNotFoundError(2, "No such file or directory")
 
         loop.create_unix_connection = refused  # type: ignore[method-assign]
-        sender = FramedSender("/run/l4m/absent.sock", "token")
+        sender = FramedRuntime("/run/l4m/absent.sock", "token")
         await sender.send("lost")  # queued: the connection's failure is reported next
         with pytest.raises(L4MError, match="cannot connect to framed:/run/l4m/absent.sock"):
             await sender.close()

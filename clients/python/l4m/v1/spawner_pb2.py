@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14l4m/v1/spawner.proto\x12\x06l4m.v1\"X\n\x14UploadProgramRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.l4m.v1.ProgramHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"R\n\rProgramHeader\x12\x12\n\nsize_bytes\x18\x01 \x01(\x04\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x0b\n\x03tag\x18\x03 \x01(\t\x12\x10\n\x08\x66ilename\x18\x04 \x01(\t\"T\n\x15UploadProgramResponse\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x17\n\x0f\x61lready_present\x18\x03 \x01(\x08\"\x15\n\x13ListProgramsRequest\"=\n\x14ListProgramsResponse\x12%\n\x08programs\x18\x01 \x03(\x0b\x32\x13.l4m.v1.ProgramInfo\"?\n\x0bProgramInfo\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0c\n\x04tags\x18\x03 \x03(\t\"\xbc\x01\n\x06Limits\x12\x14\n\x0cwall_time_ms\x18\x01 \x01(\x04\x12\x13\n\x0b\x63pu_time_ms\x18\x02 \x01(\x04\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x04\x12\x15\n\rmax_processes\x18\x04 \x01(\r\x12\x16\n\x0emax_open_files\x18\x05 \x01(\r\x12\x18\n\x10max_output_bytes\x18\x06 \x01(\x04\x12\x12\n\nmax_tokens\x18\x07 \x01(\x04\x12\x14\n\x0cmax_children\x18\x08 \x01(\r\"o\n\rLaunchRequest\x12\x0f\n\x07program\x18\x01 \x01(\t\x12\x0c\n\x04\x61rgs\x18\x02 \x03(\t\x12\x1e\n\x06limits\x18\x03 \x01(\x0b\x32\x0e.l4m.v1.Limits\x12\x10\n\x08\x64\x65tached\x18\x04 \x01(\x08\x12\r\n\x05model\x18\x05 \x01(\t\"%\n\x0eLaunchResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\":\n\rAttachRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61tch_events\x18\x02 \x01(\x08\"\xb3\x01\n\x0e\x41ttachResponse\x12*\n\x07message\x18\x01 \x01(\x0b\x32\x17.l4m.v1.InstanceMessageH\x00\x12\x1e\n\x03log\x18\x02 \x01(\x0b\x32\x0f.l4m.v1.LogLineH\x00\x12$\n\x04\x65xit\x18\x03 \x01(\x0b\x32\x14.l4m.v1.InstanceExitH\x00\x12&\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x16.l4m.v1.AttachResponseB\x07\n\x05\x65vent\"\x1f\n\x0fInstanceMessage\x12\x0c\n\x04text\x18\x01 \x01(\t\":\n\x07LogLine\x12!\n\x06stream\x18\x01 \x01(\x0e\x32\x11.l4m.v1.LogStream\x12\x0c\n\x04line\x18\x02 \x01(\t\"f\n\x0cInstanceExit\x12\"\n\x06reason\x18\x01 \x01(\x0e\x32\x12.l4m.v1.ExitReason\x12\x11\n\texit_code\x18\x02 \x01(\x05\x12\x0e\n\x06signal\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\"7\n\x12SendMessageRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x15\n\x13SendMessageResponse\"\'\n\x10TerminateRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\x13\n\x11TerminateResponse\"\x16\n\x14ListInstancesRequest\"@\n\x15ListInstancesResponse\x12\'\n\tinstances\x18\x01 \x03(\x0b\x32\x14.l4m.v1.InstanceInfo\"\xec\x01\n\x0cInstanceInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x16\n\x0eprogram_sha256\x18\x02 \x01(\t\x12\x0c\n\x04\x61rgs\x18\x03 \x03(\t\x12$\n\x05state\x18\x04 \x01(\x0e\x32\x15.l4m.v1.InstanceState\x12\"\n\x04\x65xit\x18\x05 \x01(\x0b\x32\x14.l4m.v1.InstanceExit\x12\x1a\n\x12parent_instance_id\x18\x06 \x01(\t\x12\x1b\n\x13launched_at_unix_ms\x18\x07 \x01(\x04\x12\x0c\n\x04user\x18\x08 \x01(\t\x12\x10\n\x08\x64\x65tached\x18\t \x01(\x08\"!\n\x11SendToUserRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"E\n\x11\x46ramedRuntimeOpen\x12\x18\n\x10protocol_version\x18\x01 \x01(\t\x12\x16\n\x0einstance_token\x18\x02 \x01(\t\"\x14\n\x12SendToUserResponse\",\n\x16ReceiveFromUserRequest\x12\x12\n\ntimeout_ms\x18\x01 \x01(\x04\"9\n\x17ReceiveFromUserResponse\x12\x10\n\x08received\x18\x01 \x01(\x08\x12\x0c\n\x04text\x18\x02 \x01(\t\"\"\n\x12GetVariableRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"E\n\x13GetVariableResponse\x12\x0e\n\x06\x65xists\x18\x01 \x01(\x08\x12\r\n\x05value\x18\x02 \x01(\x0c\x12\x0f\n\x07version\x18\x03 \x01(\x04\"1\n\x12SetVariableRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c\"&\n\x13SetVariableResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\"U\n\x1c\x43ompareAndSetVariableRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x10\x65xpected_version\x18\x02 \x01(\x04\x12\r\n\x05value\x18\x03 \x01(\x0c\"P\n\x1d\x43ompareAndSetVariableResponse\x12\x0f\n\x07swapped\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\r\n\x05value\x18\x03 \x01(\x0c\"4\n\x15\x41ppendVariableRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c\")\n\x16\x41ppendVariableResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\"$\n\x14WatchVariableRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"G\n\x15WatchVariableResponse\x12\x0e\n\x06\x65xists\x18\x01 \x01(\x08\x12\r\n\x05value\x18\x02 \x01(\x0c\x12\x0f\n\x07version\x18\x03 \x01(\x04\"R\n\x11SpawnChildRequest\x12\x0f\n\x07program\x18\x01 \x01(\t\x12\x0c\n\x04\x61rgs\x18\x02 \x03(\t\x12\x1e\n\x06limits\x18\x03 \x01(\x0b\x32\x0e.l4m.v1.Limits\")\n\x12SpawnChildResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\";\n\x10WaitChildRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\ntimeout_ms\x18\x02 \x01(\x04\"G\n\x11WaitChildResponse\x12\x0e\n\x06\x65xited\x18\x01 \x01(\x08\x12\"\n\x04\x65xit\x18\x02 \x01(\x0b\x32\x14.l4m.v1.InstanceExit*U\n\tLogStream\x12\x1a\n\x16LOG_STREAM_UNSPECIFIED\x10\x00\x12\x15\n\x11LOG_STREAM_STDOUT\x10\x01\x12\x15\n\x11LOG_STREAM_STDERR\x10\x02*\x81\x03\n\nExitReason\x12\x1b\n\x17\x45XIT_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x45XIT_REASON_EXITED\x10\x01\x12\x17\n\x13\x45XIT_REASON_CRASHED\x10\x02\x12\x1a\n\x16\x45XIT_REASON_TERMINATED\x10\x03\x12\x1f\n\x1b\x45XIT_REASON_WALL_TIME_LIMIT\x10\x04\x12\x1e\n\x1a\x45XIT_REASON_CPU_TIME_LIMIT\x10\x05\x12\x1c\n\x18\x45XIT_REASON_MEMORY_LIMIT\x10\x06\x12\x1d\n\x19\x45XIT_REASON_PROCESS_LIMIT\x10\x07\x12\x1c\n\x18\x45XIT_REASON_OUTPUT_LIMIT\x10\x08\x12\x17\n\x13\x45XIT_REASON_TRAPPED\x10\t\x12\x1d\n\x19\x45XIT_REASON_LAUNCH_FAILED\x10\n\x12\x1d\n\x19\x45XIT_REASON_PARENT_EXITED\x10\x0b\x12\x16\n\x12\x45XIT_REASON_KILLED\x10\x0c*\x83\x01\n\rInstanceState\x12\x1e\n\x1aINSTANCE_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17INSTANCE_STATE_STARTING\x10\x01\x12\x1a\n\x16INSTANCE_STATE_RUNNING\x10\x02\x12\x19\n\x15INSTANCE_STATE_EXITED\x10\x03\x32\xf7\x03\n\x0eSpawnerService\x12N\n\rUploadProgram\x12\x1c.l4m.v1.UploadProgramRequest\x1a\x1d.l4m.v1.UploadProgramResponse(\x01\x12I\n\x0cListPrograms\x12\x1b.l4m.v1.ListProgramsRequest\x1a\x1c.l4m.v1.ListProgramsResponse\x12\x37\n\x06Launch\x12\x15.l4m.v1.LaunchRequest\x1a\x16.l4m.v1.LaunchResponse\x12\x39\n\x06\x41ttach\x12\x15.l4m.v1.AttachRequest\x1a\x16.l4m.v1.AttachResponse0\x01\x12\x46\n\x0bSendMessage\x12\x1a.l4m.v1.SendMessageRequest\x1a\x1b.l4m.v1.SendMessageResponse\x12@\n\tTerminate\x12\x18.l4m.v1.TerminateRequest\x1a\x19.l4m.v1.TerminateResponse\x12L\n\rListInstances\x12\x1c.l4m.v1.ListInstancesRequest\x1a\x1d.l4m.v1.ListInstancesResponse2\xc7\x05\n\x0eRuntimeService\x12\x43\n\nSendToUser\x12\x19.l4m.v1.SendToUserRequest\x1a\x1a.l4m.v1.SendToUserResponse\x12R\n\x0fReceiveFromUser\x12\x1e.l4m.v1.ReceiveFromUserRequest\x1a\x1f.l4m.v1.ReceiveFromUserResponse\x12\x46\n\x0bGetVariable\x12\x1a.l4m.v1.GetVariableRequest\x1a\x1b.l4m.v1.GetVariableResponse\x12\x46\n\x0bSetVariable\x12\x1a.l4m.v1.SetVariableRequest\x1a\x1b.l4m.v1.SetVariableResponse\x12\x64\n\x15\x43ompareAndSetVariable\x12$.l4m.v1.CompareAndSetVariableRequest\x1a%.l4m.v1.CompareAndSetVariableResponse\x12O\n\x0e\x41ppendVariable\x12\x1d.l4m.v1.AppendVariableRequest\x1a\x1e.l4m.v1.AppendVariableResponse\x12N\n\rWatchVariable\x12\x1c.l4m.v1.WatchVariableRequest\x1a\x1d.l4m.v1.WatchVariableResponse0\x01\x12\x43\n\nSpawnChild\x12\x19.l4m.v1.SpawnChildRequest\x1a\x1a.l4m.v1.SpawnChildResponse\x12@\n\tWaitChild\x12\x18.l4m.v1.WaitChildRequest\x1a\x19.l4m.v1.WaitChildResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14l4m/v1/spawner.proto\x12\x06l4m.v1\"X\n\x14UploadProgramRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.l4m.v1.ProgramHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"R\n\rProgramHeader\x12\x12\n\nsize_bytes\x18\x01 \x01(\x04\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x0b\n\x03tag\x18\x03 \x01(\t\x12\x10\n\x08\x66ilename\x18\x04 \x01(\t\"T\n\x15UploadProgramResponse\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x17\n\x0f\x61lready_present\x18\x03 \x01(\x08\"\x15\n\x13ListProgramsRequest\"=\n\x14ListProgramsResponse\x12%\n\x08programs\x18\x01 \x03(\x0b\x32\x13.l4m.v1.ProgramInfo\"?\n\x0bProgramInfo\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0c\n\x04tags\x18\x03 \x03(\t\"\xbc\x01\n\x06Limits\x12\x14\n\x0cwall_time_ms\x18\x01 \x01(\x04\x12\x13\n\x0b\x63pu_time_ms\x18\x02 \x01(\x04\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x04\x12\x15\n\rmax_processes\x18\x04 \x01(\r\x12\x16\n\x0emax_open_files\x18\x05 \x01(\r\x12\x18\n\x10max_output_bytes\x18\x06 \x01(\x04\x12\x12\n\nmax_tokens\x18\x07 \x01(\x04\x12\x14\n\x0cmax_children\x18\x08 \x01(\r\"o\n\rLaunchRequest\x12\x0f\n\x07program\x18\x01 \x01(\t\x12\x0c\n\x04\x61rgs\x18\x02 \x03(\t\x12\x1e\n\x06limits\x18\x03 \x01(\x0b\x32\x0e.l4m.v1.Limits\x12\x10\n\x08\x64\x65tached\x18\x04 \x01(\x08\x12\r\n\x05model\x18\x05 \x01(\t\"%\n\x0eLaunchResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\":\n\rAttachRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61tch_events\x18\x02 \x01(\x08\"\xb3\x01\n\x0e\x41ttachResponse\x12*\n\x07message\x18\x01 \x01(\x0b\x32\x17.l4m.v1.InstanceMessageH\x00\x12\x1e\n\x03log\x18\x02 \x01(\x0b\x32\x0f.l4m.v1.LogLineH\x00\x12$\n\x04\x65xit\x18\x03 \x01(\x0b\x32\x14.l4m.v1.InstanceExitH\x00\x12&\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x16.l4m.v1.AttachResponseB\x07\n\x05\x65vent\"\x1f\n\x0fInstanceMessage\x12\x0c\n\x04text\x18\x01 \x01(\t\":\n\x07LogLine\x12!\n\x06stream\x18\x01 \x01(\x0e\x32\x11.l4m.v1.LogStream\x12\x0c\n\x04line\x18\x02 \x01(\t\"f\n\x0cInstanceExit\x12\"\n\x06reason\x18\x01 \x01(\x0e\x32\x12.l4m.v1.ExitReason\x12\x11\n\texit_code\x18\x02 \x01(\x05\x12\x0e\n\x06signal\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\"7\n\x12SendMessageRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x15\n\x13SendMessageResponse\"\'\n\x10TerminateRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\x13\n\x11TerminateResponse\"\x16\n\x14ListInstancesRequest\"@\n\x15ListInstancesResponse\x12\'\n\tinstances\x18\x01 \x03(\x0b\x32\x14.l4m.v1.InstanceInfo\"\xec\x01\n\x0cInstanceInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x16\n\x0eprogram_sha256\x18\x02 \x01(\t\x12\x0c\n\x04\x61rgs\x18\x03 \x03(\t\x12$\n\x05state\x18\x04 \x01(\x0e\x32\x15.l4m.v1.InstanceState\x12\"\n\x04\x65xit\x18\x05 \x01(\x0b\x32\x14.l4m.v1.InstanceExit\x12\x1a\n\x12parent_instance_id\x18\x06 \x01(\t\x12\x1b\n\x13launched_at_unix_ms\x18\x07 \x01(\x04\x12\x0c\n\x04user\x18\x08 \x01(\t\x12\x10\n\x08\x64\x65tached\x18\t \x01(\x08\"!\n\x11SendToUserRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"Z\n\x11\x46ramedRuntimeOpen\x12\x18\n\x10protocol_version\x18\x01 \x01(\t\x12\x16\n\x0einstance_token\x18\x02 \x01(\t\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\"\xba\x03\n\x11\x46ramedRuntimeCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12;\n\x11receive_from_user\x18\x02 \x01(\x0b\x32\x1e.l4m.v1.ReceiveFromUserRequestH\x00\x12\x32\n\x0cget_variable\x18\x03 \x01(\x0b\x32\x1a.l4m.v1.GetVariableRequestH\x00\x12\x32\n\x0cset_variable\x18\x04 \x01(\x0b\x32\x1a.l4m.v1.SetVariableRequestH\x00\x12H\n\x18\x63ompare_and_set_variable\x18\x05 \x01(\x0b\x32$.l4m.v1.CompareAndSetVariableRequestH\x00\x12\x38\n\x0f\x61ppend_variable\x18\x06 \x01(\x0b\x32\x1d.l4m.v1.AppendVariableRequestH\x00\x12\x30\n\x0bspawn_child\x18\x07 \x01(\x0b\x32\x19.l4m.v1.SpawnChildRequestH\x00\x12.\n\nwait_child\x18\x08 \x01(\x0b\x32\x18.l4m.v1.WaitChildRequestH\x00\x42\t\n\x07request\"\xe3\x03\n\x13\x46ramedRuntimeResult\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12<\n\x11receive_from_user\x18\x04 \x01(\x0b\x32\x1f.l4m.v1.ReceiveFromUserResponseH\x00\x12\x33\n\x0cget_variable\x18\x05 \x01(\x0b\x32\x1b.l4m.v1.GetVariableResponseH\x00\x12\x33\n\x0cset_variable\x18\x06 \x01(\x0b\x32\x1b.l4m.v1.SetVariableResponseH\x00\x12I\n\x18\x63ompare_and_set_variable\x18\x07 \x01(\x0b\x32%.l4m.v1.CompareAndSetVariableResponseH\x00\x12\x39\n\x0f\x61ppend_variable\x18\x08 \x01(\x0b\x32\x1e.l4m.v1.AppendVariableResponseH\x00\x12\x31\n\x0bspawn_child\x18\t \x01(\x0b\x32\x1a.l4m.v1.SpawnChildResponseH\x00\x12/\n\nwait_child\x18\n \x01(\x0b\x32\x19.l4m.v1.WaitChildResponseH\x00\x42\n\n\x08response\"&\n\x13\x46ramedRuntimeCancel\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\"\x14\n\x12SendToUserResponse\",\n\x16ReceiveFromUserRequest\x12\x12\n\ntimeout_ms\x18\x01 \x01(\x04\"9\n\x17ReceiveFromUserResponse\x12\x10\n\x08received\x18\x01 \x01(\x08\x12\x0c\n\x04text\x18\x02 \x01(\t\"\"\n\x12GetVariableRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"E\n\x13GetVariableResponse\x12\x0e\n\x06\x65xists\x18\x01 \x01(\x08\x12\r\n\x05value\x18\x02 \x01(\x0c\x12\x0f\n\x07version\x18\x03 \x01(\x04\"1\n\x12SetVariableRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c\"&\n\x13SetVariableResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\"U\n\x1c\x43ompareAndSetVariableRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x10\x65xpected_version\x18\x02 \x01(\x04\x12\r\n\x05value\x18\x03 \x01(\x0c\"P\n\x1d\x43ompareAndSetVariableResponse\x12\x0f\n\x07swapped\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\r\n\x05value\x18\x03 \x01(\x0c\"4\n\x15\x41ppendVariableRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c\")\n\x16\x41ppendVariableResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\"$\n\x14WatchVariableRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"G\n\x15WatchVariableResponse\x12\x0e\n\x06\x65xists\x18\x01 \x01(\x08\x12\r\n\x05value\x18\x02 \x01(\x0c\x12\x0f\n\x07version\x18\x03 \x01(\x04\"R\n\x11SpawnChildRequest\x12\x0f\n\x07program\x18\x01 \x01(\t\x12\x0c\n\x04\x61rgs\x18\x02 \x03(\t\x12\x1e\n\x06limits\x18\x03 \x01(\x0b\x32\x0e.l4m.v1.Limits\")\n\x12SpawnChildResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\";\n\x10WaitChildRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\ntimeout_ms\x18\x02 \x01(\x04\"G\n\x11WaitChildResponse\x12\x0e\n\x06\x65xited\x18\x01 \x01(\x08\x12\"\n\x04\x65xit\x18\x02 \x01(\x0b\x32\x14.l4m.v1.InstanceExit*U\n\tLogStream\x12\x1a\n\x16LOG_STREAM_UNSPECIFIED\x10\x00\x12\x15\n\x11LOG_STREAM_STDOUT\x10\x01\x12\x15\n\x11LOG_STREAM_STDERR\x10\x02*\x81\x03\n\nExitReason\x12\x1b\n\x17\x45XIT_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x45XIT_REASON_EXITED\x10\x01\x12\x17\n\x13\x45XIT_REASON_CRASHED\x10\x02\x12\x1a\n\x16\x45XIT_REASON_TERMINATED\x10\x03\x12\x1f\n\x1b\x45XIT_REASON_WALL_TIME_LIMIT\x10\x04\x12\x1e\n\x1a\x45XIT_REASON_CPU_TIME_LIMIT\x10\x05\x12\x1c\n\x18\x45XIT_REASON_MEMORY_LIMIT\x10\x06\x12\x1d\n\x19\x45XIT_REASON_PROCESS_LIMIT\x10\x07\x12\x1c\n\x18\x45XIT_REASON_OUTPUT_LIMIT\x10\x08\x12\x17\n\x13\x45XIT_REASON_TRAPPED\x10\t\x12\x1d\n\x19\x45XIT_REASON_LAUNCH_FAILED\x10\n\x12\x1d\n\x19\x45XIT_REASON_PARENT_EXITED\x10\x0b\x12\x16\n\x12\x45XIT_REASON_KILLED\x10\x0c*\x83\x01\n\rInstanceState\x12\x1e\n\x1aINSTANCE_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17INSTANCE_STATE_STARTING\x10\x01\x12\x1a\n\x16INSTANCE_STATE_RUNNING\x10\x02\x12\x19\n\x15INSTANCE_STATE_EXITED\x10\x03\x32\xf7\x03\n\x0eSpawnerService\x12N\n\rUploadProgram\x12\x1c.l4m.v1.UploadProgramRequest\x1a\x1d.l4m.v1.UploadProgramResponse(\x01\x12I\n\x0cListPrograms\x12\x1b.l4m.v1.ListProgramsRequest\x1a\x1c.l4m.v1.ListProgramsResponse\x12\x37\n\x06Launch\x12\x15.l4m.v1.LaunchRequest\x1a\x16.l4m.v1.LaunchResponse\x12\x39\n\x06\x41ttach\x12\x15.l4m.v1.AttachRequest\x1a\x16.l4m.v1.AttachResponse0\x01\x12\x46\n\x0bSendMessage\x12\x1a.l4m.v1.SendMessageRequest\x1a\x1b.l4m.v1.SendMessageResponse\x12@\n\tTerminate\x12\x18.l4m.v1.TerminateRequest\x1a\x19.l4m.v1.TerminateResponse\x12L\n\rListInstances\x12\x1c.l4m.v1.ListInstancesRequest\x1a\x1d.l4m.v1.ListInstancesResponse2\xc7\x05\n\x0eRuntimeService\x12\x43\n\nSendToUser\x12\x19.l4m.v1.SendToUserRequest\x1a\x1a.l4m.v1.SendToUserResponse\x12R\n\x0fReceiveFromUser\x12\x1e.l4m.v1.ReceiveFromUserRequest\x1a\x1f.l4m.v1.ReceiveFromUserResponse\x12\x46\n\x0bGetVariable\x12\x1a.l4m.v1.GetVariableRequest\x1a\x1b.l4m.v1.GetVariableResponse\x12\x46\n\x0bSetVariable\x12\x1a.l4m.v1.SetVariableRequest\x1a\x1b.l4m.v1.SetVariableResponse\x12\x64\n\x15\x43ompareAndSetVariable\x12$.l4m.v1.CompareAndSetVariableRequest\x1a%.l4m.v1.CompareAndSetVariableResponse\x12O\n\x0e\x41ppendVariable\x12\x1d.l4m.v1.AppendVariableRequest\x1a\x1e.l4m.v1.AppendVariableResponse\x12N\n\rWatchVariable\x12\x1c.l4m.v1.WatchVariableRequest\x1a\x1d.l4m.v1.WatchVariableResponse0\x01\x12\x43\n\nSpawnChild\x12\x19.l4m.v1.SpawnChildRequest\x1a\x1a.l4m.v1.SpawnChildResponse\x12@\n\tWaitChild\x12\x18.l4m.v1.WaitChildRequest\x1a\x19.l4m.v1.WaitChildResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'l4m.v1.spawner_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LOGSTREAM']._serialized_start=2765
-  _globals['_LOGSTREAM']._serialized_end=2850
-  _globals['_EXITREASON']._serialized_start=2853
-  _globals['_EXITREASON']._serialized_end=3238
-  _globals['_INSTANCESTATE']._serialized_start=3241
-  _globals['_INSTANCESTATE']._serialized_end=3372
+  _globals['_LOGSTREAM']._serialized_start=3757
+  _globals['_LOGSTREAM']._serialized_end=3842
+  _globals['_EXITREASON']._serialized_start=3845
+  _globals['_EXITREASON']._serialized_end=4230
+  _globals['_INSTANCESTATE']._serialized_start=4233
+  _globals['_INSTANCESTATE']._serialized_end=4364
   _globals['_UPLOADPROGRAMREQUEST']._serialized_start=32
   _globals['_UPLOADPROGRAMREQUEST']._serialized_end=120
   _globals['_PROGRAMHEADER']._serialized_start=122
@@ -82,43 +82,49 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SENDTOUSERREQUEST']._serialized_start=1696
   _globals['_SENDTOUSERREQUEST']._serialized_end=1729
   _globals['_FRAMEDRUNTIMEOPEN']._serialized_start=1731
-  _globals['_FRAMEDRUNTIMEOPEN']._serialized_end=1800
-  _globals['_SENDTOUSERRESPONSE']._serialized_start=1802
-  _globals['_SENDTOUSERRESPONSE']._serialized_end=1822
-  _globals['_RECEIVEFROMUSERREQUEST']._serialized_start=1824
-  _globals['_RECEIVEFROMUSERREQUEST']._serialized_end=1868
-  _globals['_RECEIVEFROMUSERRESPONSE']._serialized_start=1870
-  _globals['_RECEIVEFROMUSERRESPONSE']._serialized_end=1927
-  _globals['_GETVARIABLEREQUEST']._serialized_start=1929
-  _globals['_GETVARIABLEREQUEST']._serialized_end=1963
-  _globals['_GETVARIABLERESPONSE']._serialized_start=1965
-  _globals['_GETVARIABLERESPONSE']._serialized_end=2034
-  _globals['_SETVARIABLEREQUEST']._serialized_start=2036
-  _globals['_SETVARIABLEREQUEST']._serialized_end=2085
-  _globals['_SETVARIABLERESPONSE']._serialized_start=2087
-  _globals['_SETVARIABLERESPONSE']._serialized_end=2125
-  _globals['_COMPAREANDSETVARIABLEREQUEST']._serialized_start=2127
-  _globals['_COMPAREANDSETVARIABLEREQUEST']._serialized_end=2212
-  _globals['_COMPAREANDSETVARIABLERESPONSE']._serialized_start=2214
-  _globals['_COMPAREANDSETVARIABLERESPONSE']._serialized_end=2294
-  _globals['_APPENDVARIABLEREQUEST']._serialized_start=2296
-  _globals['_APPENDVARIABLEREQUEST']._serialized_end=2348
-  _globals['_APPENDVARIABLERESPONSE']._serialized_start=2350
-  _globals['_APPENDVARIABLERESPONSE']._serialized_end=2391
-  _globals['_WATCHVARIABLEREQUEST']._serialized_start=2393
-  _globals['_WATCHVARIABLEREQUEST']._serialized_end=2429
-  _globals['_WATCHVARIABLERESPONSE']._serialized_start=2431
-  _globals['_WATCHVARIABLERESPONSE']._serialized_end=2502
-  _globals['_SPAWNCHILDREQUEST']._serialized_start=2504
-  _globals['_SPAWNCHILDREQUEST']._serialized_end=2586
-  _globals['_SPAWNCHILDRESPONSE']._serialized_start=2588
-  _globals['_SPAWNCHILDRESPONSE']._serialized_end=2629
-  _globals['_WAITCHILDREQUEST']._serialized_start=2631
-  _globals['_WAITCHILDREQUEST']._serialized_end=2690
-  _globals['_WAITCHILDRESPONSE']._serialized_start=2692
-  _globals['_WAITCHILDRESPONSE']._serialized_end=2763
-  _globals['_SPAWNERSERVICE']._serialized_start=3375
-  _globals['_SPAWNERSERVICE']._serialized_end=3878
-  _globals['_RUNTIMESERVICE']._serialized_start=3881
-  _globals['_RUNTIMESERVICE']._serialized_end=4592
+  _globals['_FRAMEDRUNTIMEOPEN']._serialized_end=1821
+  _globals['_FRAMEDRUNTIMECALL']._serialized_start=1824
+  _globals['_FRAMEDRUNTIMECALL']._serialized_end=2266
+  _globals['_FRAMEDRUNTIMERESULT']._serialized_start=2269
+  _globals['_FRAMEDRUNTIMERESULT']._serialized_end=2752
+  _globals['_FRAMEDRUNTIMECANCEL']._serialized_start=2754
+  _globals['_FRAMEDRUNTIMECANCEL']._serialized_end=2792
+  _globals['_SENDTOUSERRESPONSE']._serialized_start=2794
+  _globals['_SENDTOUSERRESPONSE']._serialized_end=2814
+  _globals['_RECEIVEFROMUSERREQUEST']._serialized_start=2816
+  _globals['_RECEIVEFROMUSERREQUEST']._serialized_end=2860
+  _globals['_RECEIVEFROMUSERRESPONSE']._serialized_start=2862
+  _globals['_RECEIVEFROMUSERRESPONSE']._serialized_end=2919
+  _globals['_GETVARIABLEREQUEST']._serialized_start=2921
+  _globals['_GETVARIABLEREQUEST']._serialized_end=2955
+  _globals['_GETVARIABLERESPONSE']._serialized_start=2957
+  _globals['_GETVARIABLERESPONSE']._serialized_end=3026
+  _globals['_SETVARIABLEREQUEST']._serialized_start=3028
+  _globals['_SETVARIABLEREQUEST']._serialized_end=3077
+  _globals['_SETVARIABLERESPONSE']._serialized_start=3079
+  _globals['_SETVARIABLERESPONSE']._serialized_end=3117
+  _globals['_COMPAREANDSETVARIABLEREQUEST']._serialized_start=3119
+  _globals['_COMPAREANDSETVARIABLEREQUEST']._serialized_end=3204
+  _globals['_COMPAREANDSETVARIABLERESPONSE']._serialized_start=3206
+  _globals['_COMPAREANDSETVARIABLERESPONSE']._serialized_end=3286
+  _globals['_APPENDVARIABLEREQUEST']._serialized_start=3288
+  _globals['_APPENDVARIABLEREQUEST']._serialized_end=3340
+  _globals['_APPENDVARIABLERESPONSE']._serialized_start=3342
+  _globals['_APPENDVARIABLERESPONSE']._serialized_end=3383
+  _globals['_WATCHVARIABLEREQUEST']._serialized_start=3385
+  _globals['_WATCHVARIABLEREQUEST']._serialized_end=3421
+  _globals['_WATCHVARIABLERESPONSE']._serialized_start=3423
+  _globals['_WATCHVARIABLERESPONSE']._serialized_end=3494
+  _globals['_SPAWNCHILDREQUEST']._serialized_start=3496
+  _globals['_SPAWNCHILDREQUEST']._serialized_end=3578
+  _globals['_SPAWNCHILDRESPONSE']._serialized_start=3580
+  _globals['_SPAWNCHILDRESPONSE']._serialized_end=3621
+  _globals['_WAITCHILDREQUEST']._serialized_start=3623
+  _globals['_WAITCHILDREQUEST']._serialized_end=3682
+  _globals['_WAITCHILDRESPONSE']._serialized_start=3684
+  _globals['_WAITCHILDRESPONSE']._serialized_end=3755
+  _globals['_SPAWNERSERVICE']._serialized_start=4367
+  _globals['_SPAWNERSERVICE']._serialized_end=4870
+  _globals['_RUNTIMESERVICE']._serialized_start=4873
+  _globals['_RUNTIMESERVICE']._serialized_end=5584
 # @@protoc_insertion_point(module_scope)

@@ -253,12 +253,64 @@ class SendToUserRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class FramedRuntimeOpen(_message.Message):
-    __slots__ = ("protocol_version", "instance_token")
+    __slots__ = ("protocol_version", "instance_token", "traceparent")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: str
     instance_token: str
-    def __init__(self, protocol_version: _Optional[str] = ..., instance_token: _Optional[str] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, protocol_version: _Optional[str] = ..., instance_token: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class FramedRuntimeCall(_message.Message):
+    __slots__ = ("call_id", "receive_from_user", "get_variable", "set_variable", "compare_and_set_variable", "append_variable", "spawn_child", "wait_child")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_FROM_USER_FIELD_NUMBER: _ClassVar[int]
+    GET_VARIABLE_FIELD_NUMBER: _ClassVar[int]
+    SET_VARIABLE_FIELD_NUMBER: _ClassVar[int]
+    COMPARE_AND_SET_VARIABLE_FIELD_NUMBER: _ClassVar[int]
+    APPEND_VARIABLE_FIELD_NUMBER: _ClassVar[int]
+    SPAWN_CHILD_FIELD_NUMBER: _ClassVar[int]
+    WAIT_CHILD_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    receive_from_user: ReceiveFromUserRequest
+    get_variable: GetVariableRequest
+    set_variable: SetVariableRequest
+    compare_and_set_variable: CompareAndSetVariableRequest
+    append_variable: AppendVariableRequest
+    spawn_child: SpawnChildRequest
+    wait_child: WaitChildRequest
+    def __init__(self, call_id: _Optional[int] = ..., receive_from_user: _Optional[_Union[ReceiveFromUserRequest, _Mapping]] = ..., get_variable: _Optional[_Union[GetVariableRequest, _Mapping]] = ..., set_variable: _Optional[_Union[SetVariableRequest, _Mapping]] = ..., compare_and_set_variable: _Optional[_Union[CompareAndSetVariableRequest, _Mapping]] = ..., append_variable: _Optional[_Union[AppendVariableRequest, _Mapping]] = ..., spawn_child: _Optional[_Union[SpawnChildRequest, _Mapping]] = ..., wait_child: _Optional[_Union[WaitChildRequest, _Mapping]] = ...) -> None: ...
+
+class FramedRuntimeResult(_message.Message):
+    __slots__ = ("call_id", "code", "message", "receive_from_user", "get_variable", "set_variable", "compare_and_set_variable", "append_variable", "spawn_child", "wait_child")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_FROM_USER_FIELD_NUMBER: _ClassVar[int]
+    GET_VARIABLE_FIELD_NUMBER: _ClassVar[int]
+    SET_VARIABLE_FIELD_NUMBER: _ClassVar[int]
+    COMPARE_AND_SET_VARIABLE_FIELD_NUMBER: _ClassVar[int]
+    APPEND_VARIABLE_FIELD_NUMBER: _ClassVar[int]
+    SPAWN_CHILD_FIELD_NUMBER: _ClassVar[int]
+    WAIT_CHILD_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    code: int
+    message: str
+    receive_from_user: ReceiveFromUserResponse
+    get_variable: GetVariableResponse
+    set_variable: SetVariableResponse
+    compare_and_set_variable: CompareAndSetVariableResponse
+    append_variable: AppendVariableResponse
+    spawn_child: SpawnChildResponse
+    wait_child: WaitChildResponse
+    def __init__(self, call_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., receive_from_user: _Optional[_Union[ReceiveFromUserResponse, _Mapping]] = ..., get_variable: _Optional[_Union[GetVariableResponse, _Mapping]] = ..., set_variable: _Optional[_Union[SetVariableResponse, _Mapping]] = ..., compare_and_set_variable: _Optional[_Union[CompareAndSetVariableResponse, _Mapping]] = ..., append_variable: _Optional[_Union[AppendVariableResponse, _Mapping]] = ..., spawn_child: _Optional[_Union[SpawnChildResponse, _Mapping]] = ..., wait_child: _Optional[_Union[WaitChildResponse, _Mapping]] = ...) -> None: ...
+
+class FramedRuntimeCancel(_message.Message):
+    __slots__ = ("call_id",)
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    def __init__(self, call_id: _Optional[int] = ...) -> None: ...
 
 class SendToUserResponse(_message.Message):
     __slots__ = ()

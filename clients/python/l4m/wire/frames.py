@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from typing import TYPE_CHECKING, Any
 
-import grpc
 from google.protobuf.message import Message
 
 from l4m.v1 import l4m_pb2
+from l4m.wire.status import StatusCode
+
+if TYPE_CHECKING:
+    import grpc
 
 HEADER = struct.Struct("<IB")
 # L4M sessions (controller <-> scheduler; l4m.proto).
@@ -26,16 +30,27 @@ OPEN, REQUEST, STATUS, RESPONSE, GET_INFO, INFO = 1, 2, 3, 4, 5, 6
 # The Execute stream (scheduler <-> executor; executor.proto), whose status frames are kind 3 too.
 EXECUTE_OPEN, EXECUTE, EXECUTED = 7, 8, 9
 # A controller's messages to its user (controller -> spawner; spawner.proto, "SendToUser over frames"),
-# each answered by a status frame.
-RUNTIME_OPEN, SEND_TO_USER = 10, 11
+# each answered by a status frame; its other runtime calls, each answered by a result frame, and their
+# cancellations.
+RUNTIME_OPEN, SEND_TO_USER, RUNTIME_CALL, RUNTIME_RESULT, RUNTIME_CANCEL = 10, 11, 12, 13, 14
 KIND_NAMES = {OPEN: "FramedSessionOpen", REQUEST: "SessionRequest", STATUS: "FramedSessionStatus",
               RESPONSE: "SessionResponse", GET_INFO: "GetInfoRequest", INFO: "GetInfoResponse",
               EXECUTE_OPEN: "FramedExecuteOpen", EXECUTE: "ExecuteRequest", EXECUTED: "ExecuteResponse",
-              RUNTIME_OPEN: "FramedRuntimeOpen", SEND_TO_USER: "SendToUserRequest"}
+              RUNTIME_OPEN: "FramedRuntimeOpen", SEND_TO_USER: "SendToUserRequest",
+              RUNTIME_CALL: "FramedRuntimeCall", RUNTIME_RESULT: "FramedRuntimeResult",
+              RUNTIME_CANCEL: "FramedRuntimeCancel"}
 PROTOCOL_VERSION = "l4m.v1"
 ADDRESS_PREFIX = "framed:"
-# gRPC status codes by number (a status frame carries the number).
-STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def __getattr__(name: str) -> Any:
+    # STATUS_CODES (grpc.StatusCode by number, for the services and tests that speak grpc's codes) imports
+    # grpc on first use: the SDK's framed path reads statuses as `l4m.wire.status` codes, without grpc.
+    if name == "STATUS_CODES":
+        import grpc
+
+        return {code.value[0]: code for code in grpc.StatusCode}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class FrameError(ValueError):
@@ -51,15 +66,28 @@ def framed_path(address: str) -> str | None:
     return path[2:] if path.startswith("///") else path
 
 
-def status_frame(code: grpc.StatusCode, message: str = "") -> bytes:
+def status_number(code: grpc.StatusCode | StatusCode) -> int:
+    """The number of a status code, grpc's (whose value is `(number, name)`) or ours."""
+    return code if isinstance(code, StatusCode) else code.value[0]
+
+
+def status_frame(code: grpc.StatusCode | StatusCode, message: str = "") -> bytes:
     """A status frame (kind 3): what a gRPC status would say."""
-    return encode(STATUS, l4m_pb2.FramedSessionStatus(code=code.value[0], message=message))
+    return encode(STATUS, l4m_pb2.FramedSessionStatus(code=status_number(code), message=message))
+
+
+def read_status(payload: bytes) -> tuple[StatusCode, str]:
+    """What a status frame says, without grpc: (code, message); a number gRPC does not know is UNKNOWN."""
+    status = l4m_pb2.FramedSessionStatus.FromString(payload)
+    return StatusCode.of(status.code), status.message
 
 
 def parse_status(payload: bytes) -> tuple[grpc.StatusCode, str]:
-    """What a status frame says: (code, message); a number gRPC does not know is UNKNOWN."""
-    status = l4m_pb2.FramedSessionStatus.FromString(payload)
-    return STATUS_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message
+    """`read_status` in grpc's codes (for the services, which speak grpc anyway)."""
+    import grpc
+
+    code, message = read_status(payload)
+    return grpc.StatusCode[code.name], message
 
 
 def encode(kind: int, message: Message) -> bytes:

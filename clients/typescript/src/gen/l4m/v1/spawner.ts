@@ -432,6 +432,47 @@ export interface FramedRuntimeOpen {
   protocolVersion: string;
   /** The instance token (`l4m-instance-token` on gRPC); an unknown one is refused (UNAUTHENTICATED). */
   instanceToken: string;
+  /** W3C trace context of the controller's run (`traceparent` on gRPC): the parent of the children it spawns. */
+  traceparent: string;
+}
+
+/** A RuntimeService call over frames (kind 12). */
+export interface FramedRuntimeCall {
+  /** Chosen by the client, unique among its calls in flight; its result carries it back. */
+  callId: number;
+  /** The call: the RuntimeService request it would be on gRPC (none set is answered INVALID_ARGUMENT). */
+  request:
+    | { $case: "receiveFromUser"; value: ReceiveFromUserRequest }
+    | { $case: "getVariable"; value: GetVariableRequest }
+    | { $case: "setVariable"; value: SetVariableRequest }
+    | { $case: "compareAndSetVariable"; value: CompareAndSetVariableRequest }
+    | { $case: "appendVariable"; value: AppendVariableRequest }
+    | { $case: "spawnChild"; value: SpawnChildRequest }
+    | { $case: "waitChild"; value: WaitChildRequest }
+    | undefined;
+}
+
+/** The answer to one FramedRuntimeCall (kind 13): what the gRPC call would have returned. */
+export interface FramedRuntimeResult {
+  callId: number;
+  /** A gRPC status code: 0 (OK) with the call's response set; otherwise `message` says why. */
+  code: number;
+  message: string;
+  /** The call's response, the one named like its request (set only with code 0). */
+  response:
+    | { $case: "receiveFromUser"; value: ReceiveFromUserResponse }
+    | { $case: "getVariable"; value: GetVariableResponse }
+    | { $case: "setVariable"; value: SetVariableResponse }
+    | { $case: "compareAndSetVariable"; value: CompareAndSetVariableResponse }
+    | { $case: "appendVariable"; value: AppendVariableResponse }
+    | { $case: "spawnChild"; value: SpawnChildResponse }
+    | { $case: "waitChild"; value: WaitChildResponse }
+    | undefined;
+}
+
+/** The client gave up on a call (kind 14); a call_id not in flight (already answered) is ignored. */
+export interface FramedRuntimeCancel {
+  callId: number;
 }
 
 export interface SendToUserResponse {
@@ -2701,7 +2742,7 @@ export const SendToUserRequest: MessageFns<SendToUserRequest> = {
 };
 
 function createBaseFramedRuntimeOpen(): FramedRuntimeOpen {
-  return { protocolVersion: "", instanceToken: "" };
+  return { protocolVersion: "", instanceToken: "", traceparent: "" };
 }
 
 export const FramedRuntimeOpen: MessageFns<FramedRuntimeOpen> = {
@@ -2711,6 +2752,9 @@ export const FramedRuntimeOpen: MessageFns<FramedRuntimeOpen> = {
     }
     if (message.instanceToken !== "") {
       writer.uint32(18).string(message.instanceToken);
+    }
+    if (message.traceparent !== "") {
+      writer.uint32(26).string(message.traceparent);
     }
     return writer;
   },
@@ -2744,6 +2788,14 @@ export const FramedRuntimeOpen: MessageFns<FramedRuntimeOpen> = {
             message.instanceToken = reader.string();
             continue;
           }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.traceparent = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2768,6 +2820,7 @@ export const FramedRuntimeOpen: MessageFns<FramedRuntimeOpen> = {
         : isSet(object.instance_token)
         ? globalThis.String(object.instance_token)
         : "",
+      traceparent: isSet(object.traceparent) ? globalThis.String(object.traceparent) : "",
     };
   },
 
@@ -2779,6 +2832,9 @@ export const FramedRuntimeOpen: MessageFns<FramedRuntimeOpen> = {
     if (message.instanceToken !== "") {
       obj.instanceToken = message.instanceToken;
     }
+    if (message.traceparent !== "") {
+      obj.traceparent = message.traceparent;
+    }
     return obj;
   },
 
@@ -2789,6 +2845,631 @@ export const FramedRuntimeOpen: MessageFns<FramedRuntimeOpen> = {
     const message = createBaseFramedRuntimeOpen();
     message.protocolVersion = object.protocolVersion ?? "";
     message.instanceToken = object.instanceToken ?? "";
+    message.traceparent = object.traceparent ?? "";
+    return message;
+  },
+};
+
+function createBaseFramedRuntimeCall(): FramedRuntimeCall {
+  return { callId: 0, request: undefined };
+}
+
+export const FramedRuntimeCall: MessageFns<FramedRuntimeCall> = {
+  encode(message: FramedRuntimeCall, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.callId !== 0) {
+      writer.uint32(8).uint64(message.callId);
+    }
+    switch (message.request?.$case) {
+      case "receiveFromUser":
+        ReceiveFromUserRequest.encode(message.request.value, writer.uint32(18).fork()).join();
+        break;
+      case "getVariable":
+        GetVariableRequest.encode(message.request.value, writer.uint32(26).fork()).join();
+        break;
+      case "setVariable":
+        SetVariableRequest.encode(message.request.value, writer.uint32(34).fork()).join();
+        break;
+      case "compareAndSetVariable":
+        CompareAndSetVariableRequest.encode(message.request.value, writer.uint32(42).fork()).join();
+        break;
+      case "appendVariable":
+        AppendVariableRequest.encode(message.request.value, writer.uint32(50).fork()).join();
+        break;
+      case "spawnChild":
+        SpawnChildRequest.encode(message.request.value, writer.uint32(58).fork()).join();
+        break;
+      case "waitChild":
+        WaitChildRequest.encode(message.request.value, writer.uint32(66).fork()).join();
+        break;
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): FramedRuntimeCall {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseFramedRuntimeCall();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.callId = longToNumber(reader.uint64());
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.request = {
+              $case: "receiveFromUser",
+              value: ReceiveFromUserRequest.decode(reader, reader.uint32()),
+            };
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.request = { $case: "getVariable", value: GetVariableRequest.decode(reader, reader.uint32()) };
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.request = { $case: "setVariable", value: SetVariableRequest.decode(reader, reader.uint32()) };
+            continue;
+          }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.request = {
+              $case: "compareAndSetVariable",
+              value: CompareAndSetVariableRequest.decode(reader, reader.uint32()),
+            };
+            continue;
+          }
+          case 6: {
+            if (tag !== 50) {
+              break;
+            }
+
+            message.request = { $case: "appendVariable", value: AppendVariableRequest.decode(reader, reader.uint32()) };
+            continue;
+          }
+          case 7: {
+            if (tag !== 58) {
+              break;
+            }
+
+            message.request = { $case: "spawnChild", value: SpawnChildRequest.decode(reader, reader.uint32()) };
+            continue;
+          }
+          case 8: {
+            if (tag !== 66) {
+              break;
+            }
+
+            message.request = { $case: "waitChild", value: WaitChildRequest.decode(reader, reader.uint32()) };
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): FramedRuntimeCall {
+    return {
+      callId: isSet(object.callId)
+        ? globalThis.Number(object.callId)
+        : isSet(object.call_id)
+        ? globalThis.Number(object.call_id)
+        : 0,
+      request: isSet(object.receiveFromUser)
+        ? { $case: "receiveFromUser", value: ReceiveFromUserRequest.fromJSON(object.receiveFromUser) }
+        : isSet(object.receive_from_user)
+        ? { $case: "receiveFromUser", value: ReceiveFromUserRequest.fromJSON(object.receive_from_user) }
+        : isSet(object.getVariable)
+        ? { $case: "getVariable", value: GetVariableRequest.fromJSON(object.getVariable) }
+        : isSet(object.get_variable)
+        ? { $case: "getVariable", value: GetVariableRequest.fromJSON(object.get_variable) }
+        : isSet(object.setVariable)
+        ? { $case: "setVariable", value: SetVariableRequest.fromJSON(object.setVariable) }
+        : isSet(object.set_variable)
+        ? { $case: "setVariable", value: SetVariableRequest.fromJSON(object.set_variable) }
+        : isSet(object.compareAndSetVariable)
+        ? { $case: "compareAndSetVariable", value: CompareAndSetVariableRequest.fromJSON(object.compareAndSetVariable) }
+        : isSet(object.compare_and_set_variable)
+        ? {
+          $case: "compareAndSetVariable",
+          value: CompareAndSetVariableRequest.fromJSON(object.compare_and_set_variable),
+        }
+        : isSet(object.appendVariable)
+        ? { $case: "appendVariable", value: AppendVariableRequest.fromJSON(object.appendVariable) }
+        : isSet(object.append_variable)
+        ? { $case: "appendVariable", value: AppendVariableRequest.fromJSON(object.append_variable) }
+        : isSet(object.spawnChild)
+        ? { $case: "spawnChild", value: SpawnChildRequest.fromJSON(object.spawnChild) }
+        : isSet(object.spawn_child)
+        ? { $case: "spawnChild", value: SpawnChildRequest.fromJSON(object.spawn_child) }
+        : isSet(object.waitChild)
+        ? { $case: "waitChild", value: WaitChildRequest.fromJSON(object.waitChild) }
+        : isSet(object.wait_child)
+        ? { $case: "waitChild", value: WaitChildRequest.fromJSON(object.wait_child) }
+        : undefined,
+    };
+  },
+
+  toJSON(message: FramedRuntimeCall): unknown {
+    const obj: any = {};
+    if (message.callId !== 0) {
+      obj.callId = Math.round(message.callId);
+    }
+    if (message.request?.$case === "receiveFromUser") {
+      obj.receiveFromUser = ReceiveFromUserRequest.toJSON(message.request.value);
+    } else if (message.request?.$case === "getVariable") {
+      obj.getVariable = GetVariableRequest.toJSON(message.request.value);
+    } else if (message.request?.$case === "setVariable") {
+      obj.setVariable = SetVariableRequest.toJSON(message.request.value);
+    } else if (message.request?.$case === "compareAndSetVariable") {
+      obj.compareAndSetVariable = CompareAndSetVariableRequest.toJSON(message.request.value);
+    } else if (message.request?.$case === "appendVariable") {
+      obj.appendVariable = AppendVariableRequest.toJSON(message.request.value);
+    } else if (message.request?.$case === "spawnChild") {
+      obj.spawnChild = SpawnChildRequest.toJSON(message.request.value);
+    } else if (message.request?.$case === "waitChild") {
+      obj.waitChild = WaitChildRequest.toJSON(message.request.value);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<FramedRuntimeCall>, I>>(base?: I): FramedRuntimeCall {
+    return FramedRuntimeCall.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<FramedRuntimeCall>, I>>(object: I): FramedRuntimeCall {
+    const message = createBaseFramedRuntimeCall();
+    message.callId = object.callId ?? 0;
+    switch (object.request?.$case) {
+      case "receiveFromUser": {
+        if (object.request?.value !== undefined && object.request?.value !== null) {
+          message.request = {
+            $case: "receiveFromUser",
+            value: ReceiveFromUserRequest.fromPartial(object.request.value),
+          };
+        }
+        break;
+      }
+      case "getVariable": {
+        if (object.request?.value !== undefined && object.request?.value !== null) {
+          message.request = { $case: "getVariable", value: GetVariableRequest.fromPartial(object.request.value) };
+        }
+        break;
+      }
+      case "setVariable": {
+        if (object.request?.value !== undefined && object.request?.value !== null) {
+          message.request = { $case: "setVariable", value: SetVariableRequest.fromPartial(object.request.value) };
+        }
+        break;
+      }
+      case "compareAndSetVariable": {
+        if (object.request?.value !== undefined && object.request?.value !== null) {
+          message.request = {
+            $case: "compareAndSetVariable",
+            value: CompareAndSetVariableRequest.fromPartial(object.request.value),
+          };
+        }
+        break;
+      }
+      case "appendVariable": {
+        if (object.request?.value !== undefined && object.request?.value !== null) {
+          message.request = { $case: "appendVariable", value: AppendVariableRequest.fromPartial(object.request.value) };
+        }
+        break;
+      }
+      case "spawnChild": {
+        if (object.request?.value !== undefined && object.request?.value !== null) {
+          message.request = { $case: "spawnChild", value: SpawnChildRequest.fromPartial(object.request.value) };
+        }
+        break;
+      }
+      case "waitChild": {
+        if (object.request?.value !== undefined && object.request?.value !== null) {
+          message.request = { $case: "waitChild", value: WaitChildRequest.fromPartial(object.request.value) };
+        }
+        break;
+      }
+    }
+    return message;
+  },
+};
+
+function createBaseFramedRuntimeResult(): FramedRuntimeResult {
+  return { callId: 0, code: 0, message: "", response: undefined };
+}
+
+export const FramedRuntimeResult: MessageFns<FramedRuntimeResult> = {
+  encode(message: FramedRuntimeResult, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.callId !== 0) {
+      writer.uint32(8).uint64(message.callId);
+    }
+    if (message.code !== 0) {
+      writer.uint32(16).int32(message.code);
+    }
+    if (message.message !== "") {
+      writer.uint32(26).string(message.message);
+    }
+    switch (message.response?.$case) {
+      case "receiveFromUser":
+        ReceiveFromUserResponse.encode(message.response.value, writer.uint32(34).fork()).join();
+        break;
+      case "getVariable":
+        GetVariableResponse.encode(message.response.value, writer.uint32(42).fork()).join();
+        break;
+      case "setVariable":
+        SetVariableResponse.encode(message.response.value, writer.uint32(50).fork()).join();
+        break;
+      case "compareAndSetVariable":
+        CompareAndSetVariableResponse.encode(message.response.value, writer.uint32(58).fork()).join();
+        break;
+      case "appendVariable":
+        AppendVariableResponse.encode(message.response.value, writer.uint32(66).fork()).join();
+        break;
+      case "spawnChild":
+        SpawnChildResponse.encode(message.response.value, writer.uint32(74).fork()).join();
+        break;
+      case "waitChild":
+        WaitChildResponse.encode(message.response.value, writer.uint32(82).fork()).join();
+        break;
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): FramedRuntimeResult {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseFramedRuntimeResult();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.callId = longToNumber(reader.uint64());
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.code = reader.int32();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.message = reader.string();
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.response = {
+              $case: "receiveFromUser",
+              value: ReceiveFromUserResponse.decode(reader, reader.uint32()),
+            };
+            continue;
+          }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.response = { $case: "getVariable", value: GetVariableResponse.decode(reader, reader.uint32()) };
+            continue;
+          }
+          case 6: {
+            if (tag !== 50) {
+              break;
+            }
+
+            message.response = { $case: "setVariable", value: SetVariableResponse.decode(reader, reader.uint32()) };
+            continue;
+          }
+          case 7: {
+            if (tag !== 58) {
+              break;
+            }
+
+            message.response = {
+              $case: "compareAndSetVariable",
+              value: CompareAndSetVariableResponse.decode(reader, reader.uint32()),
+            };
+            continue;
+          }
+          case 8: {
+            if (tag !== 66) {
+              break;
+            }
+
+            message.response = {
+              $case: "appendVariable",
+              value: AppendVariableResponse.decode(reader, reader.uint32()),
+            };
+            continue;
+          }
+          case 9: {
+            if (tag !== 74) {
+              break;
+            }
+
+            message.response = { $case: "spawnChild", value: SpawnChildResponse.decode(reader, reader.uint32()) };
+            continue;
+          }
+          case 10: {
+            if (tag !== 82) {
+              break;
+            }
+
+            message.response = { $case: "waitChild", value: WaitChildResponse.decode(reader, reader.uint32()) };
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): FramedRuntimeResult {
+    return {
+      callId: isSet(object.callId)
+        ? globalThis.Number(object.callId)
+        : isSet(object.call_id)
+        ? globalThis.Number(object.call_id)
+        : 0,
+      code: isSet(object.code) ? globalThis.Number(object.code) : 0,
+      message: isSet(object.message) ? globalThis.String(object.message) : "",
+      response: isSet(object.receiveFromUser)
+        ? { $case: "receiveFromUser", value: ReceiveFromUserResponse.fromJSON(object.receiveFromUser) }
+        : isSet(object.receive_from_user)
+        ? { $case: "receiveFromUser", value: ReceiveFromUserResponse.fromJSON(object.receive_from_user) }
+        : isSet(object.getVariable)
+        ? { $case: "getVariable", value: GetVariableResponse.fromJSON(object.getVariable) }
+        : isSet(object.get_variable)
+        ? { $case: "getVariable", value: GetVariableResponse.fromJSON(object.get_variable) }
+        : isSet(object.setVariable)
+        ? { $case: "setVariable", value: SetVariableResponse.fromJSON(object.setVariable) }
+        : isSet(object.set_variable)
+        ? { $case: "setVariable", value: SetVariableResponse.fromJSON(object.set_variable) }
+        : isSet(object.compareAndSetVariable)
+        ? {
+          $case: "compareAndSetVariable",
+          value: CompareAndSetVariableResponse.fromJSON(object.compareAndSetVariable),
+        }
+        : isSet(object.compare_and_set_variable)
+        ? {
+          $case: "compareAndSetVariable",
+          value: CompareAndSetVariableResponse.fromJSON(object.compare_and_set_variable),
+        }
+        : isSet(object.appendVariable)
+        ? { $case: "appendVariable", value: AppendVariableResponse.fromJSON(object.appendVariable) }
+        : isSet(object.append_variable)
+        ? { $case: "appendVariable", value: AppendVariableResponse.fromJSON(object.append_variable) }
+        : isSet(object.spawnChild)
+        ? { $case: "spawnChild", value: SpawnChildResponse.fromJSON(object.spawnChild) }
+        : isSet(object.spawn_child)
+        ? { $case: "spawnChild", value: SpawnChildResponse.fromJSON(object.spawn_child) }
+        : isSet(object.waitChild)
+        ? { $case: "waitChild", value: WaitChildResponse.fromJSON(object.waitChild) }
+        : isSet(object.wait_child)
+        ? { $case: "waitChild", value: WaitChildResponse.fromJSON(object.wait_child) }
+        : undefined,
+    };
+  },
+
+  toJSON(message: FramedRuntimeResult): unknown {
+    const obj: any = {};
+    if (message.callId !== 0) {
+      obj.callId = Math.round(message.callId);
+    }
+    if (message.code !== 0) {
+      obj.code = Math.round(message.code);
+    }
+    if (message.message !== "") {
+      obj.message = message.message;
+    }
+    if (message.response?.$case === "receiveFromUser") {
+      obj.receiveFromUser = ReceiveFromUserResponse.toJSON(message.response.value);
+    } else if (message.response?.$case === "getVariable") {
+      obj.getVariable = GetVariableResponse.toJSON(message.response.value);
+    } else if (message.response?.$case === "setVariable") {
+      obj.setVariable = SetVariableResponse.toJSON(message.response.value);
+    } else if (message.response?.$case === "compareAndSetVariable") {
+      obj.compareAndSetVariable = CompareAndSetVariableResponse.toJSON(message.response.value);
+    } else if (message.response?.$case === "appendVariable") {
+      obj.appendVariable = AppendVariableResponse.toJSON(message.response.value);
+    } else if (message.response?.$case === "spawnChild") {
+      obj.spawnChild = SpawnChildResponse.toJSON(message.response.value);
+    } else if (message.response?.$case === "waitChild") {
+      obj.waitChild = WaitChildResponse.toJSON(message.response.value);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<FramedRuntimeResult>, I>>(base?: I): FramedRuntimeResult {
+    return FramedRuntimeResult.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<FramedRuntimeResult>, I>>(object: I): FramedRuntimeResult {
+    const message = createBaseFramedRuntimeResult();
+    message.callId = object.callId ?? 0;
+    message.code = object.code ?? 0;
+    message.message = object.message ?? "";
+    switch (object.response?.$case) {
+      case "receiveFromUser": {
+        if (object.response?.value !== undefined && object.response?.value !== null) {
+          message.response = {
+            $case: "receiveFromUser",
+            value: ReceiveFromUserResponse.fromPartial(object.response.value),
+          };
+        }
+        break;
+      }
+      case "getVariable": {
+        if (object.response?.value !== undefined && object.response?.value !== null) {
+          message.response = { $case: "getVariable", value: GetVariableResponse.fromPartial(object.response.value) };
+        }
+        break;
+      }
+      case "setVariable": {
+        if (object.response?.value !== undefined && object.response?.value !== null) {
+          message.response = { $case: "setVariable", value: SetVariableResponse.fromPartial(object.response.value) };
+        }
+        break;
+      }
+      case "compareAndSetVariable": {
+        if (object.response?.value !== undefined && object.response?.value !== null) {
+          message.response = {
+            $case: "compareAndSetVariable",
+            value: CompareAndSetVariableResponse.fromPartial(object.response.value),
+          };
+        }
+        break;
+      }
+      case "appendVariable": {
+        if (object.response?.value !== undefined && object.response?.value !== null) {
+          message.response = {
+            $case: "appendVariable",
+            value: AppendVariableResponse.fromPartial(object.response.value),
+          };
+        }
+        break;
+      }
+      case "spawnChild": {
+        if (object.response?.value !== undefined && object.response?.value !== null) {
+          message.response = { $case: "spawnChild", value: SpawnChildResponse.fromPartial(object.response.value) };
+        }
+        break;
+      }
+      case "waitChild": {
+        if (object.response?.value !== undefined && object.response?.value !== null) {
+          message.response = { $case: "waitChild", value: WaitChildResponse.fromPartial(object.response.value) };
+        }
+        break;
+      }
+    }
+    return message;
+  },
+};
+
+function createBaseFramedRuntimeCancel(): FramedRuntimeCancel {
+  return { callId: 0 };
+}
+
+export const FramedRuntimeCancel: MessageFns<FramedRuntimeCancel> = {
+  encode(message: FramedRuntimeCancel, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.callId !== 0) {
+      writer.uint32(8).uint64(message.callId);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): FramedRuntimeCancel {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseFramedRuntimeCancel();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.callId = longToNumber(reader.uint64());
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): FramedRuntimeCancel {
+    return {
+      callId: isSet(object.callId)
+        ? globalThis.Number(object.callId)
+        : isSet(object.call_id)
+        ? globalThis.Number(object.call_id)
+        : 0,
+    };
+  },
+
+  toJSON(message: FramedRuntimeCancel): unknown {
+    const obj: any = {};
+    if (message.callId !== 0) {
+      obj.callId = Math.round(message.callId);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<FramedRuntimeCancel>, I>>(base?: I): FramedRuntimeCancel {
+    return FramedRuntimeCancel.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<FramedRuntimeCancel>, I>>(object: I): FramedRuntimeCancel {
+    const message = createBaseFramedRuntimeCancel();
+    message.callId = object.callId ?? 0;
     return message;
   },
 };
