@@ -11,6 +11,9 @@ in one forward_text batch (what the scheduler's chunked prefill makes). Timed pe
 - **chunk**: the chunk alone,
 - **ragged** / **padded**: the mixed batch, attended in groups (`attention.CALL_COST_PAIRS` as shipped)
   or as one padded call (`CALL_COST_PAIRS = inf`, the path before ragged groups),
+- **unfused**: the mixed batch in groups on per-op torch (`decode_kernel` off: the decode steps attend on
+  the `decode_attention` kernel, layer by layer), where ragged runs it as one `mixed_layers` call
+  (batches of up to `max_quantized_rows` tokens, 64),
 interleaved over `--repeats` after `--warmup` untimed rounds (medians shown; every time in the JSON). Every batch re-runs the same
 tokens into the same slots, so each repeat does the same work. The mixed batch's step / steps ratio
 is what a stream's inter-token latency grows by while a chunk runs.
@@ -19,6 +22,7 @@ is what a stream's inter-token latency grows by while a chunk runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -34,7 +38,7 @@ from l4m.executor.weights import default_model_path, load_model
 
 GREEDY = SamplerSpec(SamplerKind.GREEDY)
 PAGE_SIZE = 16
-MODES = ("steps", "chunk", "ragged", "padded")
+MODES = ("steps", "chunk", "ragged", "unfused", "padded")
 
 
 class Workload:
@@ -82,14 +86,16 @@ class Workload:
 
 
 def time_batch(engine: Engine, items: list[ForwardText], mode: str) -> float:
-    shipped = attention.CALL_COST_PAIRS
+    shipped, config = attention.CALL_COST_PAIRS, engine.config
     attention.CALL_COST_PAIRS = float("inf") if mode == "padded" else shipped
+    if mode == "unfused":
+        engine.config = dataclasses.replace(config, decode_kernel=False)
     try:
         t0 = time.perf_counter()
         engine.forward_text(items)
         return time.perf_counter() - t0
     finally:
-        attention.CALL_COST_PAIRS = shipped
+        attention.CALL_COST_PAIRS, engine.config = shipped, config
 
 
 def _ratio(medians: dict[str, float], a: str, b: str) -> str:
@@ -124,19 +130,21 @@ def main() -> None:
     times: dict[str, list[float]] = {}
     for repeat in range(args.warmup + args.repeats):
         for chunk in chunks:
-            batches = {"steps": work.steps(), "chunk": [work.chunk(chunk)],
-                       "ragged": [work.chunk(chunk), *work.steps()], "padded": [work.chunk(chunk), *work.steps()]}
             for mode in modes:
-                elapsed = time_batch(engine, batches[mode], mode)
+                items = work.steps() if mode == "steps" else [work.chunk(chunk)]
+                if mode not in ("steps", "chunk"):
+                    items += work.steps()
+                elapsed = time_batch(engine, items, mode)
                 if repeat >= args.warmup:
                     times.setdefault(f"{chunk}/{mode}", []).append(elapsed)
     print(f"load after {os.getloadavg()[0]:.1f}")
-    print("| chunk | " + " | ".join(f"{m} ms" for m in modes) + " | ragged / steps | padded / ragged |")
-    print("|---:|" + "---:|" * (len(modes) + 2))
+    ratios = [("ragged", "steps"), ("unfused", "steps"), ("padded", "ragged")]
+    print("| chunk | " + " | ".join(f"{m} ms" for m in modes) + " | " + " | ".join(f"{a} / {b}" for a, b in ratios) + " |")
+    print("|---:|" + "---:|" * (len(modes) + len(ratios)))
     for chunk in chunks:
         med = {m: statistics.median(times[f"{chunk}/{m}"]) * 1e3 for m in modes}
         cells = " | ".join(f"{med[m]:,.0f}" for m in modes)
-        print(f"| {chunk:,} | {cells} | {_ratio(med, 'ragged', 'steps')} | {_ratio(med, 'padded', 'ragged')} |")
+        print(f"| {chunk:,} | {cells} | " + " | ".join(_ratio(med, a, b) for a, b in ratios) + " |")
     if args.out:
         args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "contexts": contexts,
                                         "times_s": times}, indent=1))

@@ -15,6 +15,8 @@ a batch of alike items stays one group, in order, as one call.
   length and slot visibility (BRLE row AND page visibility), for the CPU kernels that read K/V straight
   from the pages (`decode_layers` for a batch of decode steps alone, `decode_attention` for the decode
   steps of a mixed batch), or the same on torch ops elsewhere.
+- A mixed batch of decode steps beside one padded group of equal-length items (a prefill chunk) can run
+  through the CPU kernels whole (`split_mixed`, `mixed_layers`): the decode steps keep the fused stack.
 
 There is no mask-less path: every group applies its items' masks, single-token steps included.
 """
@@ -119,6 +121,28 @@ def build_plan(
         group_rows=tuple(group_rows),
         dead_rows=torch.from_numpy(dead).to(device) if dead.size else None,
     )
+
+
+@dataclass(frozen=True)
+class MixedSplit:
+    """A mixed batch's plan as `torch.ops.l4m_cpu.mixed_layers` takes it: the decode steps' rows first."""
+
+    decode: DecodePlan
+    group: PaddedGroup  # the rest of the batch: items of equal new tokens (no scatter)
+    order: torch.Tensor  # [N] batch row of each kernel row: the decode steps', then the group's
+
+
+def split_mixed(plan: AttentionPlan) -> MixedSplit | None:
+    """The plan of decode steps beside one padded group of equal-length items (a prefill chunk beside
+    decode streams, as chunked prefill makes them) as `mixed_layers` takes it; None for any other plan."""
+    if len(plan.groups) != 2:
+        return None
+    decode = next((g for g in plan.groups if isinstance(g, DecodePlan)), None)
+    group = next((g for g in plan.groups if isinstance(g, PaddedGroup)), None)
+    if decode is None or group is None or group.scatter_index is not None:
+        return None
+    rows = dict(zip((type(g) for g in plan.groups), plan.group_rows, strict=True))
+    return MixedSplit(decode, group, torch.cat((rows[DecodePlan], rows[PaddedGroup])))
 
 
 def group_items(items: Sequence[ItemLayout], page_size: int) -> list[list[int]]:

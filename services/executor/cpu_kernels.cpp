@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -286,7 +287,142 @@ void rows_any(const float* x, int64_t ldx, const float* xsum, int64_t M, const Q
   }
 }
 
-constexpr int64_t kChunkRows = 24;  // weight rows per parallel chunk (a multiple of 2, 3 and 4)
+// ---- many rows of x: x as panels of 8 rows, weights broadcast from a dequantized buffer ----------
+//
+// x is transposed once per call into panels xt[p][k][r] = x[8p + r][k] (rows past M are 0), so one
+// ymm holds column k of 8 rows of x. A tile keeps PV panels x NR weight rows of outputs in registers
+// (lane r of acc[p][j] is out[8p + r][n0 + j]) and per k does PV loads of x, NR broadcasts of dequantized
+// weights and PV * NR FMAs: no horizontal sums, and few bytes per FMA (2 x 6: 64 + 24 bytes for 12
+// FMAs, against 7 full vectors for 12 in the dot-product tiles of rows_buffered, whose loads outran L2).
+// Each output sums its products in k order within a K block, then block by block.
+
+// Panels pad M to a multiple of 8: used from 16 rows, and at 8 (no padding); 9-15 rows measured faster
+// on the 4-row dot-product tiles.
+inline bool use_panels(int64_t M) { return M >= 16 || M == 8; }
+
+inline void transpose8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+  r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+  r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+  r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+  r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+// Panel p of x: xt[k * 8 + r] = x[8p + r][k], K a multiple of 8.
+void pack_panel(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t p, float* xt) {
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 r[8];
+    for (int i = 0; i < 8; ++i)
+      r[i] = 8 * p + i < M ? _mm256_loadu_ps(x + (8 * p + i) * ldx + k) : _mm256_setzero_ps();
+    transpose8(r);
+    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(xt + (k + c) * 8, r[c]);
+  }
+}
+
+// PV panels of x (xt: panel stride ldp floats) times NR weight rows (wb: row stride ldw), over kc
+// columns, added to the tile's running sums ct[j][p][8] (stride P * 8 per weight row) kept transposed.
+template <int PV, int NR>
+inline void tile_panels(const float* xt, int64_t ldp, const float* wb, int64_t ldw, int64_t kc, float* ct,
+                        int64_t P) {
+  // Every loop over PV and NR unrolled, or GCC keeps acc in memory and stores it on every k.
+  __m256 acc[PV][NR];
+#pragma GCC unroll 16
+  for (int p = 0; p < PV; ++p)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) acc[p][j] = _mm256_loadu_ps(ct + j * P * 8 + p * 8);
+  for (int64_t k = 0; k < kc; ++k) {
+    __m256 xv[PV];
+#pragma GCC unroll 16
+    for (int p = 0; p < PV; ++p) xv[p] = _mm256_loadu_ps(xt + p * ldp + k * 8);
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) {
+      const __m256 wv = _mm256_broadcast_ss(wb + j * ldw + k);
+#pragma GCC unroll 16
+      for (int p = 0; p < PV; ++p) acc[p][j] = _mm256_fmadd_ps(xv[p], wv, acc[p][j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int p = 0; p < PV; ++p)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) _mm256_storeu_ps(ct + j * P * 8 + p * 8, acc[p][j]);
+}
+
+template <int PV, int NR>
+void panels_rows(const float* xt, int64_t ldp, const float* wb, int64_t ldw, int64_t kc, int64_t rows, float* ct,
+                 int64_t P) {
+  int64_t n = 0;
+  for (; n + NR <= rows; n += NR) tile_panels<PV, NR>(xt, ldp, wb + n * ldw, ldw, kc, ct + n * P * 8, P);
+  for (; n < rows; ++n) tile_panels<PV, 1>(xt, ldp, wb + n * ldw, ldw, kc, ct + n * P * 8, P);
+}
+
+// Columns per K block, which bounds the x panels a tile streams (192 and 576 measured alike at K = 576
+// and 1536; 576 leaves the model's hidden size in one block).
+constexpr int64_t kPanelKc = 576;
+
+// Row n of W as K floats. Q4_1 bytes are widened 8 at a time to 32-bit lanes, where a mask and a
+// shift give both nibbles (fewer instructions than splitting nibbles in bytes first, as dequant_block).
+template <Kind KIND>
+inline void dequant_row(const QWeight& w, int64_t n, float* out) {
+  const int64_t G = w.k / 32;
+  if (KIND == kQ4_1) {
+    const uint8_t* q = w.qs + n * (w.k / 2);
+    const __m256i low4 = _mm256_set1_epi32(0x0F);
+    for (int64_t g = 0; g < G; ++g, q += 16, out += 32) {
+      const __m256 vd = _mm256_set1_ps(w.d[n * G + g]), vm = _mm256_set1_ps(w.m[n * G + g]);
+      const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+      const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
+      _mm256_storeu_ps(out, _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_and_si256(b0, low4)), vm));
+      _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_and_si256(b1, low4)), vm));
+      _mm256_storeu_ps(out + 16, _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), vm));
+      _mm256_storeu_ps(out + 24, _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), vm));
+    }
+  } else {
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 wv[4];
+      dequant_block<KIND>(w, n, g, wv);
+      for (int s = 0; s < 4; ++s) _mm256_storeu_ps(out + g * 32 + 8 * s, wv[s]);
+    }
+  }
+}
+
+// Rows n0..n1 of W dequantized once into a buffer (row by row: the quantized rows stream from memory in
+// order), then K block by K block every panel pair of x reuses the block; the sums stay transposed in
+// `ct` until the last block.
+template <Kind KIND>
+void rows_panels(const float* xt, int64_t M, const QWeight& w, int64_t n0, int64_t n1, float* out, int64_t ldo,
+                 bool accumulate) {
+  thread_local std::vector<float> buffer, ct;
+  const int64_t K = w.k, P = (M + 7) / 8, rows = n1 - n0;
+  buffer.resize(rows * K);
+  ct.assign(rows * P * 8, 0.0f);
+  for (int64_t n = n0; n < n1; ++n) dequant_row<KIND>(w, n, buffer.data() + (n - n0) * K);
+  for (int64_t k0 = 0; k0 < K; k0 += kPanelKc) {
+    const int64_t kc = std::min(kPanelKc, K - k0);
+    int64_t p = 0;
+    for (; p + 2 <= P; p += 2)
+      panels_rows<2, 6>(xt + p * K * 8 + k0 * 8, K * 8, buffer.data() + k0, K, kc, rows, ct.data() + p * 8, P);
+    if (p < P)
+      panels_rows<1, 12>(xt + p * K * 8 + k0 * 8, K * 8, buffer.data() + k0, K, kc, rows, ct.data() + p * 8, P);
+  }
+  for (int64_t i = 0; i < M; ++i) {
+    float* o = out + i * ldo + n0;
+    const float* c = ct.data() + (i / 8) * 8 + i % 8;
+    for (int64_t n = 0; n < rows; ++n) o[n] = accumulate ? o[n] + c[n * P * 8] : c[n * P * 8];
+  }
+}
+
+constexpr int64_t kChunkRows = 24;  // weight rows per parallel chunk (a multiple of 2, 3, 4, 6 and 12)
 
 // out[M, N] (row stride ldo) = (or +=) x[M, K] @ W.T
 void linear_into(const float* x, int64_t ldx, int64_t M, const QWeight& w, float* out, int64_t ldo, bool accumulate) {
@@ -302,7 +438,21 @@ void linear_into(const float* x, int64_t ldx, int64_t M, const QWeight& w, float
                                              _mm256_add_ps(_mm256_loadu_ps(xs + 16), _mm256_loadu_ps(xs + 24))));
       }
   }
-  parallel_chunks((w.n + kChunkRows - 1) / kChunkRows, [&](int64_t c) {
+  const int64_t chunks = (w.n + kChunkRows - 1) / kChunkRows;
+  if (use_panels(M)) {
+    // Per call, not thread_local: a prefill's rows would keep megabytes held after it.
+    const int64_t P = (M + 7) / 8;
+    const std::unique_ptr<float[]> panels(new float[P * w.k * 8]);
+    float* xt = panels.get();
+    for (int64_t p = 0; p < P; ++p) pack_panel(x, ldx, M, w.k, p, xt + p * w.k * 8);
+    parallel_chunks(chunks, [&](int64_t c) {
+      const int64_t n0 = c * kChunkRows, n1 = std::min(w.n, n0 + kChunkRows);
+      if (w.kind == kQ4_1) rows_panels<kQ4_1>(xt, M, w, n0, n1, out, ldo, accumulate);
+      else rows_panels<kQ8_0>(xt, M, w, n0, n1, out, ldo, accumulate);
+    });
+    return;
+  }
+  parallel_chunks(chunks, [&](int64_t c) {
     const int64_t n0 = c * kChunkRows, n1 = std::min(w.n, n0 + kChunkRows);
     if (w.kind == kQ4_1) rows_any<kQ4_1>(x, ldx, xsum.data(), M, w, n0, n1, out, ldo, accumulate);
     else rows_any<kQ8_0>(x, ldx, xsum.data(), M, w, n0, n1, out, ldo, accumulate);
@@ -548,6 +698,111 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
   return out;
 }
 
+// decode_layers for a mixed batch: hidden's first B rows are single-token items (one row each of
+// page_table, ctx_len and visible, attending as in decode_layers), its other rows one padded group of
+// Bc items of Tq new tokens each (a prefill chunk), attending as attention.py's padded path does
+// (group_kv_index [Bc, 2, Tkv]: rows of a layer's cache viewed [pages * 2 * S, KVH, D]; group_mask
+// [Bc, 1, Tq, Tkv] additive), through torch's SDPA. Every linear runs once over all rows: the decode
+// steps keep the fused stack without reading the weights twice. write_slots [N]: page * S + offset of
+// each row's new K/V; dead_rows: rows whose mask hides everything (attention output 0).
+at::Tensor mixed_layers(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
+                        std::vector<at::Tensor> weights, std::vector<at::Tensor> kv, const at::Tensor& page_table,
+                        const at::Tensor& ctx_len, const at::Tensor& visible, const at::Tensor& write_slots,
+                        const at::Tensor& group_kv_index, const at::Tensor& group_mask, const at::Tensor& dead_rows,
+                        int64_t num_heads, double eps) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat, "hidden must be float32 [N, E]");
+  const int64_t N = hidden.size(0), E = hidden.size(1), L = kv.size();
+  TORCH_CHECK(L > 0 && int64_t(weights.size()) == L * kWeightsPerLayer, "expected ", kWeightsPerLayer,
+              " weights per layer");
+  TORCH_CHECK(page_table.scalar_type() == at::kLong && page_table.dim() == 2 && page_table.is_contiguous(),
+              "page_table: contiguous int64 [B, max_pages]");
+  const int64_t B = page_table.size(0);
+  TORCH_CHECK(ctx_len.scalar_type() == at::kLong && ctx_len.numel() == B && ctx_len.is_contiguous(),
+              "ctx_len: contiguous int64 [B]");
+  TORCH_CHECK(visible.scalar_type() == at::kByte && visible.dim() == 2 && visible.size(0) == B &&
+              visible.is_contiguous(), "visible: contiguous uint8 [B, width]");
+  TORCH_CHECK(group_mask.dim() == 4 && group_mask.scalar_type() == at::kFloat && group_mask.size(1) == 1,
+              "group_mask: float32 [Bc, 1, Tq, Tkv]");
+  const int64_t Bc = group_mask.size(0), Tq = group_mask.size(2), Tkv = group_mask.size(3);
+  TORCH_CHECK(B >= 1 && Bc >= 1 && B + Bc * Tq == N, "hidden's rows must be the B decode items' then the group's ",
+              "Bc * Tq, got ", N, " rows for B = ", B, ", Bc = ", Bc, ", Tq = ", Tq);
+  TORCH_CHECK(group_kv_index.scalar_type() == at::kLong && group_kv_index.dim() == 3 &&
+              group_kv_index.size(0) == Bc && group_kv_index.size(1) == 2 && group_kv_index.size(2) == Tkv,
+              "group_kv_index: int64 [Bc, 2, Tkv]");
+  TORCH_CHECK(write_slots.scalar_type() == at::kLong && write_slots.numel() == N && write_slots.is_contiguous(),
+              "write_slots: contiguous int64 [N]");
+  TORCH_CHECK(dead_rows.scalar_type() == at::kLong && dead_rows.dim() == 1 && dead_rows.is_contiguous(),
+              "dead_rows: contiguous int64 [n]");
+  for (const at::Tensor& layer : kv)
+    TORCH_CHECK(layer.dim() == 5 && layer.is_contiguous() && layer.scalar_type() == at::kFloat &&
+                layer.sizes() == kv[0].sizes(), "kv caches must be contiguous float32 alike [pages, 2, S, KVH, D]");
+  const int64_t P = kv[0].size(0), S = kv[0].size(2), KVH = kv[0].size(3), D = kv[0].size(4), H = num_heads;
+  TORCH_CHECK(H > 0 && H % KVH == 0 && D <= 512, "bad head layout");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == N && cos.size(1) == D && cos.is_contiguous() &&
+              sin.is_contiguous(), "cos/sin: contiguous [N, head_dim]");
+  const int64_t* ctx = ctx_len.data_ptr<int64_t>();
+  const int64_t* table = page_table.data_ptr<int64_t>();
+  const int64_t width = std::min(visible.size(1), page_table.size(1) * S);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(ctx[b] >= 1 && ctx[b] <= width, "bad ctx_len");
+    for (int64_t i = 0; i < (ctx[b] + S - 1) / S; ++i)
+      TORCH_CHECK(table[b * page_table.size(1) + i] >= 0 && table[b * page_table.size(1) + i] < P,
+                  "page id out of range");
+  }
+  const int64_t* slots = write_slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < N; ++r) TORCH_CHECK(slots[r] >= 0 && slots[r] < P * S, "write slot out of range");
+  const at::Tensor kv_rows = group_kv_index.reshape({-1});
+  TORCH_CHECK(kv_rows.numel() == 0 || (kv_rows.min().item<int64_t>() >= 0 && kv_rows.max().item<int64_t>() < P * 2 * S),
+              "group_kv_index out of range");
+  const int64_t* dead = dead_rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < dead_rows.numel(); ++i) TORCH_CHECK(dead[i] >= 0 && dead[i] < N, "dead row out of range");
+
+  at::Tensor x = hidden.contiguous().clone();
+  const int64_t QKV = (H + 2 * KVH) * D;
+  const float* cs = cos.data_ptr<float>();
+  const float* sn = sin.data_ptr<float>();
+  std::vector<float> h(N * E), qkv(N * QKV), attn(N * H * D), gate_up, act;
+  float* xp = x.data_ptr<float>();
+  const auto options = hidden.options();
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t base = l * kWeightsPerLayer;
+    const QWeight w_qkv = layer_qweight(weights, base + 1), w_o = layer_qweight(weights, base + 4);
+    const QWeight w_gate_up = layer_qweight(weights, base + 8), w_down = layer_qweight(weights, base + 11);
+    TORCH_CHECK(w_qkv.n == QKV && w_qkv.k == E && w_o.n == E && w_o.k == H * D && w_gate_up.k == E &&
+                w_down.n == E && w_down.k * 2 == w_gate_up.n, "layer ", l, ": weight shapes do not fit");
+    const int64_t F = w_down.k;
+    gate_up.resize(N * 2 * F);
+    act.resize(N * F);
+    Pages p{kv[l].data_ptr<float>(), S, KVH, D, table, page_table.size(1), ctx, visible.data_ptr<uint8_t>(),
+            visible.size(1)};
+
+    rms_norm(xp, weights[base].data_ptr<float>(), N, E, eps, h.data());
+    linear_into(h.data(), E, N, w_qkv, qkv.data(), QKV, false);
+    for (int64_t r = 0; r < N; ++r) {
+      float* row = qkv.data() + r * QKV;
+      for (int64_t hd = 0; hd < H + KVH; ++hd) rope_head(row + hd * D, cs + r * D, sn + r * D, D);
+      float* k_slot = p.cache + ((slots[r] / S * 2) * S + slots[r] % S) * KVH * D;
+      std::copy(row + H * D, row + (H + KVH) * D, k_slot);
+      std::copy(row + (H + KVH) * D, row + QKV, k_slot + S * KVH * D);
+    }
+    attention(qkv.data(), QKV, B, H, p, attn.data());  // the decode rows
+    // The group's rows: [Bc, H, Tq, D] queries (strided views of qkv) over their gathered K/V.
+    const at::Tensor q = at::from_blob(qkv.data() + B * QKV, {Bc, Tq, H, D}, {Tq * QKV, QKV, D, 1}, options);
+    const at::Tensor ctx_kv = kv[l].view({-1, KVH, D}).index_select(0, kv_rows).view({Bc, 2, Tkv, KVH, D});
+    const at::Tensor out = at::scaled_dot_product_attention(
+        q.transpose(1, 2), ctx_kv.select(1, 0).transpose(1, 2), ctx_kv.select(1, 1).transpose(1, 2), group_mask,
+        0.0, false, c10::nullopt, true);  // [Bc, H, Tq, D]
+    at::from_blob(attn.data() + B * H * D, {Bc, Tq, H, D}, options).copy_(out.transpose(1, 2));
+    for (int64_t i = 0; i < dead_rows.numel(); ++i) std::fill_n(attn.data() + dead[i] * H * D, H * D, 0.0f);
+    linear_into(attn.data(), H * D, N, w_o, xp, E, true);
+    rms_norm(xp, weights[base + 7].data_ptr<float>(), N, E, eps, h.data());
+    linear_into(h.data(), E, N, w_gate_up, gate_up.data(), 2 * F, false);
+    silu_mul(gate_up.data(), N, F, act.data());
+    linear_into(act.data(), F, N, w_down, xp, E, true);
+  }
+  return x;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(l4m_cpu, lib) {
@@ -556,4 +811,7 @@ TORCH_LIBRARY(l4m_cpu, lib) {
           "Tensor ctx_len, Tensor visible, int num_heads, float eps) -> Tensor", &decode_layers);
   lib.def("decode_attention(Tensor q, Tensor kv, Tensor page_table, Tensor ctx_len, Tensor visible, "
           "int num_heads) -> Tensor", &decode_attention);
+  lib.def("mixed_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, Tensor[] kv, Tensor page_table, "
+          "Tensor ctx_len, Tensor visible, Tensor write_slots, Tensor group_kv_index, Tensor group_mask, "
+          "Tensor dead_rows, int num_heads, float eps) -> Tensor", &mixed_layers);
 }

@@ -1,12 +1,14 @@
 """AVX2 kernels for float32 decode on the CPU, on the GGUF's Q4_1 / Q8_0 blocks (see `quant.py`).
 
-Three ops, registered as `torch.ops.l4m_cpu.*`:
+Four ops, registered as `torch.ops.l4m_cpu.*`:
 
 - `linear(x [M, K], qs, d, m?) -> [M, N]`: `x @ W.T` with W in GGUF blocks. Up to 4 rows of x, each
   block is converted in registers and used at once (for 1-2 rows scaled per block: d * sum(x q) +
-  m * sum(x)); for more rows, a panel of weight rows is dequantized once into an L1/L2 buffer and a
-  register-blocked 4x3 float32 microkernel reuses it for every row. Both agree with the dense float32
-  weights' matmul to float32 rounding (the order of the sums differs).
+  m * sum(x)); for more rows, 24 weight rows at a time are dequantized once into an L1/L2 buffer and
+  reused by every row of x: at 5-15 rows (but 8) by a 4x3 dot-product microkernel, at 8 and >= 16 rows
+  by 2x6 / 1x12 tiles of 8-row panels of x transposed (outputs in registers, weights broadcast, no
+  horizontal sums). All agree with the dense float32 weights' matmul to float32 rounding (the order of
+  the sums differs).
 - `decode_layers(...)`: every transformer layer for a batch where each item feeds ONE token, in one
   call: RMSNorm, fused QKV, RoPE, K/V written into the pages, attention reading K/V straight from the
   page tensor (no gather, no padding; per-item slot visibility = BRLE mask AND page visibility),
@@ -14,6 +16,10 @@ Three ops, registered as `torch.ops.l4m_cpu.*`:
   per layer (Python and dispatch overhead) and the padded attention of the general path.
 - `decode_attention(q [B, H * D], kv, page_table, ctx_len, visible, num_heads) -> [B, H * D]`: that
   attention alone, for the single-token items of a mixed batch (`attention.py`), one layer at a time.
+- `mixed_layers(...)`: `decode_layers` for a batch of single-token items beside one padded group of
+  equal-length items (a prefill chunk): every linear once over all rows, the decode steps' attention as
+  in `decode_layers`, the group's through torch's SDPA over its gathered K/V (as `attention.py`'s padded
+  path), in one call.
 
 Parallel work is cut into many small chunks that the threads pull from a shared counter, so that a
 thread descheduled by another process does not leave its static share of the step undone.

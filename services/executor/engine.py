@@ -22,7 +22,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from l4m.common.metrics import DurationsByKind
-from l4m.executor.attention import ItemLayout, build_decode_plan, build_plan, is_decode_batch
+from l4m.executor.attention import ItemLayout, build_decode_plan, build_plan, is_decode_batch, split_mixed
 from l4m.executor.checks import (
     PreparedItem,
     blame_item,
@@ -151,6 +151,7 @@ class Engine:
         # (graphs, seconds) captured while the engine was built (EngineConfig.capture_graphs_at_start).
         self.captured_at_start = self.capture_decode_graphs() if config.capture_graphs_at_start else (0, 0.0)
         self._num_decode_kernel_batches = 0
+        self._num_mixed_kernel_batches = 0
         self._num_graph_batches = 0
         self._num_device_continuation_steps = 0
         # Seconds each batch took in `execute`, by command kind (its class name); read by the metrics.
@@ -281,15 +282,23 @@ class Engine:
             plan = build_decode_plan(layouts, self.cache.page_size, self.cache.page_visible, window)
             return self.model.forward_decode(hidden, positions, plan, self.cache, rows)
         plan = build_plan(layouts, self.cache.page_size, self.cache.page_visible, self.dtype, window)
+        split = split_mixed(plan) if self._kernels_serve(hidden.shape[0]) else None
+        if split is not None:
+            self._num_mixed_kernel_batches += 1
+            return self.model.forward_mixed(hidden, positions, plan, split, self.cache, rows)
         return self.model.forward(hidden, positions, plan, self.cache, rows)
 
     def _takes_decode_kernel(self, layouts: Sequence[ItemLayout]) -> bool:
         """Single-token items, few enough that the quantized weights serve them (like `Linear`)."""
+        return self._kernels_serve(len(layouts)) and is_decode_batch(layouts)
+
+    def _kernels_serve(self, num_tokens: int) -> bool:
+        """Few enough tokens that the quantized weights serve them (like `Linear`): the C++ stack can
+        run the batch, all of it or its decode steps beside one prefill chunk (`attention.split_mixed`)."""
         return (
             self.config.decode_kernel
             and self.model.has_decode_kernel
-            and len(layouts) <= self.config.max_quantized_rows
-            and is_decode_batch(layouts)
+            and num_tokens <= self.config.max_quantized_rows
         )
 
     def forward_text(self, items: Sequence[ForwardText]) -> list[ForwardTextResult]:
@@ -446,6 +455,7 @@ class Engine:
                     "num_batches": self._num_batches,
                     "num_forward_tokens": self._num_forward_tokens,
                     "num_decode_kernel_batches": self._num_decode_kernel_batches,
+                    "num_mixed_kernel_batches": self._num_mixed_kernel_batches,
                     "num_graph_batches": self._num_graph_batches,
                     "num_device_continuation_steps": self._num_device_continuation_steps,
                     "num_decode_graphs": self.static_decoder.num_graphs if self.static_decoder else 0,

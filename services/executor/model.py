@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from l4m.executor.attention import AttentionPlan, DecodePlan, paged_attention
+from l4m.executor.attention import AttentionPlan, DecodePlan, MixedSplit, paged_attention
 from l4m.executor.kv_cache import KvCache
 from l4m.executor.quant import Linear, cat_rows
 from l4m.executor.weights import LoadedModel, ModelConfig
@@ -41,7 +41,7 @@ class LlamaModel:
     With `quantized=True` (CPU, float32), every linear weight that the GGUF stored as Q4_1 / Q8_0 blocks
     also keeps those blocks, and calls of at most `max_quantized_rows` tokens multiply with them. When
     every layer's weights have blocks, `forward_decode` runs single-token batches through the whole
-    stack in one C++ call (`has_decode_kernel`).
+    stack in one C++ call (`has_decode_kernel`), and `forward_mixed` such steps beside a prefill chunk.
     """
 
     def __init__(
@@ -153,6 +153,43 @@ class LlamaModel:
             cfg.rms_norm_eps,
         )  # [B, hidden], before the final norm
         return F.rms_norm(out[output_rows], (cfg.hidden_size,), self.final_norm, cfg.rms_norm_eps)
+
+    def forward_mixed(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        plan: AttentionPlan,
+        split: MixedSplit,
+        cache: KvCache,
+        output_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """`forward` for decode steps beside one padded group (`attention.split_mixed`), in one kernel
+        call: the decode steps as in `forward_decode`, every linear once over all rows; same result and
+        effects. The kernel takes the decode steps' rows first (`split.order`)."""
+        cfg = self.config
+        order = split.order
+        kernel_row = torch.empty_like(order)
+        kernel_row[order] = torch.arange(order.numel())
+        write_slots = (plan.write_pages * cache.page_size + plan.write_offsets)[order]
+        dead = kernel_row[plan.dead_rows] if plan.dead_rows is not None else order.new_zeros(0)
+        positions = positions[order]
+        out = torch.ops.l4m_cpu.mixed_layers(
+            hidden[order],
+            self.rope_cos[positions],  # [N, D]
+            self.rope_sin[positions],
+            self._decode_weights,
+            cache.layers,
+            split.decode.page_table,
+            split.decode.ctx_len,
+            split.decode.visible,
+            write_slots,
+            split.group.kv_index,
+            split.group.mask,
+            dead,
+            cfg.num_heads,
+            cfg.rms_norm_eps,
+        )  # [N, hidden] in kernel rows, before the final norm
+        return F.rms_norm(out[kernel_row[output_rows]], (cfg.hidden_size,), self.final_norm, cfg.rms_norm_eps)
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.embed)  # [N, hidden]

@@ -123,8 +123,9 @@ def test_a_prompt_longer_than_the_chunk_budget_gives_the_unchunked_logits_and_to
     ref_logits, ref_greedy, ref_continued, ref_chunk_tokens = _run(loaded, tokens, max_batch_tokens=8192)
     assert chunk_tokens == 20 and ref_chunk_tokens == 2048 > len(tokens)
     assert logits.shape == ref_logits.shape == (len(tokens), loaded.config.vocab_size)
-    # 1e-4 plus 1e-5 of the logit: a chunk's matmuls have fewer rows than the whole prompt's, which moves a
-    # logit by up to ~1e-4 on the CPU even in the first chunk, which reads nothing an earlier chunk wrote.
-    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-5)
+    # 2e-4 plus 1e-5 of the logit: a chunk's matmuls have fewer rows than the whole prompt's, and the 4-bit
+    # GEMM sums in another order at 9-15 rows than at 8 and 16+ (cpu_kernels.cpp's tiles), which moves a logit
+    # by up to ~1.2e-4 on the CPU even in the first chunk, which reads nothing an earlier chunk wrote.
+    torch.testing.assert_close(logits, ref_logits, atol=2e-4, rtol=1e-5)
     assert greedy == ref_greedy
     assert continued == ref_continued and len(continued) == 1 + NUM_STEPS

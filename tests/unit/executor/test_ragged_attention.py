@@ -16,7 +16,7 @@ from l4m.executor.engine import Engine, EngineConfig
 from l4m.executor.quant import kernels_available
 from l4m.executor.weights import load_model
 from l4m.wire.brle import encode
-from tests.unit.executor.conftest import TEST_DEVICE, LogitsRecorder, PageTables, cpu_only
+from tests.unit.executor.conftest import TEST_DEVICE, LogitsRecorder, PageTables, cpu_only, engine_stats
 from tests.unit.executor.reference import reference_logits
 from tests.unit.executor.test_forward import TOL_FP32, causal, rows_of
 from tests.unit.executor.tiny_models import WINDOW, build_hf, write_gguf
@@ -254,3 +254,95 @@ def test_decode_attention_kernel_refuses_what_does_not_fit() -> None:
     for reason, args in bad.items():
         with pytest.raises(RuntimeError, match=reason):
             torch.ops.l4m_cpu.decode_attention(*args)
+
+
+# ---- decode steps beside a chunk keep the C++ stack (`mixed_layers`) ------------------------------
+
+
+def test_split_mixed_takes_decode_steps_beside_one_group_of_equal_items_only() -> None:
+    visible = torch.ones(64, PAGE, dtype=torch.bool)
+
+    def split(items: list[ItemLayout]) -> attention.MixedSplit | None:
+        return attention.split_mixed(attention.build_plan(items, PAGE, visible, torch.float32))
+
+    steps = [_layout(700, 1), _layout(900, 1)]  # too long to pad into the chunk's call
+    mixed = split([steps[0], _layout(400, 24), steps[1]])
+    assert mixed is not None and mixed.order.tolist() == [0, 25, *range(1, 25)], "the decode steps' rows first"
+    assert mixed.decode.ctx_len.tolist() == [701, 901] and mixed.group.num_items == 1
+    assert split(steps) is None, "decode steps alone are decode_layers' batch"
+    assert split([_layout(0, 30), _layout(0, 30)]) is None, "no decode step"
+    assert split([_layout(400, 24), _layout(400, 20), *steps]) is None, "a group of unequal items scatters"
+    assert split([_layout(40, 24), _layout(7, 1)]) is None, "a decode step padded into the chunk's call"
+    assert split([_layout(0, 8), _layout(0, 1000), *steps]) is None, "two padded groups"
+
+
+@cpu_only
+@needs_kernels
+def test_decode_steps_beside_a_chunk_keep_the_cpp_stack(make_engine, prompts, monkeypatch) -> None:
+    """A 150-token chunk (a hole in its mask, a row that sees nothing) beside six decode steps (two
+    masked) runs as one `mixed_layers` call: every item gets the float32 logits and the greedy tokens it
+    gets alone (the chunk on the torch path, a step through `decode_layers`)."""
+    seqs = {name: s for name, s in _sequences(prompts).items() if name not in ("masked", "dead")}
+    masks = {name: m for name, m in _masks(_sequences(prompts)).items() if name in seqs}
+    chunk_mask = causal(len(seqs["chunk"]))
+    chunk_mask[60:, 10:20] = False
+    chunk_mask[100, :] = False  # attention output 0
+    masks["chunk"] = chunk_mask
+    mixed, alone = (make_engine(page_size=PAGE, weights="quantized", max_quantized_rows=1 << 20) for _ in range(2))
+    plans = _record_plans(monkeypatch)
+    tables = _setup(mixed, seqs)
+    recorder = LogitsRecorder(mixed)
+    before = engine_stats(mixed)
+    results = mixed.forward_text(_batch(tables, seqs, masks))
+    after = engine_stats(mixed)
+    assert after["num_mixed_kernel_batches"] == before["num_mixed_kernel_batches"] + 1
+    assert attention.split_mixed(plans[-1]) is not None and plans[-1].dead_rows is not None
+    got = torch.split(recorder.calls[-1], [len(s) - CONTEXT.get(n, len(s) - 1) for n, s in seqs.items()])
+
+    tables = _setup(alone, seqs)
+    recorder = LogitsRecorder(alone)
+    for n, (name, item) in enumerate(zip(seqs, _batch(tables, seqs, masks), strict=True)):
+        tokens = [o.token_id for o in alone.forward_text([item])[0].outputs]
+        diff = float((got[n] - recorder.calls[-1]).abs().max())
+        assert diff <= TOL_FP32, f"{name}: max |Δlogit| {diff:.2e} against the item alone"
+        assert [o.token_id for o in results[n].outputs] == tokens, name
+    assert engine_stats(alone)["num_mixed_kernel_batches"] == 0
+
+
+@cpu_only
+@needs_kernels
+def test_mixed_layers_refuses_what_does_not_fit(make_engine) -> None:
+    """Two decode steps beside a 3-token chunk on the real weights; every shape, length, slot and page id
+    is checked before anything is written: a clear error naming it, the cache untouched."""
+    engine = make_engine(page_size=PAGE, num_pages=8, weights="quantized")
+    model, layers = engine.model, engine.cache.layers
+    positions = torch.tensor([2, 4, 0, 1, 2])
+    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    table, ctx_len, visible = torch.tensor([[0], [1]]), torch.tensor([3, 5]), torch.ones(2, PAGE, dtype=torch.uint8)
+    slots = torch.tensor([2, PAGE + 4, 2 * PAGE, 2 * PAGE + 1, 2 * PAGE + 2])
+    k_rows = 2 * 2 * PAGE + torch.arange(PAGE)  # page 2's K slots; its V slots follow
+    kv_index = torch.stack((k_rows, k_rows + PAGE))[None]  # [1, 2, PAGE]
+    mask = torch.zeros(1, 1, 3, PAGE).masked_fill_(~causal(PAGE)[:3], float("-inf"))
+    dead = torch.zeros(0, dtype=torch.long)
+    args = dict(hidden=hidden, cos=model.rope_cos[positions], sin=model.rope_sin[positions],
+                weights=model._decode_weights, kv=layers, page_table=table, ctx_len=ctx_len, visible=visible,
+                write_slots=slots, group_kv_index=kv_index, group_mask=mask, dead_rows=dead,
+                num_heads=model.config.num_heads, eps=model.config.rms_norm_eps)
+    bad = {
+        "write slot out of range": dict(write_slots=slots.clone().index_fill_(0, torch.tensor([3]), 8 * PAGE)),
+        "page id out of range": dict(page_table=torch.tensor([[0], [8]])),
+        "group_kv_index out of range": dict(group_kv_index=kv_index + 8 * 2 * PAGE),
+        "dead row out of range": dict(dead_rows=torch.tensor([5])),
+        "bad ctx_len": dict(ctx_len=torch.tensor([3, PAGE + 1])),
+        "rows must be the B decode items' then the group's": dict(group_mask=mask[:, :, :2]),
+        "group_mask: float32": dict(group_mask=mask.double()),
+        "group_kv_index: int64 \\[Bc, 2, Tkv\\]": dict(group_kv_index=kv_index[:, :, :8]),
+        "cos/sin": dict(cos=model.rope_cos[positions[:4]]),
+    }
+    for reason, change in bad.items():
+        with pytest.raises(RuntimeError, match=reason):
+            torch.ops.l4m_cpu.mixed_layers(**(args | change))
+        assert not any(layer.any() for layer in layers), f"{reason}: the cache was written"
+    out = torch.ops.l4m_cpu.mixed_layers(**args)
+    assert out.shape == hidden.shape and bool(out.isfinite().all())
+    assert layers[0][2, 0, :3].abs().sum() > 0, "the chunk's K went into page 2"
