@@ -243,6 +243,7 @@ class GrpcProcesses:
         return self.processes[1].pid
 
 
+SCHEDULER_START_TIMEOUT_S = 60.0
 EXECUTOR_START_TIMEOUT_S = 600.0  # a real executor loads its model (and, on a GPU, the CUDA runtime) first
 
 
@@ -310,7 +311,17 @@ def start_processes(framed_path: str | None = None, executor_transport: str = "f
                                   *(["--listen-framed", framed_path] if framed_path else []),
                                   "--executor-transport", "auto" if executor_transport == "framed" else "grpc"],
                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(2.0)
+    # Until its sockets exist (seconds on a loaded machine), then a moment for the executor to connect.
+    sockets = [Path(registry_address.removeprefix("unix:")), *([Path(framed_path)] if framed_path else [])]
+    deadline = time.monotonic() + SCHEDULER_START_TIMEOUT_S
+    while not all(path.exists() for path in sockets):
+        if scheduler.poll() is not None or time.monotonic() > deadline:
+            executor.kill()
+            scheduler.kill()
+            raise RuntimeError(f"the scheduler did not open {', '.join(map(str, sockets))} within "
+                               f"{SCHEDULER_START_TIMEOUT_S:.0f} s (exit code {scheduler.returncode})")
+        time.sleep(0.1)
+    time.sleep(1.0)
     return GrpcProcesses([executor, scheduler], scheduler_address, registry_address, secret, framed_path)
 
 

@@ -65,15 +65,15 @@ class Command:
                  "request_bytes", "reply_bytes", "has_reply", "span", "chunk")
 
     def __init__(self, stream: Stream, request_id: int, kind: str, item: Any, arrived_at: float, num_tokens: int, *,
-                 is_executor_kind: bool) -> None:
+                 is_executor_kind: bool, reply_cost: tuple[int, int] | None = None) -> None:
         self.stream = stream
         self.request_id = request_id
         self.kind = kind
         self.item = item
         self.arrived_at = arrived_at
         self.num_tokens = num_tokens
-        if is_executor_kind:
-            self.num_entries, self.reply_bytes = limits.reply_cost(kind, item)
+        if is_executor_kind:  # `reply_cost`: validation's, when it counted it
+            self.num_entries, self.reply_bytes = reply_cost or limits.reply_cost(kind, item)
             self.request_bytes = request_bytes(kind, item)
         else:
             self.num_entries = self.reply_bytes = self.request_bytes = 0

@@ -310,14 +310,14 @@ class Scheduler:
             limits = self.limits_of(instance)
             if kind.capability is not None:
                 kind.check_capability(limits)
-            kind.check(item, limits)
+            reply_cost = kind.check(item, limits)
         except TrapError as error:
             self.trap(instance, error, request.request_id, name)
             return
         num_tokens = kind.num_tokens(item)
         stream = instance.streams.get(request.stream_id) or instance.stream(request.stream_id)
         command = Command(stream, request.request_id, name, item, self.clock(), num_tokens,
-                          is_executor_kind=kind.is_executor_kind)
+                          is_executor_kind=kind.is_executor_kind, reply_cost=reply_cost)
         if self.tracer.enabled:
             command.span = self.tracer.command_span(
                 name,

@@ -31,7 +31,9 @@ if TYPE_CHECKING:  # the handlers' argument types; those modules import this one
 
 M = TypeVar("M", bound=Message)
 
-Check = Callable[[M, ModelLimits], None]
+# Returns the reply's cost, (distribution entries, bytes) as `l4m.wire.limits.reply_cost` counts it, when the
+# check computed it on the way (the batcher needs it too), else None.
+Check = Callable[[M, ModelLimits], "tuple[int, int] | None"]
 # Rewrites the item's virtual ids in place (instance table, its executor or None when unbound); returns
 # what to send, or None when nothing must be.
 Translate = Callable[[M, "ResourceTable", "Executor | None", ModelLimits], "M | None"]
@@ -58,7 +60,7 @@ class Kind(Generic[M]):
     """One command kind. Exactly one of `translate` (an executor kind) and `run_local` is set."""
 
     name: str  # the SessionRequest field, also the ExecuteRequest field of executor kinds
-    check: Check[M]  # its shape against the model's limits, when it arrives
+    check: Check[M]  # its shape against the model's limits, when it arrives (see `Check`)
     translate: Translate[M] | None = None  # virtual -> physical ids when its batch is built
     run_local: RunLocal[M] | None = None  # runs in the scheduler at the head of its stream
     capability: str | None = None  # the model capability it needs (Unsupported without it)

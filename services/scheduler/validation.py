@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 from l4m.scheduler.batcher import parse_strategy
 from l4m.scheduler.errors import InvalidCommand
@@ -58,15 +59,21 @@ class ModelLimits:
 _obeys = functools.partial(rules.reported_as, InvalidCommand)
 
 
-def check_forward_text(item: common_pb2.ForwardTextItem, limits: ModelLimits) -> None:
-    """The hot path (one per decode step): one try for every rule, fields read once."""
-    samplers = item.samplers
+def check_forward_text(item: common_pb2.ForwardTextItem, limits: ModelLimits) -> tuple[int, int]:
+    """The hot path (one per decode step): one try for every rule, each field read once (a repeated or
+    message field costs a container object per read, more than most rules); returns the reply's cost
+    (`l4m.wire.limits.reply_cost`, which the batcher needs too)."""
     sampler_index = -1  # the sampler being checked, for the reason's prefix
     try:
         num_steps = item.num_continuation_steps
         if num_steps:
             rules.check_continuation_steps(num_steps, limits.max_continuation_steps)
-        token_ids = item.token_ids
+        # Plain lists: a slice of a repeated scalar field copies it at C speed, and the rules then iterate
+        # lists, not protobuf containers (several times cheaper to read).
+        token_ids = item.token_ids[:]
+        output_indices = item.output_indices[:]
+        position_ids = item.position_ids[:]
+        samplers = item.samplers[:]  # a list: iterating the container costs ~1 us even for one sampler
         num_tokens = len(token_ids)
         vocab_size = limits.vocab_size
         max_tokens: int | None = limits.max_batch_tokens
@@ -75,45 +82,57 @@ def check_forward_text(item: common_pb2.ForwardTextItem, limits: ModelLimits) ->
                 raise rules.RuleViolation(f"{num_tokens} token_ids exceed the context window, max_context_tokens "
                                           f"{limits.max_context_tokens}")
             max_tokens = None
+        masks = item.attention_masks
+        mask_rows = [row.run_lengths for row in masks] if masks else ()
         num_context = rules.check_forward_text(
-            kv_page_ids=item.kv_page_ids, kv_last_page_length=item.kv_last_page_length, token_ids=token_ids,
-            position_ids=item.position_ids, attention_masks=(), output_indices=item.output_indices,
+            kv_page_ids=item.kv_page_ids[:], kv_last_page_length=item.kv_last_page_length, token_ids=token_ids,
+            position_ids=position_ids, attention_masks=(), output_indices=output_indices,
             num_samplers=len(samplers), num_continuation_steps=num_steps, vocab_size=vocab_size,
             max_context=limits.max_context_tokens, page_size=limits.kv_page_size,
             max_pages=limits.max_kv_pages_per_instance, max_batch_tokens=max_tokens)
+        specs = [_sampler_values(sampler) for sampler in samplers]
         # Every mask's runs counted against the per-command bound before any row is summed.
-        masks = item.attention_masks
-        num_runs = 0
-        for sampler in samplers:
-            num_runs += len(sampler.vocabulary_mask.run_lengths)
-        if masks:
-            num_runs += sum(len(row.run_lengths) for row in masks)
+        num_runs = sum(len(spec[_MASK]) for spec in specs) if specs else 0
+        if mask_rows:
+            num_runs += sum(len(row) for row in mask_rows)
         if num_runs:
             rules.check_mask_runs(num_runs, limits.max_mask_runs_per_command)
-        if masks:
-            rules.check_mask_rows([row.run_lengths for row in masks], num_context, num_tokens)
-        for sampler_index, sampler in enumerate(samplers):  # noqa: B007 (the except clause reads it)
+        if mask_rows:
+            rules.check_mask_rows(mask_rows, num_context, num_tokens)
+        for sampler_index, spec in enumerate(specs):  # noqa: B007 (the except clause reads it)
+            (kind, distribution_top_k, temperature, top_k, top_p, min_p, vocabulary_mask, bias_ids, bias_values,
+             top_logprobs) = spec
             rules.check_sampler(
-                sampler.kind, distribution_top_k=sampler.distribution_top_k, temperature=sampler.temperature,
-                top_k=sampler.top_k, top_p=sampler.top_p, min_p=sampler.min_p, seed=None,
-                vocabulary_mask=sampler.vocabulary_mask.run_lengths, vocab_size=vocab_size,
-                logit_bias_token_ids=sampler.logit_bias_token_ids, logit_bias_values=sampler.logit_bias_values,
-                top_logprobs=sampler.top_logprobs)
+                kind, distribution_top_k=distribution_top_k, temperature=temperature, top_k=top_k, top_p=top_p,
+                min_p=min_p, seed=None, vocabulary_mask=vocabulary_mask, vocab_size=vocab_size,
+                logit_bias_token_ids=bias_ids, logit_bias_values=bias_values, top_logprobs=top_logprobs)
         sampler_index = -1
         if num_steps or item.continuation_stop_token_ids:
             rules.check_continuation(
                 num_steps=num_steps, stop_token_ids=item.continuation_stop_token_ids, num_tokens=num_tokens,
-                output_indices=item.output_indices, num_mask_rows=len(masks),
-                sampler_kind=samplers[0].kind if samplers else None,
-                has_vocabulary_mask=bool(samplers and samplers[0].vocabulary_mask.run_lengths),
-                last_position=item.position_ids[-1], vocab_size=vocab_size, max_context=limits.max_context_tokens,
+                output_indices=output_indices, num_mask_rows=len(mask_rows),
+                sampler_kind=specs[0][_KIND] if specs else None, has_vocabulary_mask=bool(specs and specs[0][_MASK]),
+                last_position=position_ids[-1], vocab_size=vocab_size, max_context=limits.max_context_tokens,
                 max_steps=limits.max_continuation_steps)
-        num_entries, num_bytes = bounds.reply_cost("forward_text", item)
-        rules.check_reply("forward_text", num_entries, num_bytes, limits.max_distribution_entries_per_command,
-                          limits.max_reply_bytes)
+        cost = bounds.forward_text_reply_cost(num_steps, [(s[_KIND], s[_DISTRIBUTION_TOP_K], s[_TOP_LOGPROBS]) for s in specs])
+        rules.check_reply("forward_text", *cost, limits.max_distribution_entries_per_command, limits.max_reply_bytes)
     except rules.RuleViolation as violation:
         where = f"samplers[{sampler_index}]: " if sampler_index >= 0 else ""
         raise InvalidCommand(f"{where}{violation}") from None
+    return cost
+
+
+_KIND, _DISTRIBUTION_TOP_K, _MASK, _TOP_LOGPROBS = 0, 1, 6, 9  # in `_sampler_values`
+
+
+def _sampler_values(sampler: common_pb2.SamplerSpec) -> tuple[Any, ...]:
+    """A SamplerSpec as plain values, each field read once: (kind, distribution_top_k, temperature, top_k, top_p,
+    min_p, vocabulary mask runs, logit bias ids, logit bias values, top_logprobs); an absent mask is (). The
+    mask stays a protobuf container: its runs are counted before anything reads them."""
+    # HasField first: reading an absent message field builds an empty one.
+    return (sampler.kind, sampler.distribution_top_k, sampler.temperature, sampler.top_k, sampler.top_p,
+            sampler.min_p, sampler.vocabulary_mask.run_lengths if sampler.HasField("vocabulary_mask") else (),
+            sampler.logit_bias_token_ids[:], sampler.logit_bias_values[:], sampler.top_logprobs)
 
 
 def _check_reply(kind: str, item: common_pb2.ForwardTextItem | common_pb2.SampleTopKItem, limits: ModelLimits) -> None:
@@ -126,7 +145,7 @@ def _check_reply(kind: str, item: common_pb2.ForwardTextItem | common_pb2.Sample
 def check_forward(item: common_pb2.ForwardItem, limits: ModelLimits) -> None:
     with _obeys():
         rules.check_forward(
-            kv_page_ids=item.kv_page_ids, kv_last_page_length=item.kv_last_page_length,
+            kv_page_ids=item.kv_page_ids[:], kv_last_page_length=item.kv_last_page_length,
             num_inputs=len(item.input_embed_slot_ids), output_indices=item.output_indices,
             num_output_slots=len(item.output_embed_slot_ids), page_size=limits.kv_page_size,
             max_pages=limits.max_kv_pages_per_instance, max_batch_tokens=limits.max_batch_tokens)

@@ -268,3 +268,36 @@ async def test_millions_of_zero_length_mask_runs_are_refused_before_they_are_rea
             f"{limits.DEFAULT_MAX_MASK_RUNS_PER_COMMAND}") in sink.trap.reason
     assert [e.request_id for e in good_sink.of("forward_text")] == [5] and good.is_alive
     assert h.free_pages() == 62 and h.sim().num_errors == 0
+
+
+COSTED = [  # forward_text shapes whose reply cost validation counts on the way (the hot path)
+    ("greedy", ft(outputs=[1])),
+    ("no outputs", ft()),
+    ("two greedy", ft(outputs=[0, 1])),
+    ("distribution", ft(outputs=[1], samplers=[S(kind=1, distribution_top_k=7)])),
+    ("top_logprobs", ft(outputs=[0, 1], samplers=[S(kind=2, top_logprobs=5), S(kind=3, temperature=1, top_logprobs=2)])),
+    ("continuation", cont(9, samplers=[S(kind=2, top_logprobs=3)])),
+    ("masked", ft(outputs=[1], samplers=[S(kind=2, vocabulary_mask=common_pb2.Brle(run_lengths=[10, 990]),
+                                            logit_bias_token_ids=[3], logit_bias_values=[1.5])])),
+]
+
+
+@pytest.mark.parametrize("case, command", COSTED, ids=[c[0] for c in COSTED])
+def test_forward_text_validation_counts_the_reply_cost_the_batcher_would(case, command) -> None:  # type: ignore[no-untyped-def]
+    """The cost validation returns is `limits.reply_cost`'s, which the batcher computed itself before (the
+    batch bounds rest on it), and a Command built with it costs what one built without it does."""
+    from l4m.scheduler.batcher import Command, Stream
+    from l4m.scheduler.kinds import KINDS
+    from l4m.scheduler.validation import ModelLimits
+
+    model = ModelLimits(vocab_size=1000, kv_page_size=16, max_context_tokens=4096, max_batch_tokens=8192,
+                        max_kv_pages_per_instance=64, max_embed_slots_per_instance=64, capabilities=frozenset({"text"}),
+                        max_continuation_steps=64)
+    kind, item = KINDS["forward_text"], command.forward_text
+    cost = kind.check(item, model)
+    assert cost == limits.reply_cost("forward_text", item)
+    stream = Stream(None, 0)
+    given = Command(stream, 1, "forward_text", item, 0.0, 2, is_executor_kind=True, reply_cost=cost)
+    counted = Command(stream, 1, "forward_text", item, 0.0, 2, is_executor_kind=True)
+    assert (given.num_entries, given.reply_bytes, given.request_bytes) == \
+        (counted.num_entries, counted.reply_bytes, counted.request_bytes)

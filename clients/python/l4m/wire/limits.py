@@ -18,6 +18,8 @@ protobuf bytes of a command's answer (every varint at its longest), so a sum of 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from l4m.v1 import common_pb2
 
 MIB = 1 << 20
@@ -80,19 +82,27 @@ def reply_cost(kind: str, item: object) -> tuple[int, int]:
     SessionResponse, with every output at its longest and a token output per continuation step."""
     if kind == "forward_text":
         samplers = item.samplers  # type: ignore[attr-defined]
-        num_entries = 0
         num_steps = item.num_continuation_steps  # type: ignore[attr-defined]
-        for sampler in samplers:
-            if sampler.kind == _DISTRIBUTION:
-                num_entries += sampler.distribution_top_k
-            else:  # top_logprobs alternatives beside each token: its own and one per continuation step
-                num_entries += getattr(sampler, "top_logprobs", 0) * (1 + num_steps)
-        num_outputs = len(samplers) + num_steps
-        return num_entries, ITEM_BYTES + OUTPUT_BYTES * num_outputs + DISTRIBUTION_ENTRY_BYTES * num_entries
+        return forward_text_reply_cost(
+            num_steps, [(s.kind, s.distribution_top_k, getattr(s, "top_logprobs", 0)) for s in samplers])
     if kind == "sample_top_k":
         k = item.k  # type: ignore[attr-defined]
         return k, ITEM_BYTES + OUTPUT_BYTES + DISTRIBUTION_ENTRY_BYTES * k
     return 0, ITEM_BYTES
+
+
+def forward_text_reply_cost(num_continuation_steps: int,
+                            samplers: Sequence[tuple[int, int, int]]) -> tuple[int, int]:
+    """`reply_cost` of a forward_text from plain values: its continuation steps and, per sampler, (kind,
+    distribution_top_k, top_logprobs) (the scheduler's validation has them already)."""
+    num_entries = 0
+    for kind, distribution_top_k, top_logprobs in samplers:
+        if kind == _DISTRIBUTION:
+            num_entries += distribution_top_k
+        else:  # top_logprobs alternatives beside each token: its own and one per continuation step
+            num_entries += top_logprobs * (1 + num_continuation_steps)
+    num_outputs = len(samplers) + num_continuation_steps
+    return num_entries, ITEM_BYTES + OUTPUT_BYTES * num_outputs + DISTRIBUTION_ENTRY_BYTES * num_entries
 
 
 def distribution_entries(kind: str, item: object) -> int:

@@ -280,10 +280,15 @@ def check_sampler(kind: int | str, *, distribution_top_k: int, temperature: floa
         check_distribution_top_k(distribution_top_k, vocab_size)
     elif name == SAMPLE:
         check_sample(temperature, top_k, top_p, min_p, vocab_size)
-    check_seed(seed)
-    check_vocabulary_mask(vocabulary_mask, vocab_size)
-    check_logit_bias(logit_bias_token_ids, logit_bias_values, vocab_size)
-    check_top_logprobs(top_logprobs, name)
+    # What is absent passes its check: skipped (one sampler per decode step is the scheduler's hot path).
+    if seed is not None:
+        check_seed(seed)
+    if len(vocabulary_mask):
+        check_vocabulary_mask(vocabulary_mask, vocab_size)
+    if len(logit_bias_token_ids) or len(logit_bias_values):
+        check_logit_bias(logit_bias_token_ids, logit_bias_values, vocab_size)
+    if top_logprobs:
+        check_top_logprobs(top_logprobs, name)
 
 
 # ---- per command kind ----------------------------------------------------------------------------
