@@ -75,11 +75,11 @@ TARGET_USS_MIB = 15.0
 IDLE_TIMEOUT_S = 120.0
 MiB = 1024 * 1024
 KiB = 1024
-# The runner's imports, in the order a controller meets them, then what a warm sandbox adds, then grpc
-# (which only a program that opens a gRPC channel imports: the runner does not).
+# The runner's imports, in the order a controller meets them, then a context's modules (its first use),
+# then what a warm sandbox adds, then grpc (which only a program that opens a gRPC channel imports).
 IMPORT_STEPS = (
     "asyncio", "google.protobuf.message", "l4m.v1.l4m_pb2", "l4m.v1.spawner_pb2", "l4m.session", "l4m.framed",
-    "l4m.runtime", "l4m.model", "l4m.context", "l4m.instance", "l4m.controller", "uvloop",
+    "l4m.runtime", "l4m.model", "l4m.instance", "l4m.controller", "uvloop", "l4m.context",
     "numpy", "l4m.wire.brle", "l4m.constraint", "l4m.search", "l4m.drafter", "tokenizers", "llguidance", "grpc",
 )  # fmt: skip
 

@@ -115,13 +115,22 @@ async def run_main(main: Main, args: Sequence[str], session: Session, runtime: R
 def release_free_memory() -> bool:
     """Hands the C heap's free pages back to the kernel (glibc's `malloc_trim`); False where the C library
     has none (musl). The imports and the session's start leave ~0.5 MiB freed but resident, which an idle
-    controller would hold for as long as it waits (docs/benchmarks.md, "Controller memory"); ~0.3 ms."""
-    import ctypes  # lazily: ~0.2 MiB, less than the trim gives back
+    controller would hold for as long as it waits (docs/benchmarks.md, "Controller memory"); ~0.3 ms.
 
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    if trim is None:
+    It calls through `_ctypes`, ctypes' C core, not `ctypes`: that module's C types (~0.2 MiB of type
+    objects) would stay with the controller for its whole life, for one call."""
+    try:
+        import _ctypes
+
+        address = _ctypes.dlsym(_ctypes.dlopen(None, _ctypes.RTLD_LOCAL), "malloc_trim")
+    except (ImportError, OSError):  # an interpreter without ctypes, or a C library without the call
         return False
-    trim(0)
+
+    class Trim(_ctypes.CFuncPtr):  # ctypes.CFUNCTYPE(None, c_int): a cdecl function, its result ignored
+        _flags_ = _ctypes.FUNCFLAG_CDECL
+        _restype_ = None
+
+    Trim(address)(0)
     return True
 
 

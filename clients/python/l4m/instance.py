@@ -6,11 +6,14 @@ from __future__ import annotations
 import sys
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from l4m.context import Context
 from l4m.model import Model
 from l4m.runtime import ChildExit, Runtime, SwapResult, Variable
 from l4m.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # a context's modules (generation, sampler, stop, window) load on its first use
+    from l4m.context import Context
 
 
 class SharedVariables:

@@ -7,7 +7,6 @@ the instance draws from the same pools, and it counts the forward passes and tok
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -114,6 +113,8 @@ class Model:
 
     async def scheduler_stats(self) -> dict:
         """The scheduler's counters (`debug_query("stats")`), parsed from JSON."""
+        import json  # on first use: an idle controller need not hold it
+
         return json.loads(await self.debug_query("stats"))
 
     def allocate_kv_pages(self, count: int, stream_id: int) -> list[int]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -423,6 +422,8 @@ class LocalRuntime:
 
     async def send(self, text: str) -> None:
         prefix = MESSAGE_PREFIX if self.instance_id == "local" else f"l4m-message[{self.instance_id}]: "
+        import json  # here: local runs only, and an idle controller under a spawner need not hold it
+
         print(prefix + json.dumps(text), flush=True)
 
     async def flush(self) -> None:

@@ -29,6 +29,34 @@ def test_the_runner_and_the_context_defer_the_heavy_imports(statement: str) -> N
     assert not loaded & set(DEFERRED), sorted(loaded & set(DEFERRED))
 
 
+# What an idle controller (an agent waiting on a tool: `main` awaits `ctx.receive()`) does not hold: a
+# context's modules load on its first use, json where a local run prints or stats are parsed, and the
+# runner's heap trim calls through `_ctypes`, not `ctypes` (docs/benchmarks.md, "Controller memory").
+IDLE_DEFERRED = ("l4m.context", "l4m.generation", "l4m.sampler", "l4m.stop", "l4m.window", "l4m.wire.rules",
+                 "json", "ctypes")  # fmt: skip
+
+
+def modules_after(statement: str) -> set[str]:
+    """Every module's full name after `statement` in a fresh interpreter (no json of its own: json is one
+    of the names looked for)."""
+    code = f"import sys\n{statement}\nprint(' '.join(sorted(sys.modules)))"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    return set(result.stdout.splitlines()[-1].split())
+
+
+def test_an_idle_runner_holds_no_context_modules_json_or_ctypes() -> None:
+    loaded = modules_after("import l4m.controller\nassert l4m.controller.release_free_memory()")
+    assert {"l4m.instance", "l4m.model", "l4m.runtime", "l4m.session", "_ctypes"} <= loaded
+    assert not loaded & set(IDLE_DEFERRED), sorted(loaded & set(IDLE_DEFERRED))
+
+
+def test_a_contexts_modules_load_on_its_first_use() -> None:
+    loaded = modules_after("import l4m.controller\nfrom l4m import Context")
+    assert set(IDLE_DEFERRED[:6]) <= loaded, sorted(set(IDLE_DEFERRED[:6]) - loaded)
+
+
 def test_the_deferred_modules_load_when_used() -> None:
     loaded = imported_after(
         "from l4m.tokenizer import Tokenizer\nfrom l4m.wire import tracecontext\n"
