@@ -167,14 +167,21 @@ class FramedRuntime(frames.FrameProtocol):
             raise self._error
 
     async def close(self) -> None:
-        """`flush`, then closes (the calls still in flight end with it)."""
+        """`flush`, then closes. The calls still in flight are cancelled, as closing a gRPC channel cancels
+        its calls: a task left waiting on one (a `ctx.receive()` the program never awaited, when a trap
+        ended its `main`) ends cancelled, not with an exception asyncio would log at exit, whose traceback
+        would be the last thing the controller wrote in place of its trap report."""
         try:
             await self.flush()
         finally:
             self._connected.cancel()
             if self.transport is not None:
                 self.transport.close()
-            self._fail_calls(L4MError("the runtime connection was closed"))
+            calls, self._calls = self._calls, {}
+            for future in calls.values():
+                future.cancel()
+            if self._error is None:  # a call after the close fails at once
+                self._error = L4MError("the runtime connection was closed")
 
     async def _all_answered(self) -> None:
         await asyncio.wait([self._connected])  # (a failed connection set the error; wait raises nothing)
