@@ -669,6 +669,17 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
 
 // decode_layers' attention alone, for the single-token items of a mixed batch (the rest of the batch
 // attends through torch): q [B, H * D] float32 with RoPE applied, the items' K/V already in the pages.
+// Each item's context fits its visibility row and page table, and every page it reads is one of the cache's.
+void check_pages(const int64_t* ctx, const int64_t* table, int64_t B, int64_t table_width, int64_t width,
+                 int64_t S, int64_t num_pages) {
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(ctx[b] >= 1 && ctx[b] <= width, "bad ctx_len");
+    for (int64_t i = 0; i < (ctx[b] + S - 1) / S; ++i)
+      TORCH_CHECK(table[b * table_width + i] >= 0 && table[b * table_width + i] < num_pages,
+                  "page id out of range");
+  }
+}
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& page_table,
                             const at::Tensor& ctx_len, const at::Tensor& visible, int64_t num_heads) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous float32 [B, H * D]");
@@ -684,12 +695,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
   const int64_t* ctx = ctx_len.data_ptr<int64_t>();
   const int64_t* table = page_table.data_ptr<int64_t>();
   const int64_t width = std::min(visible.size(1), page_table.size(1) * S);
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(ctx[b] >= 1 && ctx[b] <= width, "bad ctx_len");
-    for (int64_t i = 0; i < (ctx[b] + S - 1) / S; ++i)
-      TORCH_CHECK(table[b * page_table.size(1) + i] >= 0 && table[b * page_table.size(1) + i] < kv.size(0),
-                  "page id out of range");
-  }
+  check_pages(ctx, table, B, page_table.size(1), width, S, kv.size(0));
   at::Tensor out = at::empty({B, H * D}, q.options());
   if (B == 0) return out;
   Pages p{kv.data_ptr<float>(), S, KVH, D, table, page_table.size(1), ctx, visible.data_ptr<uint8_t>(),
@@ -743,12 +749,7 @@ at::Tensor mixed_layers(const at::Tensor& hidden, const at::Tensor& cos, const a
   const int64_t* ctx = ctx_len.data_ptr<int64_t>();
   const int64_t* table = page_table.data_ptr<int64_t>();
   const int64_t width = std::min(visible.size(1), page_table.size(1) * S);
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(ctx[b] >= 1 && ctx[b] <= width, "bad ctx_len");
-    for (int64_t i = 0; i < (ctx[b] + S - 1) / S; ++i)
-      TORCH_CHECK(table[b * page_table.size(1) + i] >= 0 && table[b * page_table.size(1) + i] < P,
-                  "page id out of range");
-  }
+  check_pages(ctx, table, B, page_table.size(1), width, S, P);
   const int64_t* slots = write_slots.data_ptr<int64_t>();
   for (int64_t r = 0; r < N; ++r) TORCH_CHECK(slots[r] >= 0 && slots[r] < P * S, "write slot out of range");
   const at::Tensor kv_rows = group_kv_index.reshape({-1});

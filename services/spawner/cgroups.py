@@ -58,7 +58,7 @@ IDLE_CPU_GROUP = "l4m-idle"  # v1: under the cpu hierarchy's root; cpu.idle = 1
 V2_INIT_GROUP = "l4m-init"  # v2: where a namespace root's own processes are moved to
 
 
-def _field(text: str | None, key: str) -> int | None:
+def stat_field(text: str | None, key: str) -> int | None:
     """The value of `key` in a cgroup file of "key value" lines."""
     if text is None:
         return None
@@ -101,22 +101,22 @@ class InstanceCgroup:
 
     def memory_oom_kills(self) -> int | None:
         if self.is_v2("memory"):
-            return _field(self.read_file("memory", "memory.events"), "oom_kill")
-        return _field(self.read_file("memory", "memory.oom_control"), "oom_kill")
+            return stat_field(self.read_file("memory", "memory.events"), "oom_kill")
+        return stat_field(self.read_file("memory", "memory.oom_control"), "oom_kill")
 
     def memory_limit_hits(self) -> int | None:
         if self.is_v2("memory"):
-            hits = _field(self.read_file("memory", "memory.events"), "max")
+            hits = stat_field(self.read_file("memory", "memory.events"), "max")
             return None if hits is None else hits - self.baselines.get("memory.events max", 0)
         text = self.read_file("memory", "memory.failcnt")
         return int(text) if text is not None else None
 
     def pids_refused(self) -> int | None:
-        return _field(self.read_file("pids", "pids.events"), "max")
+        return stat_field(self.read_file("pids", "pids.events"), "max")
 
     def cpu_time_s(self) -> float | None:
         if self.is_v2("cpuacct"):
-            usage_us = _field(self.read_file("cpuacct", "cpu.stat"), "usage_usec")
+            usage_us = stat_field(self.read_file("cpuacct", "cpu.stat"), "usage_usec")
             return usage_us / 1e6 if usage_us is not None else None
         text = self.read_file("cpuacct", "cpuacct.usage")
         return int(text) / 1e9 if text is not None else None
@@ -336,7 +336,7 @@ class CgroupManager:
                     (memory / "memory.swap.max").write_text("0")
                 with contextlib.suppress(OSError):  # Linux 4.19
                     (memory / "memory.oom.group").write_text("1")
-                hits = _field(group.read_file("memory", "memory.events"), "max")
+                hits = stat_field(group.read_file("memory", "memory.events"), "max")
                 group.baselines["memory.events max"] = hits or 0
             else:
                 (memory / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))

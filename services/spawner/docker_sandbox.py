@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from l4m.spawner import seccomp
+from l4m.spawner.cgroups import stat_field
 from l4m.spawner.sandbox import (
     SANDBOX_PROGRAM_DIR,
     SANDBOX_SOCKET_DIR,
@@ -246,9 +247,9 @@ class DockerHandle(SandboxHandle):
     def cpu_time_s(self) -> float | None:
         with contextlib.suppress(OSError, ValueError):
             return int(self._cpuacct_usage.read_text()) / 1e9
-        with contextlib.suppress(OSError, ValueError, StopIteration):
-            lines = self._cpu_stat.read_text().splitlines()
-            return int(next(line.split()[1] for line in lines if line.startswith("usage_usec "))) / 1e6
+        with contextlib.suppress(OSError, ValueError):
+            usage_us = stat_field(self._cpu_stat.read_text(), "usage_usec")
+            return usage_us / 1e6 if usage_us is not None else None
         return None
 
     async def kill(self, reason: ExitReason, message: str) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from l4m.spawner.cgroups import stat_field
 from l4m.spawner.process_sandbox import ProcessSandbox
 from l4m.spawner.programs import ProgramStore
 from l4m.spawner.sandbox import ExitReason, Limits, SandboxSpec
@@ -28,11 +29,9 @@ while time.monotonic() < end:
 
 
 def throttled_periods(group: Path) -> int:
-    for line in (group / "cpu.stat").read_text().splitlines():
-        key, _, value = line.partition(" ")
-        if key == "nr_throttled":
-            return int(value)
-    raise AssertionError(f"no nr_throttled in {group / 'cpu.stat'}")
+    periods = stat_field((group / "cpu.stat").read_text(), "nr_throttled")
+    assert periods is not None, f"no nr_throttled in {group / 'cpu.stat'}"
+    return periods
 
 
 def test_cpu_bandwidth_limit_throttles_a_spinning_program(
