@@ -575,15 +575,324 @@ void attention_task(const float* qkv, int64_t ld_qkv, int64_t H, const Pages& p,
   }
 }
 
+// Task b * KVH + kh of attention(): item b's heads that share KV head kh.
+void attention_one(const float* qkv, int64_t ld_qkv, int64_t H, const Pages& p, int64_t task, float* out) {
+  const int64_t b = task / p.KVH, kh = task % p.KVH;
+  switch (p.D) {
+    case 64: attention_task<64>(qkv, ld_qkv, H, p, b, kh, out); break;
+    case 128: attention_task<128>(qkv, ld_qkv, H, p, b, kh, out); break;
+    default: TORCH_CHECK(false, "decode_layers supports head_dim 64 or 128, got ", p.D);
+  }
+}
+
 void attention(const float* qkv, int64_t ld_qkv, int64_t B, int64_t H, const Pages& p, float* out) {
-  parallel_chunks(B * p.KVH, [&](int64_t task) {
-    const int64_t b = task / p.KVH, kh = task % p.KVH;
-    switch (p.D) {
-      case 64: attention_task<64>(qkv, ld_qkv, H, p, b, kh, out); break;
-      case 128: attention_task<128>(qkv, ld_qkv, H, p, b, kh, out); break;
-      default: TORCH_CHECK(false, "decode_layers supports head_dim 64 or 128, got ", p.D);
+  parallel_chunks(B * p.KVH, [&](int64_t task) { attention_one(qkv, ld_qkv, H, p, task, out); });
+}
+
+// ---- a padded group's attention (a prefill chunk), K/V read straight from the pages ---------------
+//
+// The group's items attend as SDPA does over the padded path's gathered K/V (attention.py's
+// `_padded_attention`), without the gather: each slot's K and V rows are read in place through the
+// group's kv_index. A task is (item, KV head, block of query rows, span of slots): its query rows are
+// the block's tokens times the `group` heads that share the KV head, so every K/V row loaded serves all
+// of them. Per block of kGroupBk slots: K^T packed (8 x 8 transposes), scores as a small GEMM
+// (6 rows x 16 slots of outputs in registers), the additive mask, an online softmax (running max and sum
+// per row), then P x V into the task's running output. The spans of one (item, KV head, row block) are
+// merged at the end, as flash-decoding does: split over slots, not only rows, so that 2 threads balance
+// when the group is one item (3 KV heads). AVX2 only: torch's SDPA runs AVX-512 on a CPU that has it,
+// so the win over it is the gather saved and the K/V reuse, not wider vectors.
+
+constexpr int64_t kGroupBk = 128;  // slots per block (64 measured 2-7 % slower; K^T and scores in L1/L2)
+constexpr int64_t kGroupRows = 64;  // query rows (tokens x heads of a KV head) per task at most (96 alike)
+constexpr int64_t kGroupTasksPerThread = 8;
+
+struct GroupAttention {
+  const float* q;  // row r = b * Tq + t of the group: head h at q + r * ld_q + h * D (RoPE applied)
+  int64_t ld_q;
+  const float* cache;  // a layer's cache, rows of KVH * D floats ([pages * 2 * S] rows)
+  int64_t KVH, D, H;
+  const int64_t* kv_index;  // [Bc, 2, Tkv] rows of each slot's K (0) and V (1)
+  const float* mask;        // [Bc, Tq, Tkv] additive: 0 = attend, -inf = hidden
+  int64_t Bc, Tq, Tkv;
+  float* out;  // row r, head h at out + r * ld_out + h * D
+  int64_t ld_out;
+};
+
+// The work split: tokens per row block, row blocks per item, slot spans per (item, KV head, row block).
+struct GroupSplit {
+  int64_t tokens_per_block, row_blocks, span, spans;
+  GroupSplit(const GroupAttention& a, int64_t threads) {
+    const int64_t group = a.H / a.KVH;
+    const int64_t most = std::max<int64_t>(1, kGroupRows / group);  // tokens per block at most, cut evenly
+    row_blocks = (a.Tq + most - 1) / most;
+    tokens_per_block = std::max<int64_t>(1, (a.Tq + row_blocks - 1) / std::max<int64_t>(1, row_blocks));
+    // Enough tasks for the threads to balance, each span at least one block.
+    const int64_t heads = std::max<int64_t>(1, a.Bc * a.KVH * row_blocks);
+    const int64_t blocks = std::max<int64_t>(1, (a.Tkv + kGroupBk - 1) / kGroupBk);
+    const int64_t wanted = std::clamp<int64_t>((kGroupTasksPerThread * threads + heads - 1) / heads, 1, blocks);
+    span = (blocks + wanted - 1) / wanted * kGroupBk;
+    spans = std::max<int64_t>(1, (a.Tkv + span - 1) / span);
+  }
+};
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// sc[r][8v + lane] = qp[r] . K[slot 8v + lane] for MR rows and NV vectors of 8 slots (kt: [D][kGroupBk]).
+template <int D, int MR, int NV>
+inline void score_tile(const float* qp, const float* kt, float* sc) {
+  __m256 acc[MR][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    __m256 kv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) kv[v] = _mm256_loadu_ps(kt + d * kGroupBk + 8 * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m256 qb = _mm256_broadcast_ss(qp + r * D + d);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(qb, kv[v], acc[r][v]);
     }
-  });
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(sc + r * kGroupBk + 8 * v, acc[r][v]);
+}
+
+template <int D, int MR>
+void score_rows(const float* qp, const float* kt, int64_t vectors, float* sc) {
+  int64_t v = 0;
+  for (; v + 2 <= vectors; v += 2) score_tile<D, MR, 2>(qp, kt + 8 * v, sc + 8 * v);
+  if (v < vectors) score_tile<D, MR, 1>(qp, kt + 8 * v, sc + 8 * v);
+}
+
+// o[r][c0 .. c0 + 32) += sum_j p[r][j] V[j][c0 .. c0 + 32) for MR rows over n slots.
+template <int D, int MR>
+inline void pv_tile(const float* p, const float* const* v_rows, int64_t n, float* o, int64_t c0) {
+  __m256 acc[MR][4];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_loadu_ps(o + r * D + c0 + 8 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* v = v_rows[j] + c0;
+    __m256 pr[MR];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) pr[r] = _mm256_broadcast_ss(p + r * kGroupBk + j);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256 vv = _mm256_loadu_ps(v + 8 * c);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) acc[r][c] = _mm256_fmadd_ps(pr[r], vv, acc[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(o + r * D + c0 + 8 * c, acc[r][c]);
+}
+
+template <int D, int MR>
+void pv_rows(const float* p, const float* const* v_rows, int64_t n, float* o) {
+  for (int64_t c0 = 0; c0 < D; c0 += 32) pv_tile<D, MR>(p, v_rows, n, o, c0);
+}
+
+// One row's block of scores: the mask added (slots past n hidden), the running max and sum updated, the
+// scores turned into exp(s - max) (0 where hidden), the row's output rescaled to the new max.
+template <int D>
+void softmax_row(float* s, const float* mask_row, int64_t n, float& m_run, float& l_run, float* o) {
+  const int64_t vectors = (n + 7) / 8;
+  const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
+  __m256 vmax = neg_inf;
+  for (int64_t v = 0; v < vectors; ++v) {
+    __m256 mk;
+    if (8 * v + 8 <= n) {
+      mk = _mm256_loadu_ps(mask_row + 8 * v);
+    } else {
+      alignas(32) float tail[8];
+      for (int k = 0; k < 8; ++k) tail[k] = 8 * v + k < n ? mask_row[8 * v + k] : -INFINITY;
+      mk = _mm256_load_ps(tail);
+    }
+    const __m256 x = _mm256_add_ps(_mm256_loadu_ps(s + 8 * v), mk);
+    _mm256_storeu_ps(s + 8 * v, x);
+    vmax = _mm256_max_ps(vmax, x);
+  }
+  const float m_new = std::max(m_run, hmax(vmax));
+  if (m_new == -INFINITY) {  // nothing seen yet: no weight, no change
+    std::fill_n(s, vectors * 8, 0.0f);
+    return;
+  }
+  const __m256 vm = _mm256_set1_ps(m_new);
+  __m256 vsum = _mm256_setzero_ps();
+  for (int64_t v = 0; v < vectors; ++v) {
+    const __m256 x = _mm256_loadu_ps(s + 8 * v);
+    const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(x, vm)), _mm256_cmp_ps(x, neg_inf, _CMP_NEQ_OQ));
+    _mm256_storeu_ps(s + 8 * v, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  const float alpha = m_run == -INFINITY ? 0.0f : std::exp(m_run - m_new);
+  l_run = l_run * alpha + hsum(vsum);
+  if (alpha != 1.0f) {
+    const __m256 va = _mm256_set1_ps(alpha);
+    for (int c = 0; c < D; c += 8) _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(o + c), va));
+  }
+  m_run = m_new;
+}
+
+template <int D>
+inline void prefetch_row(const float* row) {
+  for (int c = 0; c < D; c += 16) _mm_prefetch(reinterpret_cast<const char*>(row + c), _MM_HINT_T0);
+}
+
+// One task: item b, KV head kh, tokens t0 .. t0 + nt, slots s0 .. s1. Its rows (i = (t - t0) * group + g
+// for head kh * group + g) leave their unnormalized output, running max and sum in o, m_run, l_run.
+template <int D>
+void group_attention_span(const GroupAttention& a, int64_t b, int64_t kh, int64_t t0, int64_t nt, int64_t s0,
+                          int64_t s1, float* o, float* m_run, float* l_run) {
+  const int64_t group = a.H / a.KVH, M = nt * group, row = a.KVH * D;
+  thread_local std::vector<float> qp, kt, sc;
+  qp.resize(M * D);
+  kt.resize(D * kGroupBk);
+  sc.resize(M * kGroupBk);
+  const float scale = 1.0f / std::sqrt(float(D));
+  for (int64_t t = 0; t < nt; ++t)
+    for (int64_t g = 0; g < group; ++g) {
+      const float* q = a.q + (b * a.Tq + t0 + t) * a.ld_q + (kh * group + g) * D;
+      float* dst = qp.data() + (t * group + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = q[d] * scale;
+    }
+  std::fill_n(o, M * D, 0.0f);
+  std::fill_n(m_run, M, -INFINITY);
+  std::fill_n(l_run, M, 0.0f);
+  const int64_t* k_index = a.kv_index + b * 2 * a.Tkv;
+  const int64_t* v_index = k_index + a.Tkv;
+  const float* mask = a.mask + (b * a.Tq + t0) * a.Tkv;
+  const float* v_rows[kGroupBk];
+  for (int64_t j0 = s0; j0 < s1; j0 += kGroupBk) {
+    const int64_t n = std::min(kGroupBk, s1 - j0), vectors = (n + 7) / 8;
+    bool seen = false;  // a block every row's mask hides costs nothing (the causal tail, hidden pages)
+    for (int64_t t = 0; t < nt && !seen; ++t)
+      for (int64_t j = 0; j < n; ++j)
+        if (mask[t * a.Tkv + j0 + j] != -INFINITY) {
+          seen = true;
+          break;
+        }
+    if (!seen) continue;
+    // The rows come from memory (a layer's K/V is read once per step; one thread measured 1.07 ms
+    // per layer against 0.81 on a warm cache): ask now for this block's V rows, used after the scores,
+    // and the next block's K rows (1.02 ms).
+    for (int64_t j = 0; j < n; ++j) prefetch_row<D>(a.cache + v_index[j0 + j] * row + kh * D);
+    for (int64_t j = j0 + kGroupBk; j < std::min(s1, j0 + 2 * kGroupBk); ++j)
+      prefetch_row<D>(a.cache + k_index[j] * row + kh * D);
+    for (int64_t v = 0; v < vectors; ++v)  // kt[d][j] = K[j][d], 8 slots x 8 dims at a time
+      for (int64_t d8 = 0; d8 < D; d8 += 8) {
+        __m256 r[8];
+        for (int k = 0; k < 8; ++k) {
+          const int64_t j = 8 * v + k;
+          r[k] = j < n ? _mm256_loadu_ps(a.cache + k_index[j0 + j] * row + kh * D + d8) : _mm256_setzero_ps();
+        }
+        transpose8(r);
+        for (int c = 0; c < 8; ++c) _mm256_storeu_ps(kt.data() + (d8 + c) * kGroupBk + 8 * v, r[c]);
+      }
+    for (int64_t j = 0; j < n; ++j) v_rows[j] = a.cache + v_index[j0 + j] * row + kh * D;
+    int64_t i = 0;
+    for (; i + 6 <= M; i += 6) score_rows<D, 6>(qp.data() + i * D, kt.data(), vectors, sc.data() + i * kGroupBk);
+    for (; i < M; ++i) score_rows<D, 1>(qp.data() + i * D, kt.data(), vectors, sc.data() + i * kGroupBk);
+    for (i = 0; i < M; ++i)
+      softmax_row<D>(sc.data() + i * kGroupBk, mask + (i / group) * a.Tkv + j0, n, m_run[i], l_run[i], o + i * D);
+    for (i = 0; i + 3 <= M; i += 3) pv_rows<D, 3>(sc.data() + i * kGroupBk, v_rows, n, o + i * D);
+    for (; i < M; ++i) pv_rows<D, 1>(sc.data() + i * kGroupBk, v_rows, n, o + i * D);
+  }
+}
+
+// The spans' partial rows merged into the output: rescaled to their common max, divided by the sum;
+// a row that saw nothing gets 0 (as the general path gives its dead rows).
+template <int D>
+void group_attention_merge(const GroupAttention& a, const GroupSplit& split, const float* parts, int64_t rows_cap,
+                           int64_t b, int64_t kh, int64_t rb) {
+  const int64_t group = a.H / a.KVH, t0 = rb * split.tokens_per_block;
+  const int64_t M = std::min(split.tokens_per_block, a.Tq - t0) * group, part = rows_cap * (D + 2);
+  for (int64_t i = 0; i < M; ++i) {
+    float mx = -INFINITY;
+    for (int64_t s = 0; s < split.spans; ++s) mx = std::max(mx, parts[s * part + rows_cap * D + i]);
+    float* dst = a.out + (b * a.Tq + t0 + i / group) * a.ld_out + (kh * group + i % group) * D;
+    if (mx == -INFINITY) {
+      std::fill_n(dst, D, 0.0f);
+      continue;
+    }
+    __m256 acc[D / 8];
+    for (int c = 0; c < D / 8; ++c) acc[c] = _mm256_setzero_ps();
+    float sum = 0.0f;
+    for (int64_t s = 0; s < split.spans; ++s) {
+      const float* o = parts + s * part;
+      const float m = o[rows_cap * D + i];
+      if (m == -INFINITY) continue;
+      const float w = std::exp(m - mx);
+      sum += w * o[rows_cap * D + rows_cap + i];
+      const __m256 vw = _mm256_set1_ps(w);
+      for (int c = 0; c < D / 8; ++c) acc[c] = _mm256_fmadd_ps(vw, _mm256_loadu_ps(o + i * D + 8 * c), acc[c]);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / sum);
+    for (int c = 0; c < D / 8; ++c) _mm256_storeu_ps(dst + 8 * c, _mm256_mul_ps(acc[c], inv));
+  }
+}
+
+// One group's attention as tasks for parallel_chunks, so that mixed_layers runs them in the same
+// parallel region as the decode rows' attention (one barrier per layer, not three). Task
+// ((b * KVH + kh) * row_blocks + rb) * spans + s is a span; the last span of its rows to finish merges
+// them (a counter per rows: no second pass). `parts` holds the spans' partial rows, kept by the caller
+// across layers (a fresh buffer per layer measured page faults in a profile).
+class GroupRun {
+ public:
+  GroupRun(const GroupAttention& a, std::vector<float>& parts)
+      : a_(a), split_(a, at::get_num_threads()), rows_cap_(std::max(kGroupRows, a.H / a.KVH)),
+        part_(rows_cap_ * (a.D + 2)), heads_(a.Bc * a.Tq == 0 ? 0 : a.Bc * a.KVH * split_.row_blocks),
+        remaining_(new std::atomic<int64_t>[heads_]) {
+    TORCH_CHECK(a.D == 64 || a.D == 128, "the group attention supports head_dim 64 or 128, got ", a.D);
+    parts.resize(heads_ * split_.spans * part_);  // every task writes its own part whole
+    parts_ = parts.data();
+    for (int64_t h = 0; h < heads_; ++h) remaining_[h].store(split_.spans, std::memory_order_relaxed);
+  }
+
+  int64_t num_tasks() const { return heads_ * split_.spans; }
+
+  void run(int64_t task) {
+    if (a_.D == 64) run_d<64>(task);
+    else run_d<128>(task);
+  }
+
+ private:
+  template <int D>
+  void run_d(int64_t task) {
+    const int64_t s = task % split_.spans, h = task / split_.spans, rb = h % split_.row_blocks;
+    const int64_t kh = h / split_.row_blocks % a_.KVH, b = h / (split_.row_blocks * a_.KVH);
+    const int64_t t0 = rb * split_.tokens_per_block, nt = std::min(split_.tokens_per_block, a_.Tq - t0);
+    float* p = parts_ + task * part_;
+    group_attention_span<D>(a_, b, kh, t0, nt, s * split_.span, std::min(a_.Tkv, (s + 1) * split_.span), p,
+                            p + rows_cap_ * D, p + rows_cap_ * D + rows_cap_);
+    // acq_rel: the last span sees every other span's part.
+    if (remaining_[h].fetch_sub(1, std::memory_order_acq_rel) == 1)
+      group_attention_merge<D>(a_, split_, parts_ + h * split_.spans * part_, rows_cap_, b, kh, rb);
+  }
+
+  const GroupAttention a_;
+  const GroupSplit split_;
+  const int64_t rows_cap_, part_, heads_;
+  std::unique_ptr<std::atomic<int64_t>[]> remaining_;
+  float* parts_;
+};
+
+void group_attention(const GroupAttention& a, std::vector<float>& parts) {
+  GroupRun run(a, parts);
+  parallel_chunks(run.num_tasks(), [&](int64_t task) { run.run(task); });
 }
 
 void silu_mul(const float* gate_up, int64_t B, int64_t F, float* out) {  // out[b, f] = silu(gate) * up
@@ -704,13 +1013,48 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
   return out;
 }
 
+// Every row of a group's kv_index is one of the layer cache's [pages * 2 * S] rows.
+void check_rows(const at::Tensor& kv_index, int64_t num_rows) {
+  TORCH_CHECK(kv_index.numel() == 0 || (kv_index.min().item<int64_t>() >= 0 &&
+                                        kv_index.max().item<int64_t>() < num_rows), "group_kv_index out of range");
+}
+
+// mixed_layers' attention of the group alone (tests and benchmarks): q [Bc * Tq, H * D] float32 with
+// RoPE applied, the group's K/V already in the pages -> [Bc * Tq, H * D], as SDPA over the gathered K/V
+// with group_mask ([Bc, 1, Tq, Tkv] additive); a row whose mask hides every slot gets 0.
+at::Tensor group_attention_op(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& group_kv_index,
+                              const at::Tensor& group_mask, int64_t num_heads) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous float32 [Bc * Tq, H * D]");
+  TORCH_CHECK(kv.dim() == 5 && kv.scalar_type() == at::kFloat && kv.is_contiguous(),
+              "kv: a layer's contiguous float32 cache [pages, 2, S, KVH, D]");
+  const int64_t S = kv.size(2), KVH = kv.size(3), D = kv.size(4), H = num_heads;
+  TORCH_CHECK(H > 0 && H % KVH == 0 && q.size(1) == H * D, "q's width must be num_heads * head_dim");
+  TORCH_CHECK(group_mask.dim() == 4 && group_mask.scalar_type() == at::kFloat && group_mask.size(1) == 1,
+              "group_mask: float32 [Bc, 1, Tq, Tkv]");
+  const int64_t Bc = group_mask.size(0), Tq = group_mask.size(2), Tkv = group_mask.size(3);
+  TORCH_CHECK(q.size(0) == Bc * Tq, "q's rows must be the group's Bc * Tq, got ", q.size(0), " for Bc = ", Bc,
+              ", Tq = ", Tq);
+  TORCH_CHECK(group_kv_index.scalar_type() == at::kLong && group_kv_index.dim() == 3 &&
+              group_kv_index.size(0) == Bc && group_kv_index.size(1) == 2 && group_kv_index.size(2) == Tkv,
+              "group_kv_index: int64 [Bc, 2, Tkv]");
+  const at::Tensor kv_rows = group_kv_index.contiguous(), mask = group_mask.contiguous();
+  check_rows(kv_rows, kv.size(0) * 2 * S);
+  at::Tensor out = at::empty({Bc * Tq, H * D}, q.options());
+  std::vector<float> parts;
+  group_attention(GroupAttention{q.data_ptr<float>(), H * D, kv.data_ptr<float>(), KVH, D, H,
+                                 kv_rows.data_ptr<int64_t>(), mask.data_ptr<float>(), Bc, Tq, Tkv,
+                                 out.data_ptr<float>(), H * D}, parts);
+  return out;
+}
+
 // decode_layers for a mixed batch: hidden's first B rows are single-token items (one row each of
 // page_table, ctx_len and visible, attending as in decode_layers), its other rows one padded group of
 // Bc items of Tq new tokens each (a prefill chunk), attending as attention.py's padded path does
 // (group_kv_index [Bc, 2, Tkv]: rows of a layer's cache viewed [pages * 2 * S, KVH, D]; group_mask
-// [Bc, 1, Tq, Tkv] additive), through torch's SDPA. Every linear runs once over all rows: the decode
-// steps keep the fused stack without reading the weights twice. write_slots [N]: page * S + offset of
-// each row's new K/V; dead_rows: rows whose mask hides everything (attention output 0).
+// [Bc, 1, Tq, Tkv] additive), through group_attention (K/V read in place, no gather). Every linear
+// runs once over all rows: the decode steps keep the fused stack without reading the weights twice.
+// write_slots [N]: page * S + offset of each row's new K/V; dead_rows: rows whose mask hides everything
+// (attention output 0).
 at::Tensor mixed_layers(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                         std::vector<at::Tensor> weights, std::vector<at::Tensor> kv, const at::Tensor& page_table,
                         const at::Tensor& ctx_len, const at::Tensor& visible, const at::Tensor& write_slots,
@@ -744,6 +1088,7 @@ at::Tensor mixed_layers(const at::Tensor& hidden, const at::Tensor& cos, const a
                 layer.sizes() == kv[0].sizes(), "kv caches must be contiguous float32 alike [pages, 2, S, KVH, D]");
   const int64_t P = kv[0].size(0), S = kv[0].size(2), KVH = kv[0].size(3), D = kv[0].size(4), H = num_heads;
   TORCH_CHECK(H > 0 && H % KVH == 0 && D <= 512, "bad head layout");
+  TORCH_CHECK(D == 64 || D == 128, "mixed_layers supports head_dim 64 or 128, got ", D);
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == N && cos.size(1) == D && cos.is_contiguous() &&
               sin.is_contiguous(), "cos/sin: contiguous [N, head_dim]");
   const int64_t* ctx = ctx_len.data_ptr<int64_t>();
@@ -752,9 +1097,11 @@ at::Tensor mixed_layers(const at::Tensor& hidden, const at::Tensor& cos, const a
   check_pages(ctx, table, B, page_table.size(1), width, S, P);
   const int64_t* slots = write_slots.data_ptr<int64_t>();
   for (int64_t r = 0; r < N; ++r) TORCH_CHECK(slots[r] >= 0 && slots[r] < P * S, "write slot out of range");
-  const at::Tensor kv_rows = group_kv_index.reshape({-1});
-  TORCH_CHECK(kv_rows.numel() == 0 || (kv_rows.min().item<int64_t>() >= 0 && kv_rows.max().item<int64_t>() < P * 2 * S),
-              "group_kv_index out of range");
+  const at::Tensor kv_rows = group_kv_index.contiguous();
+  check_rows(kv_rows, P * 2 * S);
+  const int64_t* kv_index = kv_rows.data_ptr<int64_t>();
+  const at::Tensor mask_rows = group_mask.contiguous();
+  const float* mask = mask_rows.data_ptr<float>();
   const int64_t* dead = dead_rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < dead_rows.numel(); ++i) TORCH_CHECK(dead[i] >= 0 && dead[i] < N, "dead row out of range");
 
@@ -762,9 +1109,8 @@ at::Tensor mixed_layers(const at::Tensor& hidden, const at::Tensor& cos, const a
   const int64_t QKV = (H + 2 * KVH) * D;
   const float* cs = cos.data_ptr<float>();
   const float* sn = sin.data_ptr<float>();
-  std::vector<float> h(N * E), qkv(N * QKV), attn(N * H * D), gate_up, act;
+  std::vector<float> h(N * E), qkv(N * QKV), attn(N * H * D), gate_up, act, group_parts;
   float* xp = x.data_ptr<float>();
-  const auto options = hidden.options();
   for (int64_t l = 0; l < L; ++l) {
     const int64_t base = l * kWeightsPerLayer;
     const QWeight w_qkv = layer_qweight(weights, base + 1), w_o = layer_qweight(weights, base + 4);
@@ -786,14 +1132,14 @@ at::Tensor mixed_layers(const at::Tensor& hidden, const at::Tensor& cos, const a
       std::copy(row + H * D, row + (H + KVH) * D, k_slot);
       std::copy(row + (H + KVH) * D, row + QKV, k_slot + S * KVH * D);
     }
-    attention(qkv.data(), QKV, B, H, p, attn.data());  // the decode rows
-    // The group's rows: [Bc, H, Tq, D] queries (strided views of qkv) over their gathered K/V.
-    const at::Tensor q = at::from_blob(qkv.data() + B * QKV, {Bc, Tq, H, D}, {Tq * QKV, QKV, D, 1}, options);
-    const at::Tensor ctx_kv = kv[l].view({-1, KVH, D}).index_select(0, kv_rows).view({Bc, 2, Tkv, KVH, D});
-    const at::Tensor out = at::scaled_dot_product_attention(
-        q.transpose(1, 2), ctx_kv.select(1, 0).transpose(1, 2), ctx_kv.select(1, 1).transpose(1, 2), group_mask,
-        0.0, false, c10::nullopt, true);  // [Bc, H, Tq, D]
-    at::from_blob(attn.data() + B * H * D, {Bc, Tq, H, D}, options).copy_(out.transpose(1, 2));
+    // The group's spans first (the long tasks), then the decode rows' (item, KV head) tasks.
+    GroupRun group(GroupAttention{qkv.data() + B * QKV, QKV, p.cache, KVH, D, H, kv_index, mask, Bc, Tq, Tkv,
+                                  attn.data() + B * H * D, H * D}, group_parts);
+    const int64_t group_tasks = group.num_tasks();
+    parallel_chunks(group_tasks + B * KVH, [&](int64_t task) {
+      if (task < group_tasks) group.run(task);
+      else attention_one(qkv.data(), QKV, H, p, task - group_tasks, attn.data());
+    });
     for (int64_t i = 0; i < dead_rows.numel(); ++i) std::fill_n(attn.data() + dead[i] * H * D, H * D, 0.0f);
     linear_into(attn.data(), H * D, N, w_o, xp, E, true);
     rms_norm(xp, weights[base + 7].data_ptr<float>(), N, E, eps, h.data());
@@ -815,4 +1161,6 @@ TORCH_LIBRARY(l4m_cpu, lib) {
   lib.def("mixed_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, Tensor[] kv, Tensor page_table, "
           "Tensor ctx_len, Tensor visible, Tensor write_slots, Tensor group_kv_index, Tensor group_mask, "
           "Tensor dead_rows, int num_heads, float eps) -> Tensor", &mixed_layers);
+  lib.def("group_attention(Tensor q, Tensor kv, Tensor group_kv_index, Tensor group_mask, int num_heads) -> Tensor",
+          &group_attention_op);
 }

@@ -1,6 +1,6 @@
 """AVX2 kernels for float32 decode on the CPU, on the GGUF's Q4_1 / Q8_0 blocks (see `quant.py`).
 
-Four ops, registered as `torch.ops.l4m_cpu.*`:
+Five ops, registered as `torch.ops.l4m_cpu.*`:
 
 - `linear(x [M, K], qs, d, m?) -> [M, N]`: `x @ W.T` with W in GGUF blocks. Up to 4 rows of x, each
   block is converted in registers and used at once (for 1-2 rows scaled per block: d * sum(x q) +
@@ -18,8 +18,15 @@ Four ops, registered as `torch.ops.l4m_cpu.*`:
   attention alone, for the single-token items of a mixed batch (`attention.py`), one layer at a time.
 - `mixed_layers(...)`: `decode_layers` for a batch of single-token items beside one padded group of
   equal-length items (a prefill chunk): every linear once over all rows, the decode steps' attention as
-  in `decode_layers`, the group's through torch's SDPA over its gathered K/V (as `attention.py`'s padded
-  path), in one call.
+  in `decode_layers`, the group's as `attention.py`'s padded path (SDPA over its gathered K/V, with its
+  additive mask) but reading K/V straight from the pages, in one call.
+- `group_attention(q [Bc * Tq, H * D], kv, group_kv_index, group_mask, num_heads) -> [Bc * Tq, H * D]`:
+  that group attention alone (tests, `bench/group_attention.py`). A task is (item, KV head, up to 64
+  query rows: tokens x the heads sharing the KV head, so each K/V row loaded serves all of them, a span
+  of slots); per 128 slots, K^T packed, scores as a register-tiled GEMM, the mask, an online softmax,
+  P x V; the spans of a row block merged flash-decoding style by the last to finish. Slots are split as
+  well as rows so that 2 threads balance a single chunk (3 KV heads). A row whose mask hides every slot
+  gets 0. In `mixed_layers` its tasks share one parallel region with the decode rows' attention.
 
 Parallel work is cut into many small chunks that the threads pull from a shared counter, so that a
 thread descheduled by another process does not leave its static share of the step undone.
