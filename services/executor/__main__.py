@@ -6,11 +6,20 @@ import argparse
 import contextlib
 import gc
 import logging
+import os
 import sys
 import time
 from pathlib import Path
 
-import torch
+# OpenMP threads that wait for each other by sleeping, not spinning, unless the operator chose (read once,
+# when torch loads libgomp: so before `import torch`). A CPU executor shares its cores with the stack's
+# other processes (controllers, the scheduler); with spinning waits a thread that another process
+# descheduled holds its partner spinning at every barrier of a step (hundreds per step), and a 43 ms
+# decode step took 160-310 ms (up to 914) beside two busy processes, against 100-112 ms sleeping
+# (docs/benchmarks.md, "OpenMP threads that sleep").
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402 (after the wait policy)
 
 from l4m import eventloop
 from l4m.common.metrics import (

@@ -64,3 +64,21 @@ def test_a_model_the_executor_does_not_implement_exits_with_its_reason(tmp_path:
     err = capsys.readouterr().err
     assert f"cannot serve {tmp_path}: architecture 'Gemma2ForCausalLM' is not implemented" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("preset", "expected"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_openmp_threads_sleep_while_waiting_unless_the_operator_chose(preset: str | None, expected: str) -> None:
+    """Set before torch loads (libgomp reads it once): a fresh interpreter that imports the executor's main."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if preset is not None:
+        env["OMP_WAIT_POLICY"] = preset
+    # torch is not loaded before the main module sets the policy (the package imports nothing of it).
+    probe = ("import sys, os; import l4m.executor; before = 'torch' in sys.modules; import l4m.executor.__main__; "
+             "print(os.environ['OMP_WAIT_POLICY'], before, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [expected, "False", "True"]
