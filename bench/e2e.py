@@ -333,6 +333,14 @@ def window_gaps(token_times_s: list[list[float]], start_s: float, end_s: float) 
     return inside, outside
 
 
+def top_gaps(token_times_s: list[list[float]], start_s: float, end_s: float, count: int = 64) -> list[list[float]]:
+    """The window's `count` longest gaps, longest first: [ms, where it ends in the window (0 its start, 1 its end)]."""
+    gaps = [(after - before, (after - start_s) / (end_s - start_s))
+            for times in token_times_s for before, after in zip(times, times[1:], strict=False)
+            if after > start_s and before < end_s]
+    return [[round(1000 * gap, 1), round(where, 3)] for gap, where in sorted(gaps, reverse=True)[:count]]
+
+
 async def run_long_prompt(client: Client, program: str, config: ClusterConfig, prompts: list[list[int]],
                           new_tokens: int, long_prompt: list[int]) -> dict[str, object]:
     """N stepwise decoding streams, and a long prompt launched once each has `LONG_PROMPT_AFTER_TOKENS`
@@ -374,6 +382,8 @@ async def run_long_prompt(client: Client, program: str, config: ClusterConfig, p
         "window_itl_max_ms": 1000 * max(inside, default=float("nan")),
         "p99_over_median_step": percentile(inside, 0.99) / median_step_s,
         "num_window_gaps": len(inside), "num_other_gaps": len(outside),
+        # the window's longest gaps (what its p99 stands on), longest first
+        "window_top_gaps_ms": top_gaps([s["token_times_s"] for s in streams], start_s, end_s),
         # the long prompt's whole fill fell among the streams' steps (none had ended before it)
         "streams_outlast_window": all(s["token_times_s"][-1] >= end_s for s in streams),
         "generated_tokens": sum(len(s["token_ids"]) for s in streams),
@@ -506,13 +516,16 @@ async def long_prompt_sweep(args: argparse.Namespace) -> dict[str, object]:
     """--long-prompt: chunked and unchunked, interleaved over the repeats, each run on a fresh cluster (the
     chunk is the scheduler's flag); per (N, variant) the run of median p99 / median step stands."""
     variants = {"chunked": args.prefill_chunk_tokens, "unchunked": UNCHUNKED_PREFILL_TOKENS}
+    variants = {name: chunk for name, chunk in variants.items() if name in args.variants.split(",")}
     long_prompt = make_prompts(1, args.long_prompt, args.seed + 1)[0]
     runs: dict[tuple[int, str], list[dict[str, object]]] = {}
     for repeat in range(args.repeats):
         for num_streams in [int(n) for n in args.n.split(",")]:
             prompts = make_prompts(num_streams, args.prompt_tokens, args.seed)
             for variant, chunk_tokens in variants.items():
-                config = replace(stack_config(args), prefill_chunk_tokens=chunk_tokens, gateway_port=-1)
+                config = replace(stack_config(args), prefill_chunk_tokens=chunk_tokens, gateway_port=-1,
+                                 prefill_chunk_token_slots=args.prefill_chunk_token_slots if variant == "chunked"
+                                 else None)
                 cluster = Cluster(config, say=lambda line: print(line, flush=True))
                 try:
                     await cluster.start()
@@ -533,7 +546,9 @@ async def long_prompt_sweep(args: argparse.Namespace) -> dict[str, object]:
     for (num_streams, variant), variant_runs in runs.items():
         ranked = sorted(variant_runs, key=lambda run: run["p99_over_median_step"])
         rows.append({"n": num_streams, "variant": variant, "long_prompt_tokens": args.long_prompt,
-                     "prefill_chunk_tokens": variants[variant], **ranked[len(ranked) // 2],
+                     "prefill_chunk_tokens": variants[variant],
+                     "prefill_chunk_token_slots": args.prefill_chunk_token_slots if variant == "chunked" else None,
+                     **ranked[len(ranked) // 2],
                      "ratio_runs": [round(run["p99_over_median_step"], 2) for run in variant_runs],
                      "long_ttft_ms_runs": [round(run["long_ttft_ms"]) for run in variant_runs]})
     return {"rows": rows}
@@ -572,6 +587,8 @@ def print_long_prompt_table(results: dict[str, object]) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results["rows"]:
         chunk = r["prefill_chunk_tokens"] or "default"
+        if r.get("prefill_chunk_token_slots"):
+            chunk = f"{chunk}, shrinking ({r['prefill_chunk_token_slots']} slots/token)"
         print(f"| {r['variant']} | {chunk} | {r['n']} | {r['long_prompt_tokens']} | {r['long_ttft_ms']:.0f} | "
               f"{r['median_step_ms']:.1f} | {r['window_itl_p50_ms']:.1f} | {r['window_itl_p99_ms']:.1f} | "
               f"{r['p99_over_median_step']:.1f} | {r['num_window_gaps']} |")
@@ -630,6 +647,11 @@ def parse_args() -> argparse.Namespace:
                         "unchunked (the l4m stack only; --engines and --plot are ignored)")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=None,
                         help="--long-prompt's chunked runs: the scheduler's chunk (default: the scheduler's)")
+    parser.add_argument("--prefill-chunk-token-slots", type=int, default=None,
+                        help="--long-prompt's chunked runs: chunks shrink as their context grows (the scheduler's "
+                        "--prefill-chunk-token-slots; default: fixed-size chunks)")
+    parser.add_argument("--variants", default="chunked,unchunked",
+                        help="--long-prompt's variants to run, comma separated: chunked, unchunked")
     parser.add_argument("--device", default="cpu",
                         help="the stack's executor and l4m-executor's (cuda:0: bfloat16, the executor's default there); "
                              "the other peers stay on the CPU")
@@ -648,6 +670,8 @@ def parse_args() -> argparse.Namespace:
     if args.long_prompt and args.new_tokens <= LONG_PROMPT_AFTER_TOKENS:
         parser.error(f"--long-prompt needs --new-tokens above {LONG_PROMPT_AFTER_TOKENS}: the streams must still "
                      "decode when it arrives")
+    if not args.variants or set(args.variants.split(",")) - {"chunked", "unchunked"}:
+        parser.error(f"--variants takes chunked and/or unchunked, got {args.variants!r}")
     if args.long_prompt < 0 or (args.prefill_chunk_tokens or 1) < 1:
         parser.error("--long-prompt and --prefill-chunk-tokens must be at least 1")
     if args.warm_pool_size is None:

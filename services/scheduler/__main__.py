@@ -61,6 +61,10 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, Me
     parser.add_argument("--prefill-chunk-tokens", type=int, default=0,
                         help="a forward_text with more tokens runs as chunks of at most this many, each batched "
                         "beside other streams' decode steps (0: half the executors' max_batch_tokens, at most 2048)")
+    parser.add_argument("--prefill-chunk-token-slots", type=int, default=0,
+                        help="what one chunk token's own work (its linears) costs in context slots of attention: "
+                        "with > 0, chunks shrink as their context grows so that each costs about what the first "
+                        "chunk of --prefill-chunk-tokens does (0: chunks of --prefill-chunk-tokens at any context)")
     parser.add_argument("--max-waiting-instances", type=int, default=256,
                         help="instances that may wait at once for kv pages nobody can free for them (the admission "
                         "queue); one more traps RESOURCE_EXHAUSTED; 0: no queue, such an allocation traps at once")
@@ -82,6 +86,8 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, Me
         parser.error(f"--max-continuation-steps must be in 0..{MAX_CONTINUATION_STEPS}")
     if args.registry_listen and not args.cluster_secret_file:
         parser.error("--registry-listen needs --cluster-secret-file: the registry never runs unauthenticated")
+    if args.prefill_chunk_token_slots < 0:
+        parser.error("--prefill-chunk-token-slots must be 0 (the default) or more")
     if args.prefill_chunk_tokens < 0:
         parser.error("--prefill-chunk-tokens must be 0 (the default) or more")
     if args.max_instances < 1:
@@ -106,6 +112,7 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, Me
         max_continuation_steps=args.max_continuation_steps, registry_listen=args.registry_listen,
         cluster_secret=secret, tls=tls, executor_tls_ca=args.executor_tls_ca, max_instances=args.max_instances,
         max_export_pages_per_user=args.max_export_pages_per_user, prefill_chunk_tokens=args.prefill_chunk_tokens,
+        prefill_chunk_token_slots=args.prefill_chunk_token_slots,
         max_waiting_instances=args.max_waiting_instances, admission_timeout_s=args.admission_timeout_s,
     )
     return config, metrics_endpoint(parser, args)

@@ -49,6 +49,10 @@ class SchedulerConfig:
     # as consecutive chunks, each batched beside other streams' decode steps. 0: half the executors'
     # max_batch_tokens, at most 2048; never more than max_batch_tokens.
     prefill_chunk_tokens: int = 0
+    # What one chunk token's own work (its linears) costs, in context slots of attention. With > 0 the
+    # chunks of a long forward_text shrink as their context grows, each costing about what its first
+    # chunk of prefill_chunk_tokens does (prefill.chunk_sizes); 0: every chunk prefill_chunk_tokens.
+    prefill_chunk_token_slots: int = 0
     max_export_name_bytes: int = 256
     # Distinct KV pages one user's persistent exports may hold together (they outlive the user's
     # instances, so nothing else bounds them); past it export_kv_pages traps RESOURCE_EXHAUSTED.

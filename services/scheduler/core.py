@@ -1145,6 +1145,7 @@ class Scheduler:
             max_context_tokens=model.max_context_tokens,
             max_batch_tokens=max_batch_tokens,
             prefill_chunk_tokens=chunk_budget(config.prefill_chunk_tokens, max_batch_tokens),
+            prefill_chunk_token_slots=config.prefill_chunk_token_slots,
             max_kv_pages_per_instance=min(max_pages, config.max_kv_pages_per_instance or max_pages),
             max_embed_slots_per_instance=min(max_slots, config.max_embed_slots_per_instance or max_slots),
             capabilities=frozenset(model.capabilities),

@@ -96,7 +96,8 @@ def _forward_tokens(item: common_pb2.ForwardItem) -> int:
 
 
 def _split_forward_text(item: common_pb2.ForwardTextItem, limits: ModelLimits) -> ChunkedPrefill | None:
-    return prefill.split_forward_text(item, limits.kv_page_size, limits.prefill_chunk_tokens)
+    return prefill.split_forward_text(item, limits.kv_page_size, limits.prefill_chunk_tokens,
+                                      limits.prefill_chunk_token_slots)
 
 
 def _has_outputs(item: common_pb2.ForwardTextItem) -> bool:

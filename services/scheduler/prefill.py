@@ -9,6 +9,15 @@ slice (the LENGTH RULE), so chunk j reads what chunks 0 .. j-1 wrote. The chunks
 command's stream in order, one at a time (the batcher moves a chunk alone and nothing of the stream
 after it), so each joins a batch with other streams' work and nothing of the stream overtakes them.
 
+How many tokens a chunk takes: `prefill_chunk_tokens` T, at any context by default. A chunk token's
+attention reads every slot before it, so a chunk deep into a long prompt costs more than one at its
+start (on a 2-core CPU a 16-token chunk added ~3.5x as much to its batch's time at 3,500 tokens of
+context as at 250). With `prefill_chunk_token_slots` L > 0 (what one token's own work, its linears,
+costs in slots of attention), chunks shrink as their context grows so that each costs about what the
+prompt's first chunk of T tokens does: chunk j at context c takes the most tokens t <= T with
+`chunk_cost(t, c, L) <= chunk_cost(T, 0, L)`, and at least T / 8. The streams beside the prompt then
+see the same delay from every chunk, the last ones included.
+
 Each output index lands in the chunk that holds its token; the chunks' results are gathered here
 and the command gets one reply, the unchunked pass's, when its last chunk is answered. Continuation
 steps run with the last chunk only (they need the last token's output, which is there).
@@ -18,6 +27,8 @@ Pure functions and plain state: no asyncio, no I/O; the core (core.py) queues an
 
 from __future__ import annotations
 
+import math
+
 from l4m.v1 import common_pb2
 from l4m.wire import rules
 
@@ -25,6 +36,42 @@ from l4m.wire import rules
 # executors' batch, so that a chunk leaves room for decode steps beside it, and at most this many,
 # so that one chunk adds a bounded delay to those steps.
 DEFAULT_MAX_PREFILL_CHUNK_TOKENS = 2048
+
+
+# Shrinking chunks carry at least 1 / MIN_CHUNK_SHARE of the chunk budget: each chunk is a batch and an
+# item the scheduler holds until it runs, so a long prompt deep into its context stays a bounded number.
+MIN_CHUNK_SHARE = 8
+
+
+def chunk_cost(num_tokens: int, num_context: int, token_slots: int) -> int:
+    """A chunk's cost in slots of attention: `token_slots` per token for its own work, and the slots its
+    tokens read (the `num_context` before the chunk, then each token its predecessors in it and itself)."""
+    return num_tokens * (token_slots + num_context) + num_tokens * (num_tokens + 1) // 2
+
+
+def chunk_sizes(num_tokens: int, num_context: int, chunk_tokens: int, token_slots: int) -> list[int]:
+    """The token counts of the consecutive chunks of `num_tokens` new tokens after `num_context` slots:
+    `chunk_tokens` each (the last one the rest) when `token_slots` is 0, else each the most that costs
+    no more than `chunk_tokens` tokens at no context (`chunk_cost`), but at least an eighth of
+    `chunk_tokens` (`MIN_CHUNK_SHARE`: a command makes at most 8x the chunks of fixed-size ones)."""
+    if token_slots <= 0:
+        return [min(chunk_tokens, num_tokens - start) for start in range(0, num_tokens, chunk_tokens)]
+    budget = chunk_cost(chunk_tokens, 0, token_slots)
+    least = -(-chunk_tokens // MIN_CHUNK_SHARE)
+    sizes, done = [], 0
+    while done < num_tokens:
+        # The largest t with t^2 / 2 + t (L + c + 1/2) <= budget, then corrected for float rounding.
+        linear = token_slots + num_context + done + 0.5
+        size = int(math.sqrt(linear * linear + 2 * budget) - linear)
+        size = min(max(least, size), chunk_tokens, num_tokens - done)
+        while size > least and chunk_cost(size, num_context + done, token_slots) > budget:
+            size -= 1
+        while (size < min(chunk_tokens, num_tokens - done)
+               and chunk_cost(size + 1, num_context + done, token_slots) <= budget):
+            size += 1
+        sizes.append(size)
+        done += size
+    return sizes
 
 
 def chunk_budget(configured: int, max_batch_tokens: int) -> int:
@@ -85,8 +132,10 @@ class Chunk:
         return self.index == self.prefill.num_chunks - 1
 
 
-def split_forward_text(item: common_pb2.ForwardTextItem, page_size: int, chunk_tokens: int) -> ChunkedPrefill | None:
-    """The chunks of a (validated) forward_text with more than `chunk_tokens` tokens; None when it fits one."""
+def split_forward_text(item: common_pb2.ForwardTextItem, page_size: int, chunk_tokens: int,
+                       token_slots: int = 0) -> ChunkedPrefill | None:
+    """The chunks of a (validated) forward_text with more than `chunk_tokens` tokens (`chunk_sizes`);
+    None when it fits one."""
     num_tokens = len(item.token_ids)
     if chunk_tokens <= 0 or num_tokens <= chunk_tokens:
         return None
@@ -95,8 +144,9 @@ def split_forward_text(item: common_pb2.ForwardTextItem, page_size: int, chunk_t
     num_context = total - num_tokens - num_steps  # slots before the first new token
     by_index = {index: position for position, index in enumerate(item.output_indices)}
     items, output_positions = [], []
-    for start in range(0, num_tokens, chunk_tokens):
-        end = min(start + chunk_tokens, num_tokens)
+    end = 0
+    for size in chunk_sizes(num_tokens, num_context, chunk_tokens, token_slots):
+        start, end = end, end + size
         is_last = end == num_tokens
         num_slots = num_context + end + (num_steps if is_last else 0)  # the context when the slice is in
         num_pages = -(-num_slots // page_size)

@@ -53,6 +53,8 @@ class ModelLimits:
     # A forward_text with more tokens runs as chunks of at most this many (prefill.py), so it may carry up
     # to the context window; 0: never split, a forward_text is bounded by `max_batch_tokens` like a forward.
     prefill_chunk_tokens: int = 0
+    # With > 0, chunks shrink as their context grows (`prefill.chunk_sizes`): one token's own work in slots.
+    prefill_chunk_token_slots: int = 0
 
 
 # `with _obeys():` a broken rule as an `InvalidCommand` trap (the hot path, forward_text, has its own try).

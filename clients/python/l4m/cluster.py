@@ -91,6 +91,9 @@ class ClusterConfig:
     # A forward_text longer than this is filled in chunks of this many tokens, each sharing a batch with other
     # streams' decode steps; None: the scheduler's default (half the executors' max_batch_tokens, at most 2048).
     prefill_chunk_tokens: int | None = None
+    # With a value, chunks shrink as their context grows, each costing about what the first does: one
+    # token's own work in context slots of attention (the scheduler's --prefill-chunk-token-slots).
+    prefill_chunk_token_slots: int | None = None
     allow_anonymous: bool = False
     # How sandboxed controllers speak L4M and send their user messages: "framed" (length-prefixed frames on
     # Unix sockets, ~4x less CPU per message) or "grpc"; users' own sessions use the scheduler's gRPC
@@ -289,6 +292,8 @@ def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
         argv += ["--max-continuation-steps", str(config.max_continuation_steps)]
     if config.prefill_chunk_tokens is not None:
         argv += ["--prefill-chunk-tokens", str(config.prefill_chunk_tokens)]
+    if config.prefill_chunk_token_slots is not None:
+        argv += ["--prefill-chunk-token-slots", str(config.prefill_chunk_token_slots)]
     # Its health is checked on the L4M socket: plain (a Unix socket), whatever the TCP listener's TLS.
     specs.append(ServiceSpec("scheduler", tuple(argv), f"unix:{config.scheduler_socket}", config.metrics_port(1)))
     if config.gateway_port >= 0:

@@ -100,6 +100,13 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         help="a prompt longer than this is filled in chunks of this many tokens, each batched beside other "
         "streams' decode steps (default: the scheduler's, half the executors' max_batch_tokens, at most 2048)",
     )
+    parser.add_argument(
+        "--prefill-chunk-token-slots", type=_positive_int, default=None, metavar="SLOTS",
+        help="what one chunk token's own work costs in context slots of attention: chunks then shrink as their "
+        "context grows, each costing about what the first chunk of --prefill-chunk-tokens does, so that the "
+        "streams beside a long prompt see the same delay from every chunk (default: fixed-size chunks; "
+        "docs/operations.md says how to pick it)",
+    )
     parser.add_argument("--allow-anonymous", action="store_true", help="dev: L4M sessions without a token")
     parser.add_argument("--session-transport", default="framed", choices=["framed", "grpc"],
                         help="how controllers speak L4M and send their user messages: length-prefixed frames on "
@@ -199,6 +206,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         warm_pool_size=args.warm_pool_size,
         max_continuation_steps=args.max_continuation_steps,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
+        prefill_chunk_token_slots=args.prefill_chunk_token_slots,
         allow_anonymous=args.allow_anonymous,
         session_transport=args.session_transport,
         executor_transport=args.executor_transport,

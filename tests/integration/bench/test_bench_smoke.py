@@ -122,6 +122,9 @@ def test_relay_counts_every_message_and_prices_it_by_role(tmp_path: Path) -> Non
         ("e2e.py", ["--engines", "l4m,vllm"], "unknown engines ['vllm']"),
         ("e2e.py", ["--n", "1,x"], "--n must be comma-separated integers"),
         ("e2e.py", ["--new-tokens", "0"], "must be at least 1"),
+        ("e2e.py", ["--long-prompt", "300", "--variants", "chunked,sliced"], "--variants takes chunked and/or unchunked"),
+        ("chunk_slots.py", ["--contexts", "3072,256"], "need 0 <= first context < second"),
+        ("chunk_slots.py", ["--contexts", "256"], "--contexts takes two comma-separated token counts"),
         ("agentic.py", ["--workloads", "chess"], "unknown workloads ['chess']"),
         ("agentic.py", ["--branches", "0"], "must be at least 1"),
         ("peers.py", ["--engine", "l4m-executor", "--streams", "0"], "must be at least 1"),
@@ -198,3 +201,23 @@ def test_sdk_bench_measures_every_mode_on_both_transports(tmp_path: Path) -> Non
         assert (row["llguidance_cpu_ms_per_token"] > 0) == (mode == "json-schema")
         if mode != "continuation":  # 100 round trips: well over the 10 ms of CPU that /proc counts in
             assert row["scheduler_cpu_ms_per_token"] > 0
+
+
+def test_chunk_slots_fit_recovers_the_cost_model_and_sizes_the_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/chunk_slots.py's fit, on extra times made from the scheduler's own cost model."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import chunk_slots
+
+    from l4m.scheduler.prefill import chunk_cost
+
+    k, a, b, chunk = 4e-3, 0.8e-3, 0.75e-6, 32  # seconds per batch, per token, per slot read
+
+    def extra(size: int, context: int) -> float:
+        return k + a * size + b * chunk_cost(size, context, 0)
+
+    fitted = chunk_slots.fit(chunk, (256, 3072), (extra(chunk, 256), extra(chunk, 3072), extra(chunk // 2, 256)))
+    assert fitted == pytest.approx((k, a, b))
+    room = 0.03  # s: the most tokens whose extra time at no context fits it
+    size = chunk_slots.best_chunk(*fitted, room, 48)
+    assert extra(size, 0) <= room < extra(size + 1, 0)
+    assert chunk_slots.best_chunk(*fitted, 1.0, 48) == 48  # capped by the rows the fused path takes

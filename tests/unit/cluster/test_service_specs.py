@@ -96,6 +96,20 @@ def test_prefill_chunk_tokens_reaches_the_scheduler_only_when_set(tmp_path: Path
         parser.parse_args(["--prefill-chunk-tokens", "0"])
 
 
+def test_prefill_chunk_token_slots_reach_the_scheduler_only_when_set(tmp_path: Path) -> None:
+    def scheduler_argv(**overrides: object) -> tuple[str, ...]:
+        return next(s.argv for s in service_specs(_config(tmp_path, **overrides)) if s.name == "scheduler")
+
+    assert "--prefill-chunk-token-slots" not in scheduler_argv()  # fixed-size chunks
+    assert _flag(scheduler_argv(prefill_chunk_token_slots=850), "--prefill-chunk-token-slots") == "850"
+    parser = argparse.ArgumentParser()
+    add_cluster_arguments(parser)
+    assert cluster_config(parser.parse_args(["--prefill-chunk-token-slots", "900"])).prefill_chunk_token_slots == 900
+    assert cluster_config(parser.parse_args([])).prefill_chunk_token_slots is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--prefill-chunk-token-slots", "0"])
+
+
 def _flag(argv: tuple[str, ...], name: str) -> str:
     return argv[argv.index(name) + 1]
 

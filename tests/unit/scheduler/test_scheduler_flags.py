@@ -56,3 +56,13 @@ def test_tls_cert_without_key_is_refused(capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit):
         parse_config(["--executor", "unix:/x", "--tls-cert", "c.pem"])
     assert "--tls-cert and --tls-key go together" in capsys.readouterr().err
+
+
+def test_prefill_chunk_token_slots_reach_the_limits_and_a_negative_one_is_refused(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_config(["--executor", "unix:/x"])[0].prefill_chunk_token_slots == 0  # fixed-size chunks
+    config = parse_config(["--executor", "unix:/x", "--prefill-chunk-token-slots", "850"])[0]
+    assert config.prefill_chunk_token_slots == 850
+    with pytest.raises(SystemExit):
+        parse_config(["--executor", "unix:/x", "--prefill-chunk-token-slots", "-1"])
+    assert "--prefill-chunk-token-slots must be 0 (the default) or more" in capsys.readouterr().err

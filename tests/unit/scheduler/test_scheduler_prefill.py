@@ -10,7 +10,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from l4m.scheduler import requests as rq
-from l4m.scheduler.prefill import chunk_budget
+from l4m.scheduler.prefill import chunk_budget, chunk_cost, chunk_sizes
 from l4m.scheduler.simulated import BatchRejected
 from l4m.scheduler.tracing import SchedulerTracer
 from l4m.v1 import common_pb2, executor_pb2, l4m_pb2
@@ -174,6 +174,51 @@ async def test_too_long_for_the_context_or_the_pages_is_refused_naming_the_limit
     await h.settle()
     assert sink_b.trap is not None
     assert "257 token_ids exceed the context window, max_context_tokens 256" in sink_b.trap.reason
+
+
+def test_chunks_shrink_as_their_context_grows_each_within_the_first_chunks_cost() -> None:
+    assert chunk_sizes(40, 5, 16, 0) == [16, 16, 8]  # fixed-size chunks without token slots
+    for num_tokens, num_context, chunk_tokens, slots in [(4000, 0, 48, 850), (4000, 0, 16, 850), (300, 900, 32, 64),
+                                                          (1000, 0, 2048, 1024), (37, 3, 5, 1)]:
+        sizes = chunk_sizes(num_tokens, num_context, chunk_tokens, slots)
+        assert sum(sizes) == num_tokens and min(sizes) >= 1 and max(sizes) <= chunk_tokens
+        budget, done = chunk_cost(chunk_tokens, 0, slots), num_context
+        least = -(-chunk_tokens // 8)
+        for size in sizes[:-1]:  # each the most that fits the budget (the last one: what is left)
+            assert chunk_cost(size, done, slots) <= budget or size == least
+            assert size == chunk_tokens or chunk_cost(size + 1, done, slots) > budget
+            done += size
+        assert sizes == sorted(sizes, reverse=True)[: len(sizes) - 1] + sizes[-1:]  # never growing but the last
+    sizes = chunk_sizes(4000, 0, 48, 850)
+    assert sizes[0] == 48 and sizes[-2] < 12  # 4,000 tokens in: a chunk of ~8
+    # Deep enough that one token costs more than the first chunk: an eighth of the chunk budget, never less.
+    assert chunk_sizes(3, 10_000, 4, 1) == [1, 1, 1]
+    assert chunk_sizes(100, 100_000, 64, 16) == [8] * 12 + [4]
+
+
+async def test_shrinking_chunks_reach_the_executor_and_answer_as_the_unchunked_pass(
+        harness_factory) -> None:  # type: ignore[no-untyped-def]
+    outputs = [0, 70, 199, 120]
+    replies = []
+    for config in ({"prefill_chunk_tokens": 32, "prefill_chunk_token_slots": 16}, {"prefill_chunk_tokens": 0}):
+        h = harness_factory(config=config)
+        h.links[0].keep_sent = True
+        a, sink = h.open()
+        h.send(a, rq.allocate(list(range(14))), _long(0, 200, outputs))
+        for _ in range(10):  # a round of ticks per few chunks
+            await h.settle()
+        chunks = _chunks(h)
+        if config["prefill_chunk_tokens"]:
+            sizes = chunk_sizes(200, 0, 32, 16)
+            assert [len(c.token_ids) for c in chunks] == sizes and sizes[0] == 32 and sizes[-2] < 32
+            starts = [sum(sizes[:j]) for j in range(len(sizes))]
+            assert [c.position_ids[0] for c in chunks] == starts
+            assert [len(c.kv_page_ids) for c in chunks] == [-(-(start + size) // PAGE) for start, size in
+                                                             zip(starts, sizes, strict=True)]
+        else:
+            assert len(chunks) == 1
+        replies.append([e.forward_text for e in sink.of("forward_text")])
+    assert len(replies[0]) == 1 and replies[0] == replies[1]
 
 
 async def test_get_info_reports_the_limits(harness_factory) -> None:  # type: ignore[no-untyped-def]
