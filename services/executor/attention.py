@@ -90,9 +90,11 @@ def build_plan(
     page_visible: torch.Tensor,
     dtype: torch.dtype,
     sliding_window: int = 0,
+    decode_apart: bool = False,
 ) -> AttentionPlan:
     """Vectorized over items except for the cheap per-item index lists; built once, used by every layer.
-    With `sliding_window` W > 0 a token at slot q also sees only slots > q - W."""
+    With `sliding_window` W > 0 a token at slot q also sees only slots > q - W. `decode_apart`: the
+    single-token items form their own group (`group_items`)."""
     device = page_visible.device
     num_new = np.array([it.num_new for it in items], dtype=np.int64)
     num_ctx = np.array([it.num_ctx for it in items], dtype=np.int64)
@@ -102,7 +104,7 @@ def build_plan(
     first_row = np.cumsum(num_new) - num_new
     slot = num_ctx[item_of_token] + np.arange(int(num_new.sum())) - first_row[item_of_token]
     groups, group_rows, dead_rows = [], [], []
-    for members in group_items(items, page_size):
+    for members in group_items(items, page_size, decode_apart):
         part = [items[b] for b in members]
         rows = np.concatenate([np.arange(first_row[b], first_row[b] + num_new[b]) for b in members])
         if all(it.num_new == 1 for it in part):
@@ -145,10 +147,13 @@ def split_mixed(plan: AttentionPlan) -> MixedSplit | None:
     return MixedSplit(decode, group, torch.cat((rows[DecodePlan], rows[PaddedGroup])))
 
 
-def group_items(items: Sequence[ItemLayout], page_size: int) -> list[list[int]]:
+def group_items(items: Sequence[ItemLayout], page_size: int, decode_apart: bool = False) -> list[list[int]]:
     """The batch cut into attention groups (item indices, each group in batch order): items sorted by
     new tokens, then pages, join the group before them while padding them into it costs less than a
-    call of their own. Single-token items always join each other (the decode kernel reads no padding)."""
+    call of their own. Single-token items always join each other (the decode kernel reads no padding).
+    `decode_apart`: single-token items never join a multi-token group either. Where the CPU kernels serve
+    the batch, decode steps beside one chunk run with it in one fused call (`split_mixed`); joining the
+    chunk's padded call would lose that for the whole batch (CALL_COST_PAIRS prices SDPA calls, not it)."""
     order = sorted(range(len(items)), key=lambda b: (-items[b].num_new, -len(items[b].page_ids)))
     groups: list[list[int]] = []
     max_new = max_pages = 0  # of the last group, whose first item has the most new tokens
@@ -157,7 +162,8 @@ def group_items(items: Sequence[ItemLayout], page_size: int) -> list[list[int]]:
         if groups:
             padded = len(groups[-1]) * max_new * max_pages * page_size  # (query, slot) pairs
             merged = (len(groups[-1]) + 1) * max_new * max(max_pages, num_pages) * page_size
-            if max_new == 1 or merged - padded <= CALL_COST_PAIRS + num_new * num_pages * page_size:
+            joins = merged - padded <= CALL_COST_PAIRS + num_new * num_pages * page_size
+            if max_new == 1 or (joins and not (decode_apart and num_new == 1)):
                 groups[-1].append(b)
                 max_pages = max(max_pages, num_pages)
                 continue

@@ -281,8 +281,10 @@ class Engine:
             self._num_decode_kernel_batches += 1
             plan = build_decode_plan(layouts, self.cache.page_size, self.cache.page_visible, window)
             return self.model.forward_decode(hidden, positions, plan, self.cache, rows)
-        plan = build_plan(layouts, self.cache.page_size, self.cache.page_visible, self.dtype, window)
-        split = split_mixed(plan) if self._kernels_serve(hidden.shape[0]) else None
+        kernels = self._kernels_serve(hidden.shape[0])
+        plan = build_plan(layouts, self.cache.page_size, self.cache.page_visible, self.dtype, window,
+                          decode_apart=kernels)
+        split = split_mixed(plan) if kernels else None
         if split is not None:
             self._num_mixed_kernel_batches += 1
             return self.model.forward_mixed(hidden, positions, plan, split, self.cache, rows)

@@ -44,6 +44,17 @@ def test_alike_items_stay_one_call_in_batch_order() -> None:
     assert group_items(steps, 16) == [[0, 1, 2]]
 
 
+def test_decode_apart_keeps_decode_steps_out_of_a_chunk_of_about_their_pages() -> None:
+    """A 22-token chunk at 60 slots (6 pages) beside steps at 132 (9 pages): padding them into the chunk's
+    call costs less than an SDPA call of their own, so they join it; apart (the CPU kernels' rule) they
+    form the decode group that `mixed_layers` takes with the chunk."""
+    items = [_layout(60, 22), *(_layout(132 + b, 1) for b in range(4))]
+    assert group_items(items, 16) == [[0, 1, 2, 3, 4]]
+    assert group_items(items, 16, decode_apart=True) == [[0], [1, 2, 3, 4]]
+    prompts = [_layout(0, 100), _layout(0, 96), _layout(30, 2)]  # no single-token item: the same groups
+    assert group_items(prompts, 16, decode_apart=True) == group_items(prompts, 16)
+
+
 def test_items_far_apart_in_size_split_and_an_infinite_call_cost_keeps_one_padded_call(monkeypatch) -> None:
     items = [_layout(0, 8), _layout(0, 1000), _layout(30, 2)]
     assert group_items(items, 16) == [[1], [0, 2]]
@@ -307,6 +318,28 @@ def test_decode_steps_beside_a_chunk_keep_the_cpp_stack(make_engine, prompts, mo
         assert diff <= TOL_FP32, f"{name}: max |Δlogit| {diff:.2e} against the item alone"
         assert [o.token_id for o in results[n].outputs] == tokens, name
     assert engine_stats(alone)["num_mixed_kernel_batches"] == 0
+
+
+@cpu_only
+@needs_kernels
+def test_a_chunk_of_about_the_decode_steps_pages_still_takes_mixed_layers(make_engine, prompts) -> None:
+    """The case the SDPA cost rule pads together (`group_items`): a 22-token chunk whose pages are about
+    the decode steps' runs with them as one `mixed_layers` call, with the greedy tokens each gets alone."""
+    pool = [t for p in prompts for t in p] * 12
+    seqs = {"chunk": pool[7:89], **{f"d{n}": pool[n : n + 133 + n] for n in range(4)}}
+    context = {"chunk": 60}
+    engine, alone = (make_engine(page_size=PAGE, weights="quantized", max_quantized_rows=1 << 20) for _ in range(2))
+    tokens = {}
+    for eng, one_by_one in ((engine, False), (alone, True)):
+        tables = PageTables(eng)
+        eng.forward_text([tables.item(n, s[: context.get(n, len(s) - 1)], outputs=()) for n, s in seqs.items()])
+        batch = [tables.item(n, s[context.get(n, len(s) - 1) :], outputs=(len(s) - context.get(n, len(s) - 1) - 1,))
+                 for n, s in seqs.items()]
+        before = engine_stats(eng)["num_mixed_kernel_batches"]
+        results = [eng.forward_text([item])[0] for item in batch] if one_by_one else eng.forward_text(batch)
+        tokens[one_by_one] = [r.outputs[0].token_id for r in results]
+        assert engine_stats(eng)["num_mixed_kernel_batches"] == before + (0 if one_by_one else 1)
+    assert tokens[False] == tokens[True]
 
 
 @cpu_only
