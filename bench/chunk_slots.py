@@ -95,7 +95,7 @@ def main() -> None:
         for name, (size, start) in batches.items():
             items = work.steps()
             if size:
-                items = [work._item(0, work.long_tokens[start:start + size], start), *items]
+                items = [work.chunk(size, start), *items]
             elapsed = time_batch(engine, items, "ragged")
             if repeat >= args.warmup:
                 times[name].append(elapsed)

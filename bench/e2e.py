@@ -324,21 +324,18 @@ async def run_gateway(config: ClusterConfig, prompts: list[list[int]], new_token
     return timeline, {"cpu_s_by_role": cpu_s_by_role, "peak_rss_mib_by_role": sampler.peak_rss_mib_by_role}
 
 
-def window_gaps(token_times_s: list[list[float]], start_s: float, end_s: float) -> tuple[list[float], list[float]]:
-    """The streams' gaps between consecutive tokens, pooled: (those overlapping [start_s, end_s], the rest)."""
+def window_gaps(token_times_s: list[list[float]], start_s: float, end_s: float,
+                ) -> tuple[list[tuple[float, float]], list[float]]:
+    """The streams' gaps between consecutive tokens, pooled: those overlapping [start_s, end_s], each with
+    where it ends in the window (0 its start, 1 its end), and the rest."""
     inside, outside = [], []
     for times in token_times_s:
         for before, after in zip(times, times[1:], strict=False):
-            (inside if after > start_s and before < end_s else outside).append(after - before)
+            if after > start_s and before < end_s:
+                inside.append((after - before, (after - start_s) / (end_s - start_s)))
+            else:
+                outside.append(after - before)
     return inside, outside
-
-
-def top_gaps(token_times_s: list[list[float]], start_s: float, end_s: float, count: int = 64) -> list[list[float]]:
-    """The window's `count` longest gaps, longest first: [ms, where it ends in the window (0 its start, 1 its end)]."""
-    gaps = [(after - before, (after - start_s) / (end_s - start_s))
-            for times in token_times_s for before, after in zip(times, times[1:], strict=False)
-            if after > start_s and before < end_s]
-    return [[round(1000 * gap, 1), round(where, 3)] for gap, where in sorted(gaps, reverse=True)[:count]]
 
 
 async def run_long_prompt(client: Client, program: str, config: ClusterConfig, prompts: list[list[int]],
@@ -369,7 +366,8 @@ async def run_long_prompt(client: Client, program: str, config: ClusterConfig, p
     long = await launch_stream(client, program, long_prompt, LONG_PROMPT_NEW_TOKENS, origin_s)
     streams = await decoding
     start_s, end_s = long["launched_s"], long["token_times_s"][0]
-    inside, outside = window_gaps([s["token_times_s"] for s in streams], start_s, end_s)
+    placed, outside = window_gaps([s["token_times_s"] for s in streams], start_s, end_s)
+    inside = [gap for gap, _ in placed]
     median_step_s = percentile(outside, 0.5)
     metrics_after = scrape(config.metrics_port(1))
     return {
@@ -383,7 +381,7 @@ async def run_long_prompt(client: Client, program: str, config: ClusterConfig, p
         "p99_over_median_step": percentile(inside, 0.99) / median_step_s,
         "num_window_gaps": len(inside), "num_other_gaps": len(outside),
         # the window's longest gaps (what its p99 stands on), longest first
-        "window_top_gaps_ms": top_gaps([s["token_times_s"] for s in streams], start_s, end_s),
+        "window_top_gaps_ms": [[round(1000 * gap, 1), round(where, 3)] for gap, where in sorted(placed, reverse=True)[:64]],
         # the long prompt's whole fill fell among the streams' steps (none had ended before it)
         "streams_outlast_window": all(s["token_times_s"][-1] >= end_s for s in streams),
         "generated_tokens": sum(len(s["token_ids"]) for s in streams),

@@ -77,8 +77,9 @@ class Workload:
                 self.engine.forward_text([self._item(0, self.long_tokens[start:stop], start)])
         self.engine.forward_text([self._item(1 + s, t[:-1], 0) for s, t in enumerate(self.stream_tokens)])
 
-    def chunk(self, num_tokens: int) -> ForwardText:
-        start = self.chunk_context
+    def chunk(self, num_tokens: int, start: int | None = None) -> ForwardText:
+        """The long prompt's next `num_tokens` after `start` slots (default: the workload's chunk context)."""
+        start = self.chunk_context if start is None else start
         return self._item(0, self.long_tokens[start : start + num_tokens], start)
 
     def steps(self) -> list[ForwardText]:

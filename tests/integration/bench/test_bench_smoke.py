@@ -76,6 +76,8 @@ def test_e2e_long_prompt_beside_decoding_streams(tmp_path: Path) -> None:
         assert row["median_step_ms"] > 0 and row["num_window_gaps"] > 0
         assert 0 < row["window_itl_p50_ms"] <= row["window_itl_p99_ms"] <= row["window_itl_max_ms"]
         assert row["p99_over_median_step"] == pytest.approx(row["window_itl_p99_ms"] / row["median_step_ms"])
+        gaps = [gap for gap, _ in row["window_top_gaps_ms"]]
+        assert gaps == sorted(gaps, reverse=True) and gaps[0] == pytest.approx(row["window_itl_max_ms"], abs=0.06)
     assert "| chunked | 64 | 2 | 300 |" in done.stdout
 
 
