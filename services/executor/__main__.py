@@ -11,15 +11,18 @@ import sys
 import time
 from pathlib import Path
 
-# OpenMP threads that wait for each other by sleeping, not spinning, unless the operator chose (read once,
-# when torch loads libgomp: so before `import torch`). A CPU executor shares its cores with the stack's
-# other processes (controllers, the scheduler); with spinning waits a thread that another process
-# descheduled holds its partner spinning at every barrier of a step (hundreds per step), and a 43 ms
-# decode step took 160-310 ms (up to 914) beside two busy processes, against 100-112 ms sleeping
-# (docs/benchmarks.md, "OpenMP threads that sleep").
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP threads that spin a little, then sleep, while they wait for each other, unless the operator chose
+# (OMP_WAIT_POLICY or GOMP_SPINCOUNT; libgomp reads them once, when torch loads it: so before `import
+# torch`). A CPU executor shares its cores with the stack's other processes, and a step has hundreds of
+# barriers. libgomp's default (~300,000 spin rounds) holds a thread spinning while its descheduled partner
+# waits for a core: 16 streams' step 131 ms (max 354) beside two busy processes. Sleeping at once
+# (OMP_WAIT_POLICY=PASSIVE) pays a wake-up at every barrier: one stream's step 13.6-15.2 ms against 9.9 on
+# a quiet machine. 10,000 rounds keep both: 9.9-10.4 ms quiet, 81-85 beside the busy processes (PASSIVE
+# 107-117) (docs/benchmarks.md, "OpenMP threads that spin a little").
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
-import torch  # noqa: E402 (after the wait policy)
+import torch  # noqa: E402 (after the OpenMP wait)
 
 from l4m import eventloop
 from l4m.common.metrics import (

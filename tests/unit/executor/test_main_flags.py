@@ -66,19 +66,25 @@ def test_a_model_the_executor_does_not_implement_exits_with_its_reason(tmp_path:
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize(("preset", "expected"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
-def test_openmp_threads_sleep_while_waiting_unless_the_operator_chose(preset: str | None, expected: str) -> None:
+@pytest.mark.parametrize(
+    ("preset", "expected"),
+    [
+        ({}, "policy=- spincount=10000"),
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, "policy=PASSIVE spincount=-"),
+        ({"GOMP_SPINCOUNT": "500"}, "policy=- spincount=500"),
+    ],
+)
+def test_openmp_threads_spin_a_little_while_waiting_unless_the_operator_chose(preset: dict, expected: str) -> None:
     """Set before torch loads (libgomp reads it once): a fresh interpreter that imports the executor's main."""
     import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if preset is not None:
-        env["OMP_WAIT_POLICY"] = preset
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")} | preset
     # torch is not loaded before the main module sets the policy (the package imports nothing of it).
     probe = ("import sys, os; import l4m.executor; before = 'torch' in sys.modules; import l4m.executor.__main__; "
-             "print(os.environ['OMP_WAIT_POLICY'], before, 'torch' in sys.modules)")
+             "get = lambda k: os.environ.get(k, '-'); "
+             "print(f\"policy={get('OMP_WAIT_POLICY')} spincount={get('GOMP_SPINCOUNT')}\", before, 'torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == [expected, "False", "True"]
+    assert done.stdout.split() == [*expected.split(), "False", "True"]
