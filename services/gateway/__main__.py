@@ -20,6 +20,7 @@ from l4m.gateway.config import GatewayConfig
 from l4m.gateway.metrics import GatewayMetrics
 from l4m.gateway.programs import SpawnerClient
 from l4m.gateway.server import create_app
+from l4m.telemetry import configure_tracing, shutdown_tracing
 from l4m.wire.credentials import CredentialError, read_secret_file
 
 log = logging.getLogger("l4m.gateway")
@@ -109,8 +110,12 @@ async def serve(config: GatewayConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = parse_config(argv)
-    with contextlib.suppress(KeyboardInterrupt):
-        eventloop.run(serve(config))
+    configure_tracing("l4m.gateway")  # `gateway.request` spans (tracing.py), when OTEL_* asks for them
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            eventloop.run(serve(config))
+    finally:
+        shutdown_tracing()
 
 
 if __name__ == "__main__":

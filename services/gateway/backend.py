@@ -22,12 +22,14 @@ import grpc
 
 from l4m.common.registry import RegistryClient, RegistryRefused, RegistryUnreachable
 from l4m.common.users import User
+from l4m.gateway import tracing
 from l4m.gateway.config import GatewayConfig
 from l4m.gateway.prefix_cache import PrefixCache, PrefixScope
 from l4m.model import Model
 from l4m.session import Session
 from l4m.tokenizer import Tokenizer
 from l4m.v1 import l4m_pb2
+from l4m.wire.tracecontext import traceparent_of
 
 INFO_TTL_S = 5.0
 MAINTENANCE_USER = "l4m-gateway"  # the user of the admin instances that evict cached prefixes
@@ -120,8 +122,11 @@ class ClusterBackend:
         info, tokenizer = await self._cache.info(model)
         instance_id, token = f"gateway-{uuid.uuid4().hex[:16]}", secrets.token_urlsafe(24)
         await self._register(instance_id, token, user)
+        tracing.note_instance(instance_id)
         try:
-            session = await Session.connect(self._config.scheduler_address, token, model=model)
+            # The request's span is the session's parent: the scheduler's command spans join its trace.
+            session = await Session.connect(self._config.scheduler_address, token, traceparent_of()[0] or None,
+                                            model=model)
             try:
                 yield Model(session, info, tokenizer)
             finally:

@@ -139,8 +139,9 @@ class PrefixCache:
 
     async def evict(self) -> list[str]:
         """Unexport least recently used, unpinned entries while more than `max_pages` pages are cached;
-        returns their names. An unexport that fails is not retried (its export may outlive the cache's
-        knowledge of it until the executor restarts; the scheduler's per-user quota still bounds it)."""
+        returns their names. An unexport that fails is logged and not retried (its export may outlive the
+        cache's knowledge of it until the executor restarts; the scheduler's per-user quota still bounds
+        it): the request that published has its answer already, and the next victims still go."""
         evicted = []
         while self.num_pages > self.max_pages:
             victim = next((e for e in self._entries.values() if e.pins == 0), None)
@@ -149,7 +150,10 @@ class PrefixCache:
             self._drop(victim)
             self.evictions += 1
             evicted.append(victim.name)
-            await self.unexport(victim.model, victim.name)
+            try:
+                await self.unexport(victim.model, victim.name)
+            except Exception as error:
+                log.warning("prefix cache: could not unexport %s of %s: %s", victim.name, victim.model, error)
         return evicted
 
     def stats(self) -> dict[str, int]:
@@ -180,7 +184,8 @@ class PrefixScope:
     async def publish(self, context: Context, keys: Sequence[bytes], num_cached_pages: int) -> None:
         """Export the prompt's full pages (`context` holds them first) as a new entry, then evict past the
         cap. A failed export (the user's quota of persistent export pages, --max-export-pages-per-user, is
-        full) loses only the entry: the request has its answer already."""
+        full) loses only the entry, and a failed eviction is logged (`evict`): the request has its answer
+        already."""
         entry = self.cache.publish(self.model, self.user, keys, num_cached_pages)
         if entry is None:
             return

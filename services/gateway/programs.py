@@ -25,12 +25,15 @@ import grpc
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from l4m.gateway import tracing
 from l4m.gateway.backend import GatewayError
 from l4m.gateway.handlers import Choice
 from l4m.gateway.schemas import ChatCompletionRequest, CompletionRequest, Usage, error_body
+from l4m.session import call_metadata
 from l4m.v1 import spawner_pb2, spawner_pb2_grpc
 from l4m.wire.credentials import bearer_metadata, open_channel
 from l4m.wire.openai_program import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, FINISH_PREFIX
+from l4m.wire.tracecontext import traceparent_of
 
 PROGRAM_PREFIX = "l4m/"
 SPAWNER_DEADLINE_S = 30.0
@@ -88,7 +91,7 @@ class SpawnerClient:
     async def launch(self, api_key: str | None, program: str) -> str:
         request = spawner_pb2.LaunchRequest(program=program)
         response = await self._call(self._stub.Launch(request, timeout=SPAWNER_DEADLINE_S,
-                                                      metadata=_metadata(api_key)))
+                                                      metadata=launch_metadata(api_key)))
         return response.instance_id
 
     async def send(self, api_key: str | None, instance_id: str, text: str) -> None:
@@ -129,6 +132,12 @@ class SpawnerClient:
 
 def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     return tuple(bearer_metadata(api_key)) if api_key else ()
+
+
+def launch_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """A Launch's: the caller's key and the current span's `traceparent` (the request's `gateway.request`),
+    so `spawner.launch` and the program's run join the request's trace."""
+    return (*_metadata(api_key), *call_metadata(traceparent=traceparent_of()[0]))
 
 
 def program_of(model: str) -> str | None:
@@ -205,6 +214,7 @@ class ProgramRun:
     async def start(self, program: str, message: str) -> None:
         try:
             self.instance_id = await self._spawner.launch(self._api_key, program)
+            tracing.note_instance(self.instance_id)
             self._events = self._spawner.attach(self._api_key, self.instance_id)
             await self._spawner.send(self._api_key, self.instance_id, message)
         except SpawnerRefused as error:
@@ -243,6 +253,7 @@ class ProgramRun:
             if usage:
                 prompt, completion = int(usage["prompt_tokens"]), int(usage["completion_tokens"])
                 self.usage = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+                tracing.note_usage(self.usage)
         except (ValueError, TypeError, KeyError, AttributeError):
             pass  # a malformed end record leaves the defaults: the text is the answer all the same
 
@@ -305,6 +316,7 @@ async def _stream(run: ProgramRun, texts: AsyncIterator[str], first: str | None,
                 async for text in texts:
                     yield _event(answer.chunk(0, text))
             except GatewayError as error:  # reported in the stream, which has already said 200
+                tracing.note_error(error.status, error.code or error.kind, error.message, after_answer_began=True)
                 yield _event(error_body(error.message, error.kind, error.code, error.param))
                 yield "data: [DONE]\n\n"
                 return

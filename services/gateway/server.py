@@ -7,7 +7,8 @@ status OpenAI uses: 400 bad request, 401 key, 404 unknown model or route, 413 bo
 quota, 503 no executor. A streamed answer is server-sent events, `data: {chunk}` ... `data: [DONE]`;
 the request's session lives inside the stream, so a client that disconnects mid-stream ends it and
 the scheduler frees its pages. Every answer is counted by endpoint and status code and timed to its end,
-and every answered completion's usage is added up (metrics.py).
+and every answered completion's usage is added up (metrics.py); each completion request is one span
+(tracing.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from l4m.common.users import Authenticator, Unauthenticated, User
 from l4m.errors import ChatTemplateError, ConstraintError, SessionClosed, Trapped
-from l4m.gateway import tools
+from l4m.gateway import tools, tracing
 from l4m.gateway.backend import Backend, GatewayError
 from l4m.gateway.config import GatewayConfig
 from l4m.gateway.handlers import Choice, GenerationParams, complete
@@ -72,12 +73,17 @@ def _as_gateway_error(error: Exception) -> GatewayError:
 
 
 def _json_error(error: GatewayError) -> JSONResponse:
+    tracing.note_error(error.status, error.code or error.kind, error.message)
     return JSONResponse(error_body(error.message, error.kind, error.code, error.param), status_code=error.status)
 
 
 def create_app(config: GatewayConfig, backend: Backend, authenticator: Authenticator,
                spawner: Spawner | None = None, metrics: GatewayMetrics | None = None) -> FastAPI:
-    app = FastAPI(title="l4m gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    # FastAPI's own OpenTelemetry (0.165+; older versions ignore the option) would add a server span to
+    # every request, /health polls included, and three operation spans to each: the gateway's span is
+    # tracing.py's one `gateway.request` per completion instead.
+    app = FastAPI(title="l4m gateway", docs_url=None, redoc_url=None, openapi_url=None,
+                  telemetry={"tracing": False, "metrics": False, "logs": False})
     metrics = metrics or GatewayMetrics()
     metrics.bind_prefix_cache(backend.prefix_cache.stats)
     backend = _PerUserLimit(backend, config.max_requests_per_user)
@@ -110,7 +116,8 @@ def create_app(config: GatewayConfig, backend: Backend, authenticator: Authentic
                                             f"{config.max_request_bytes}", code="request_too_large"))
         return await call_next(request)
 
-    app.add_middleware(RequestMetrics, metrics=metrics)  # outermost: it sees every answer, a 413 included
+    app.add_middleware(RequestMetrics, metrics=metrics)  # it sees every answer, a 413 included
+    app.add_middleware(tracing.RequestSpans)  # outermost: a completion's span holds all of its answer
 
     def user_of(request: Request) -> User:
         """The caller, before anything of the request is read: a dependency runs before body validation."""
@@ -135,6 +142,7 @@ def create_app(config: GatewayConfig, backend: Backend, authenticator: Authentic
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                user: User = Depends(user_of)) -> Any:  # noqa: B008
+        tracing.note_request(body.model, body.stream)
         if program_of(body.model) is not None:  # a stored program answers (programs.py)
             return await answer_program(spawner, request, body, _Answer("chat.completion", body.model, 1))
         _check_options(body, config)
@@ -158,6 +166,7 @@ def create_app(config: GatewayConfig, backend: Backend, authenticator: Authentic
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request,
                           user: User = Depends(user_of)) -> Any:  # noqa: B008
+        tracing.note_request(body.model, body.stream)
         if program_of(body.model) is not None:
             return await answer_program(spawner, request, body, _Answer("text_completion", body.model, 1))
         _check_options(body, config)
@@ -259,6 +268,7 @@ async def _run(backend: Backend, user: User, body: ChatCompletionRequest | Compl
                 raise _as_gateway_error(error) from error
         usage = _usage(prompts, body.n, choices)
         metrics.observe_usage(usage)
+        tracing.note_usage(usage)
         return answer.whole(choices, usage)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return StreamingResponse(_stream(stack, model, prompts, params, answer, body.n, include_usage, prefixes, metrics),
@@ -451,6 +461,7 @@ async def _stream(stack: contextlib.AsyncExitStack, model: Model, prompts: list[
         result = outcome[0]
         if isinstance(result, Exception):
             error = _as_gateway_error(result)
+            tracing.note_error(error.status, error.code or error.kind, error.message, after_answer_began=True)
             yield _event(error_body(error.message, error.kind, error.code, error.param))
         else:
             for choice in result:
@@ -458,6 +469,7 @@ async def _stream(stack: contextlib.AsyncExitStack, model: Model, prompts: list[
                     yield _event(chunk)
             usage = _usage(prompts, n, result)
             metrics.observe_usage(usage)
+            tracing.note_usage(usage)
             if include_usage:
                 yield _event(answer.usage_chunk(usage))
         yield "data: [DONE]\n\n"

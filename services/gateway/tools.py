@@ -17,8 +17,10 @@ call of it, "auto" free text *or* calls -- the text branch may not start with `<
 first characters decide, and a call, once begun, must be complete and valid. Each call is the literal
 `{"name": "<name>", "arguments": ` followed by the function's parameters schema (`%json`, compact
 separators, properties in the schema's order), so a function's `$ref`s resolve in its own schema. "none"
-is free text, unconstrained. `CallParser` reads the text back into OpenAI's `tool_calls`, piece by piece
-for a stream; the grammar guarantees it finds the format it expects.
+is free text that never contains `<tool_call>` anywhere (a model trained on the format would otherwise
+still write calls, which the client would get as content); with a JSON `response_format` its schema
+constrains the answer instead (JSON is never a call). `CallParser` reads the text back into OpenAI's
+`tool_calls`, piece by piece for a stream; the grammar guarantees it finds the format it expects.
 """
 
 from __future__ import annotations
@@ -72,11 +74,13 @@ def _bad(message: str, param: str) -> GatewayError:
 class ToolPlan:
     """What a request's tools ask of the answer: `functions` are all its tools (the prompt shows every
     one), `choice` is "none", "auto", "required" or the name of the one function to call, `parallel`
-    whether an answer may hold several calls."""
+    whether an answer may hold several calls, `json_output` whether a JSON response_format (allowed
+    with "none" only) constrains the answer in place of `grammar`."""
 
     functions: tuple[FunctionDefinition, ...]
     choice: str
     parallel: bool
+    json_output: bool = False
 
     @property
     def parses_calls(self) -> bool:
@@ -87,9 +91,12 @@ class ToolPlan:
         return [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in self.functions]
 
     def grammar(self) -> str | None:
-        """The llguidance Lark grammar of the allowed output; None for free text ("none")."""
-        if not self.parses_calls:
+        """The llguidance Lark grammar of the allowed output; None when a JSON response_format constrains it."""
+        if self.json_output:
             return None
+        if not self.parses_calls:
+            # Text without the tag anywhere: a call can neither start nor hide after some text.
+            return f"start: TEXT\nTEXT: /(?s:.*)/ & ~/(?s:.*{re.escape(CALL_TAG)}.*)/\n"
         named = self.choice not in ("auto", "required")
         callable_ = [f for f in self.functions if not named or f.name == self.choice]
         rules = []
@@ -151,7 +158,8 @@ def plan_of(request: ChatCompletionRequest) -> ToolPlan | None:
         raise _bad("response_format: a JSON response_format with tools is not supported (use tool_choice "
                    "'none', or a function)", "response_format")
     parallel = request.parallel_tool_calls is not False
-    return ToolPlan(tuple(tool.function for tool in request.tools), _choice(request.tool_choice, names), parallel)
+    return ToolPlan(tuple(tool.function for tool in request.tools), _choice(request.tool_choice, names), parallel,
+                    json_output=request.json_schema() is not None)
 
 
 def _choice(tool_choice: object, names: Sequence[str]) -> str:

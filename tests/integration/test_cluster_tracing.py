@@ -1,5 +1,6 @@
-"""`l4m up` as a user runs it: one trace per launch across every process, metrics on every service,
-health and reflection, Ctrl-C, and a dying service stopping the rest.
+"""`l4m up` as a user runs it: one trace per launch across every process, one per gateway request (its
+built-in handler's session or the program it launches below its `gateway.request` span), metrics on every
+service, health and reflection, Ctrl-C, and a dying service stopping the rest.
 
 The cluster is the real command (`.venv/bin/l4m up`) with `OTEL_EXPORTER_OTLP_ENDPOINT` pointing at an
 OTLP receiver this test serves; the controller goes through `l4m run` (traced too, so the launch's
@@ -13,16 +14,19 @@ import signal
 import subprocess
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.integration.examples.test_examples import example
 from tests.integration.harness import L4M_CLI, REPO, UpCluster, up_cluster
 from tests.integration.otlp_receiver import OtlpReceiver, ReceivedSpan
 
@@ -247,6 +251,73 @@ def test_every_service_answers_health_and_reflection(traced: TracedCluster, show
                 assert answer.status == health_pb2.HealthCheckResponse.SERVING, (address, name)
             listed = set(ProtoReflectionDescriptorDatabase(channel).get_services())
             assert {service, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= listed, listed
+
+
+# ---- the gateway's requests ------------------------------------------------------------------------------
+
+
+def gateway_trace_problems(spans: list[ReceivedSpan], caller: str, launches: bool) -> list[str]:
+    """Everything wrong with the trace of the gateway request the W3C `caller` context sent: its
+    `gateway.request` span under the caller's, and below it the scheduler's command spans (its session's),
+    or `spawner.launch` and the program's `controller.run` above them where it `launches` a program."""
+    _, trace_id, caller_span_id, _ = caller.split("-")
+    tree = [s for s in spans if s.trace_id == trace_id]
+    requests = [s for s in tree if s.name == "gateway.request"]
+    if len(requests) != 1:
+        return [f"{len(requests)} gateway.request spans in the caller's trace"]
+    request = requests[0]
+    problems = [what for what, ok in {
+        "gateway.request is the caller's child": request.parent_span_id == caller_span_id,
+        "gateway.request is l4m.gateway's": request.service == "l4m.gateway",
+        "gateway.request answered 200": request.attributes.get("http.response.status_code") == 200,
+        "gateway.request counts completion tokens": int(request.attributes.get("l4m.completion_tokens", 0)) > 0,
+        "gateway.request is the gateway's only span": [s.name for s in tree if s.service == "l4m.gateway"] == [
+            "gateway.request"],
+    }.items() if not ok]
+    commands_parent = request
+    if launches:
+        launch_spans = [s for s in tree if s.name == "spawner.launch" and s.parent_span_id == request.span_id]
+        runs = [s for s in tree if s.name == "controller.run"]
+        if len(launch_spans) != 1 or len(runs) != 1 or runs[0].parent_span_id != launch_spans[0].span_id:
+            return [*problems, "no spawner.launch under gateway.request with the program's controller.run under it"]
+        commands_parent = runs[0]
+    commands = [s for s in tree if s.service == "l4m.scheduler" and s.name.startswith("l4m.")]
+    if "l4m.forward_text" not in {s.name for s in commands}:
+        problems.append(f"no forward_text among the command spans {sorted({s.name for s in commands})}")
+    problems += [f"{c.name} is not a child of {commands_parent.name}" for c in commands
+                 if c.parent_span_id != commands_parent.span_id]
+    if request.attributes.get("l4m.instance_id") not in {c.attributes.get("l4m.instance_id") for c in commands}:
+        problems.append(f"gateway.request names instance {request.attributes.get('l4m.instance_id')}, not the commands'")
+    if not {"scheduler.batch", "executor.batch"} <= {s.name for s in tree}:
+        problems.append("the batches are not in the request's trace")
+    return problems
+
+
+def test_a_gateway_request_is_one_trace_over_the_cluster(traced: TracedCluster, show_logs_on_failure: None) -> None:
+    up = traced.up
+    tag = f"answer-{uuid.uuid4().hex[:8]}"
+    stored = subprocess.run([str(L4M_CLI), "store", str(example("openai_program")), "--tag", tag, "--spawner",
+                             up.spawner_address, "--api-key-file", str(up.admin_key_path)],
+                            cwd=REPO, env=_clean_env(), capture_output=True, text=True, timeout=120)
+    assert stored.returncode == 0, stored.stderr
+    client = openai.OpenAI(base_url=up.gateway_url, api_key=up.admin_key, max_retries=0, timeout=120)
+    callers = {model: f"00-{uuid.uuid4().hex}-{uuid.uuid4().hex[:16]}-01"
+               for model in (client.models.list().data[0].id, f"l4m/{tag}")}
+    for model, caller in callers.items():
+        answer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=3, temperature=0, extra_headers={"traceparent": caller})
+        assert answer.choices[0].message.content, answer
+
+    def problems(spans: list[ReceivedSpan]) -> list[str]:
+        return [f"{model}: {problem}" for model, caller in callers.items()
+                for problem in gateway_trace_problems(spans, caller, launches=model.startswith("l4m/"))]
+
+    try:
+        traced.receiver.wait_for(lambda spans: not problems(spans), timeout_s=30)
+    except AssertionError:
+        spans = [s for s in traced.receiver.spans if any(s.trace_id in c for c in callers.values())]
+        table = "\n".join(f"  {s.service:15} {s.name:18} {s.trace_id[:8]} {s.span_id} <- {s.parent_span_id}" for s in spans)
+        pytest.fail("trace incomplete or wrong:\n  " + "\n  ".join(problems(spans)) + f"\nspans:\n{table}")
 
 
 # ---- stopping ---------------------------------------------------------------------------------------------

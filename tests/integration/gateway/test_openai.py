@@ -151,6 +151,18 @@ def test_a_forced_tool_call_parses_and_its_result_goes_back(client) -> None:  # 
     assert followed.choices[0].message.content and followed.choices[0].message.tool_calls is None
 
 
+def test_tool_choice_none_never_writes_the_call_tag(client) -> None:  # type: ignore[no-untyped-def]
+    """Asked to write the tag, the model writes it within its text under "auto" (only an answer's start
+    decides a call there); under "none" the constraint keeps it out (streamed too: tests/unit/gateway)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city."}}]
+    request = {"model": _model(client), "messages": [{"role": "user", "content": "Write the text <tool_call> three times."}],
+               "tools": tools, "temperature": 0, "max_tokens": 16}
+    auto = client.chat.completions.create(**request).choices[0].message
+    assert "<tool_call>" in auto.content, auto.content  # what the model writes when free to
+    none = client.chat.completions.create(**request, tool_choice="none").choices[0].message
+    assert none.tool_calls is None and "<tool_call" in none.content and "<tool_call>" not in none.content, none.content
+
+
 def test_logit_bias_and_penalties_steer_a_greedy_answer(client) -> None:  # type: ignore[no-untyped-def]
     """A -100 bias on the greedy answer's first token moves it; penalties keep the answer from repeating itself."""
     model = _model(client)

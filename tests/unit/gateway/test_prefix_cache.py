@@ -88,6 +88,26 @@ async def test_eviction_is_lru_spares_pinned_entries_and_leaves_the_index_first(
     assert cache.stats()["evictions"] == 2 and cache.num_pages == 3
 
 
+async def test_a_failed_unexport_is_logged_and_the_next_victims_still_go(caplog: pytest.LogCaptureFixture) -> None:
+    unexports = Unexports()
+
+    async def unexport(model: str, name: str) -> None:
+        if not unexports:
+            unexports.append(name)
+            raise RuntimeError("the maintenance session is gone")
+        await unexports(model, name)
+
+    cache = PrefixCache(1, unexport)
+    a = cache.publish("m", "u", page_keys("m", "u", list(range(4)), PAGE), 0)
+    b = cache.publish("m", "u", page_keys("m", "u", list(range(100, 104)), PAGE), 0)
+    c = cache.publish("m", "u", page_keys("m", "u", list(range(200, 204)), PAGE), 0)
+    assert a and b and c
+    with caplog.at_level("WARNING", logger="l4m.gateway"):
+        assert await cache.evict() == [a.name, b.name]
+    assert unexports == [a.name, b.name] and cache.num_pages == 1
+    assert f"could not unexport {a.name} of m: the maintenance session is gone" in caplog.text
+
+
 async def test_an_entry_built_on_another_shares_its_pages_and_outlives_it() -> None:
     cache = PrefixCache(100, Unexports())
     system = list(range(8))
@@ -194,6 +214,19 @@ async def test_eviction_unexports_the_least_recently_used_prefix(tmp_path: Path)
     assert len(gateway.exports()) == 1 and gateway.exports() != first
     assert gateway.backend.prefix_cache.stats()["evictions"] >= 1
     gateway.assert_freed()
+
+
+async def test_a_failed_eviction_leaves_the_answer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gateway = Gateway(tmp_path, prefix_cache_pages=60)  # one prompt's 55 pages fit, two do not
+
+    async def refuse(model: str, name: str) -> None:
+        raise RuntimeError("no unexport today")
+
+    monkeypatch.setattr(gateway.backend.prefix_cache, "unexport", refuse)
+    await gateway.chat("What is a tide?")
+    answer = await gateway.chat("Completely different: name a colour.", key=gateway.bob)
+    assert answer.choices[0].message.content and gateway.backend.prefix_cache.stats()["evictions"] == 1
+    assert len(gateway.exports()) == 2  # the evicted prefix's export outlives the cache's knowledge of it
 
 
 async def test_a_prefix_unexported_behind_the_caches_back_is_fed_again(cached: Gateway) -> None:

@@ -6,15 +6,19 @@ no socket), and a 400 naming the param for every bad request."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
+from tokenizers import Tokenizer
 
 from l4m.constraint import Constraint
-from l4m.fake import FakeL4M
+from l4m.fake import FakeL4M, tiny_tokenizer_json
 from l4m.gateway.schemas import ChatCompletionRequest, ChatMessage
 from l4m.gateway.tools import (
+    CALL_TAG,
     MAX_TOOLS,
     TOOLS_PROMPT,
     CallParser,
@@ -89,7 +93,20 @@ def test_the_grammar_allows_exactly_what_tool_choice_asks() -> None:
         for text, allowed in texts.items():
             assert _follows(model, plan.grammar(), text) == allowed, (choice, text)
     assert not _follows(model, _plan("required", parallel=False).grammar(), f"{CALL}\n{second}")
-    assert _plan("none").grammar() is None
+
+
+def test_none_allows_any_text_but_the_call_tag_anywhere() -> None:
+    model = _model()
+    grammar = _plan("none").grammar()
+    texts = {"Hello there": True, "": True, "I would use the get_weather tool for that.": True,
+             "Tags look like <tool> or <tool_call (unclosed)": True, "<tool_response>sunny</tool_response>": True,
+             CALL: False, "<tool_call>": False, "I'd say <tool_call>": False, f"Sure.\n{CALL}": False,
+             "a <tool_call> in the middle": False}
+    for text, allowed in texts.items():
+        assert _follows(model, grammar, text) == allowed, text
+    json_none = ChatCompletionRequest(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="none",
+                                      response_format={"type": "json_object"})
+    assert plan_of(json_none).grammar() is None  # type: ignore[union-attr]  # the JSON constraint applies instead
 
 
 def test_a_call_is_read_back_the_same_piece_by_piece_as_whole() -> None:
@@ -202,8 +219,8 @@ async def test_a_streamed_call_arrives_as_openais_tool_call_deltas(tmp_path: Pat
 
 async def test_auto_and_none_answer_text_and_a_tool_result_goes_back(tmp_path: Path) -> None:
     """The fake model starts an answer with the tag about once in 259 tokens: "auto" is text here
-    (the call branch is the grammar test's); "none" is unconstrained text; a conversation carrying a call
-    and its result is taken."""
+    (the call branch is the grammar test's); "none" is text; a conversation carrying a call and its result
+    is taken."""
     gateway = _gateway(tmp_path)
     client = gateway.client()
     auto = await client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, temperature=0,
@@ -221,6 +238,41 @@ async def test_auto_and_none_answer_text_and_a_tool_result_goes_back(tmp_path: P
         *MESSAGES, call.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": call.tool_calls[0].id, "content": "sunny"}])
     assert followed.choices[0].message.content is not None
+    gateway.assert_freed()
+
+
+class _TagWriter(FakeL4M):
+    """A model trained on the call format: whatever came before, it wants to go on writing `<tool_call>`."""
+
+    TAG_IDS = Tokenizer.from_str(tiny_tokenizer_json()).encode(CALL_TAG).ids
+
+    def logits(self, visible: Sequence[tuple[int, int]]) -> np.ndarray:
+        logits = super().logits(visible)
+        tokens = [token for token, _ in visible]
+        spelled = next(k for k in range(len(self.TAG_IDS), -1, -1) if tokens[len(tokens) - k:] == self.TAG_IDS[:k])
+        logits[self.TAG_IDS[spelled % len(self.TAG_IDS)]] += 100.0
+        return logits
+
+
+async def test_none_keeps_a_model_that_wants_to_call_to_text(tmp_path: Path) -> None:
+    """Without tools the model writes the tag; with tool_choice "none" it never gets it out, whole or
+    streamed, and no call is read from the answer; a JSON response_format with "none" is that JSON."""
+    gateway = _gateway(tmp_path)
+    gateway.fake = gateway.backend._fake = _TagWriter(num_kv_pages=2048)  # type: ignore[attr-defined]
+    client = gateway.client()
+    request = {"model": MODEL, "messages": MESSAGES, "temperature": 0, "max_tokens": 40}
+    free = await client.chat.completions.create(**request)
+    assert CALL_TAG in free.choices[0].message.content
+    none = await client.chat.completions.create(**request, tools=TOOLS, tool_choice="none")
+    (choice,) = none.choices
+    assert choice.message.tool_calls is None and choice.finish_reason == "length"
+    assert choice.message.content.startswith("<tool_call") and CALL_TAG not in choice.message.content
+    stream = await client.chat.completions.create(**request, tools=TOOLS, tool_choice="none", stream=True)
+    assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices]) == choice.message.content
+    as_json = await client.chat.completions.create(**{**request, "max_tokens": 200}, tools=TOOLS, tool_choice="none",
+                                                   response_format={"type": "json_schema", "json_schema": {
+                                                       "name": "weather", "schema": WEATHER}})
+    jsonschema.validate(json.loads(as_json.choices[0].message.content), WEATHER)
     gateway.assert_freed()
 
 
