@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from l4m.gateway.asgi import Asgi, NotingStatus
 from l4m.gateway.schemas import Usage
 
 # The routes the gateway serves; any other path is counted as "other" (a label value per path a caller
@@ -26,7 +27,6 @@ OTHER_ENDPOINT = "other"
 # From a refused request (ms) to a long completion on a CPU (minutes).
 REQUEST_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
-Asgi = Callable[..., Any]
 
 
 class _PrefixCacheCollector(Collector):
@@ -103,15 +103,8 @@ class RequestMetrics:
             await self.app(scope, receive, send)
             return
         started = time.monotonic()
-        status = 500  # what the server answers when the app raises before it starts a response
-
-        async def send_noting_status(message: dict[str, Any]) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        noting = NotingStatus(send)
         try:
-            await self.app(scope, receive, send_noting_status)
+            await self.app(scope, receive, noting)
         finally:
-            self.metrics.observe_request(scope["path"], status, time.monotonic() - started)
+            self.metrics.observe_request(scope["path"], noting.status, time.monotonic() - started)

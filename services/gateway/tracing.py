@@ -17,20 +17,19 @@ makes this a few function calls, and a caller's `traceparent` passes through to 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from l4m.gateway.asgi import Asgi, NotingStatus
 from l4m.gateway.schemas import Usage
 from l4m.wire.tracecontext import context_from_traceparent
 
 TRACED_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 SPAN_NAME = "gateway.request"
 
-Asgi = Callable[..., Any]
 
 _tracer = trace.get_tracer("l4m.gateway")
 
@@ -51,23 +50,16 @@ class RequestSpans:
         span = _tracer.start_span(SPAN_NAME, context=parent, kind=SpanKind.SERVER, attributes={
             "http.request.method": scope["method"], "http.route": scope["path"]})
         token = otel_context.attach(trace.set_span_in_context(span, parent))
-        status = 500  # what the server answers when the app raises before it starts a response
-
-        async def send_noting_status(message: dict[str, Any]) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        noting = NotingStatus(send)
         try:
-            await self.app(scope, receive, send_noting_status)
+            await self.app(scope, receive, noting)
         except BaseException as error:
             span.record_exception(error)
             raise
         finally:
-            span.set_attribute("http.response.status_code", status)
-            if status >= 500:
-                span.set_status(Status(StatusCode.ERROR, f"HTTP {status}"))
+            span.set_attribute("http.response.status_code", noting.status)
+            if noting.status >= 500:
+                span.set_status(Status(StatusCode.ERROR, f"HTTP {noting.status}"))
             otel_context.detach(token)
             span.end()
 
