@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/q4_gemm.py                              # M = 1,16,64; 2 threads; 5 repeats
     .venv/bin/python bench/q4_gemm.py --m 1,8,16,64 --threads 1 --repeats 9 --stat min --compare /tmp/before.cpp
+    .venv/bin/python bench/q4_gemm.py --m 1,4 --isa avx2,avx512_bf16 --copies 30   # both paths, cold weights
 
 Weights are random GGUF blocks (Q4_1 for the layers, Q8_0 for the tied embedding used as the LM head)
 with the model's shapes; x is random float32 [M, K]. Each (shape, M, kernel) cell is timed over calls
@@ -10,12 +11,15 @@ processes spreads over all of them); the table shows medians (`--stat min`: mini
 peak printed is 2 FMA x 8 lanes x 2 FLOP per cycle per core at /proc/cpuinfo's clock (this CPU may boost
 above it). `--compare SOURCE` (repeatable) also builds another cpu_kernels.cpp (say the previous
 version) under the op namespace `l4m_cpu_cmp<i>` and times it beside the current one, labelled by its
-file name. Writes JSON (--out).
+file name. `--isa` times the current source under each named instruction set (as L4M_CPU_ISA). With
+`--copies N` each call takes the next of N weight copies (N = 30: the weights stream from memory, as a
+decode step's 30 layers do; 1: they stay in cache). Writes JSON (--out).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -93,6 +97,11 @@ def main() -> None:
     parser.add_argument("--min-ms", type=float, default=60.0, help="time per cell per repeat")
     parser.add_argument("--compare", type=Path, action="append", default=[],
                         help="another cpu_kernels.cpp to time beside the current one (repeatable)")
+    parser.add_argument("--copies", type=int, default=1,
+                        help="weight tensors per shape, used in turn (30: from memory, as in a decode step)")
+    parser.add_argument("--isa", default="",
+                        help="time the current kernels under each of these ISAs (comma-separated, as L4M_CPU_ISA: "
+                             "avx2, avx512_bf16), each as its own kernel; default: the one loaded")
     parser.add_argument("--stat", choices=("median", "min"), default="median",
                         help="of the repeats (min: the least disturbed run, for A/B on a busy machine)")
     parser.add_argument("--out", default="bench/results/q4_gemm.json")
@@ -102,25 +111,38 @@ def main() -> None:
     for name in names:
         if name not in SHAPES:
             parser.error(f"unknown shape {name!r}: expected some of {', '.join(SHAPES)}")
-    if any(m < 1 for m in ms) or args.repeats < 1 or args.threads < 1:
-        parser.error("--m values, --repeats and --threads must be >= 1")
+    if any(m < 1 for m in ms) or args.repeats < 1 or args.threads < 1 or args.copies < 1:
+        parser.error("--m values, --repeats, --threads and --copies must be >= 1")
 
     from l4m.executor.cpu_kernels import load_kernels
 
     torch.set_num_threads(args.threads)
     load_kernels()
-    kernels = {"current": torch.ops.l4m_cpu.linear}
+    isas = [v for v in args.isa.split(",") if v]
+    # label -> (op, the ISA to select before it runs, or None)
+    kernels = {f"cur-{isa.removeprefix('avx512_')}": (torch.ops.l4m_cpu.linear, isa) for isa in isas} or {
+        "current": (torch.ops.l4m_cpu.linear, None)}
     for i, source in enumerate(args.compare):
         label = source.stem[:12]
-        kernels[label if label not in kernels else f"{label[:10]}-{i}"] = build_compare(source, f"l4m_cpu_cmp{i}")
+        kernels[label if label not in kernels else f"{label[:10]}-{i}"] = (
+            build_compare(source, f"l4m_cpu_cmp{i}"), None)
 
     gen = torch.Generator().manual_seed(0)
     weights = {name: random_blocks(*SHAPES[name], gen) for name in names}
+    # --copies: distinct weight tensors per shape, called in turn, so that they come from memory as the
+    # 30 layers' do in a decode step rather than from the cache (the head, 31 MB, at most 2 copies).
+    copies = {
+        name: [weights[name]]
+        + [random_blocks(*SHAPES[name], gen) for _ in range((min(args.copies, 2) if name == "lm_head" else args.copies) - 1)]
+        for name in names
+    }
     xs = {(name, m): torch.randn(m, SHAPES[name][2], generator=gen) for name in names for m in ms}
     for (name, m), x in xs.items():  # every kernel agrees with the dense product before it is timed
         qs, d, mins = weights[name]
         want = x.double() @ dequantize(qs, d, mins).double().T
-        for label, op in kernels.items():
+        for label, (op, isa) in kernels.items():
+            if isa:
+                torch.ops.l4m_cpu.set_isa(isa)
             err = (op(x, qs, d, mins).double() - want).abs().max().item()
             if err > 1e-4 * want.abs().max().item():
                 raise SystemExit(f"{label} is wrong on {name} at M = {m}: max error {err:.3g}")
@@ -129,11 +151,13 @@ def main() -> None:
     load_before = os.getloadavg()
     for _ in range(args.repeats):
         for name in names:
-            w = weights[name]
+            ws = itertools.cycle(copies[name])
             for m in ms:
                 x = xs[(name, m)]
-                for label, op in kernels.items():
-                    t = time_call(lambda op=op, x=x, w=w: op(x, *w), args.min_ms)
+                for label, (op, isa) in kernels.items():
+                    if isa:
+                        torch.ops.l4m_cpu.set_isa(isa)
+                    t = time_call(lambda op=op, x=x, ws=ws: op(x, *next(ws)), args.min_ms)
                     times.setdefault((name, m, label), []).append(t)
     load_after = os.getloadavg()
 

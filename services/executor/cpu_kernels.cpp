@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cmath>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace {
@@ -330,6 +331,20 @@ void pack_panel(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t p, fl
   }
 }
 
+// Panel p of 16 rows of x for the AVX-512 panels: xt[k * 16 + r] = x[16p + r][k], K a multiple of 8.
+void pack_panel16(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t p, float* xt) {
+  for (int64_t k = 0; k < K; k += 8)
+    for (int h = 0; h < 2; ++h) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) {
+        const int64_t row = 16 * p + 8 * h + i;
+        r[i] = row < M ? _mm256_loadu_ps(x + row * ldx + k) : _mm256_setzero_ps();
+      }
+      transpose8(r);
+      for (int c = 0; c < 8; ++c) _mm256_storeu_ps(xt + (k + c) * 16 + 8 * h, r[c]);
+    }
+}
+
 // PV panels of x (xt: panel stride ldp floats) times NR weight rows (wb: row stride ldw), over kc
 // columns, added to the tile's running sums ct[j][p][8] (stride P * 8 per weight row) kept transposed.
 template <int PV, int NR>
@@ -422,14 +437,323 @@ void rows_panels(const float* xt, int64_t M, const QWeight& w, int64_t n0, int64
   }
 }
 
+// ---- AVX-512 BF16: few rows of x as dot products of exact bf16 weights ------------------------------
+//
+// Q4_1 nibbles (0..15) and Q8_0 int8s are exact in bf16, and x = x1 + x2 + x3 exactly with x1 = bf16(x),
+// x2 = bf16(x - x1), x3 = bf16(x - x1 - x2) (8 significand bits each, float32 has 24): `vdpbf16ps`
+// multiplies bf16 pairs exactly and sums them in fp32, so the three dot products give the float32
+// product to its rounding, with a pair of Q4_1 blocks turned into bf16 in 4 instructions (widen bytes to
+// words, shift, two 32-entry table lookups) instead of 40 (widen to int32, to float, scale and offset).
+// x is split once per call into `xb`, laid out to match the weights' order (below). This code is compiled
+// for AVX-512 by the pragma only, the rest of the file stays AVX2 + FMA, and `linear_into` picks a path at
+// run time (`g_isa`). (vcvtneps2bf16 flushes denormals: an |x| below ~1e-35 loses its lower terms.)
+
+enum Isa { kAvx2 = 0, kAvx512Bf16 = 1 };
+
+// Every extension the pragma below compiles for (libgcc also checks that the OS saves the zmm state).
+bool cpu_has_avx512_bf16() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bf16");
+}
+
+int best_isa() { return cpu_has_avx512_bf16() ? kAvx512Bf16 : kAvx2; }
+
+std::atomic<int> g_isa{best_isa()};
+
+std::string isa() { return g_isa.load() == kAvx512Bf16 ? "avx512_bf16" : "avx2"; }
+
+// "auto": the best this CPU runs; "avx2" (any x86-64 host the kernels build on); "avx512_bf16".
+std::string set_isa(const std::string& name) {
+  if (name == "auto") {
+    g_isa = best_isa();
+  } else if (name == "avx2") {
+    g_isa = kAvx2;
+  } else if (name == "avx512_bf16") {
+    TORCH_CHECK(cpu_has_avx512_bf16(), "CPU kernel ISA avx512_bf16: this CPU (or its OS) lacks one of ",
+                "avx512f, avx512bw, avx512vl, avx512dq, avx512_bf16");
+    g_isa = kAvx512Bf16;
+  } else {
+    TORCH_CHECK(false, "unknown CPU kernel ISA '", name, "': expected auto, avx2 or avx512_bf16");
+  }
+  return isa();
+}
+
+// Rows of x up to which the bf16 dot products run. Measured at 2 threads: Q8_0 (the head, from memory)
+// faster up to 8 rows (1.3-1.6x); Q4_1 faster at 1-2 rows, but at 3-8 rows 0.85-1.0x of the AVX2 tiles,
+// which gain more from the second thread (at 1 thread bf16 is 1.2-1.35x there too).
+template <Kind KIND>
+constexpr int kBf16MaxRows = KIND == kQ8_0 ? 8 : 2;
+
+inline int64_t bf16_max_rows(Kind kind) { return kind == kQ8_0 ? kBf16MaxRows<kQ8_0> : kBf16MaxRows<kQ4_1>; }
+
+// bf16 terms of x: 3 hold float32's whole significand. (2 measured 10-15 % faster at M = 1-4 but leave
+// up to 2^-16 |x| out: ~2e-6 relative errors where float32 makes 1e-7.)
+constexpr int kTerms = 3;
+
+// xb row stride in bf16 values. Q4_1, per pair of blocks (2p, 2p + 1): for the low nibbles (elements
+// 0..15 of both blocks) then the high ones (16..31), each term of x as 32 values (block 2p's 16, then
+// 2p + 1's), matching the words of both blocks' 32 bytes zero-extended. Q8_0, per block: each term's 32.
+inline int64_t bf16_row_stride(Kind kind, int64_t G) {
+  return kind == kQ4_1 ? (G + 1) / 2 * 64 * kTerms : G * 32 * kTerms;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+
+// 16 floats (lanes past `valid` read as 0) -> their kTerms bf16 terms, term t at out[t * stride + 0..15].
+inline void split_bf16(const float* x, __mmask16 valid, uint16_t* out, int64_t stride) {
+  __m512 v = _mm512_maskz_loadu_ps(valid, x);
+  for (int t = 0; t < kTerms; ++t, out += stride) {
+    const __m256bh h = _mm512_cvtneps_pbh(v);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)h);
+    v = _mm512_sub_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16)));
+  }
+}
+
+void prepare_bf16(const float* x, int64_t ldx, int64_t M, Kind kind, int64_t K, uint16_t* xb) {
+  const int64_t G = K / 32, ldb = bf16_row_stride(kind, G);
+  for (int64_t i = 0; i < M; ++i) {
+    const float* xr = x + i * ldx;
+    uint16_t* b = xb + i * ldb;
+    if (kind == kQ4_1) {
+      for (int64_t p = 0; p < (G + 1) / 2; ++p, b += 64 * kTerms)
+        for (int t = 0; t < 2; ++t) {  // block 2p + t
+          const __mmask16 valid = 2 * p + t < G ? 0xFFFF : 0;
+          const float* xs = xr + (2 * p + t) * 32;
+          split_bf16(xs, valid, b + 16 * t, 32);                        // elements 0..15
+          split_bf16(xs + 16, valid, b + 32 * kTerms + 16 * t, 32);     // elements 16..31
+        }
+    } else {
+      for (int64_t g = 0; g < G; ++g, b += 32 * kTerms) {
+        split_bf16(xr + g * 32, 0xFFFF, b, 32);
+        split_bf16(xr + g * 32 + 16, 0xFFFF, b + 16, 32);
+      }
+    }
+  }
+}
+
+inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+// MR rows of x (xb, stride ldb) times NR weight rows from n0. acc[i][j] holds per-lane partial sums of
+// out[i][n0 + j], scaled per block by d; Q4_1's m * sum(x) is one dot over the blocks at the end.
+template <Kind KIND, int MR, int NR>
+inline void tile_bf16(const uint16_t* xb, int64_t ldb, const float* xsum, const QWeight& w, int64_t n0, float* out,
+                      int64_t ldo, bool accumulate) {
+  const int64_t G = w.k / 32;
+  __m512 acc[MR][NR];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  if (KIND == kQ4_1) {
+    // bf16(v & 15) for v in 0..31: vpermw reads the low 5 bits, so the low nibble needs no mask.
+    const __m512i table = _mm512_set_epi16(
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040,
+        0x4000, 0x3F80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0,
+        0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+    const __m512i pair_index = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int64_t g = 0; g < G; g += 2) {
+      const bool both = g + 1 < G;
+      __m512bh lo[NR], hi[NR];
+      __m512 dv[NR];
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j) {
+        const uint8_t* q = w.qs + (n0 + j) * (w.k / 2) + g * 16;
+        if (MR <= 2) _mm_prefetch(reinterpret_cast<const char*>(q + NR * (w.k / 2)), _MM_HINT_T0);  // as Q8_0's
+        const __m256i bytes = both ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))
+                                   : _mm256_maskz_loadu_epi8(0xFFFF, q);
+        const __m512i words = _mm512_cvtepu8_epi16(bytes);
+        lo[j] = as_bh(_mm512_permutexvar_epi16(words, table));
+        hi[j] = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table));
+        const float* d = w.d + (n0 + j) * G + g;
+        const __m128 d2 = both ? _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d))) : _mm_load_ss(d);
+        dv[j] = _mm512_permutexvar_ps(pair_index, _mm512_castps128_ps512(d2));
+      }
+#pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i) {
+        const uint16_t* xs = xb + i * ldb + g / 2 * 64 * kTerms;
+        __m512bh xl[kTerms], xh[kTerms];
+#pragma GCC unroll 4
+        for (int t = 0; t < kTerms; ++t) xl[t] = load_bh(xs + 32 * t), xh[t] = load_bh(xs + 32 * (kTerms + t));
+#pragma GCC unroll 16
+        for (int j = 0; j < NR; ++j) {
+          // Two chains (low, high nibbles): shorter dependencies than one.
+          __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+#pragma GCC unroll 4
+          for (int t = 0; t < kTerms; ++t) a = _mm512_dpbf16_ps(a, lo[j], xl[t]), b = _mm512_dpbf16_ps(b, hi[j], xh[t]);
+          acc[i][j] = _mm512_fmadd_ps(_mm512_add_ps(a, b), dv[j], acc[i][j]);
+        }
+      }
+    }
+  } else {
+    for (int64_t g = 0; g < G; ++g) {
+      __m512bh qv[NR];
+      __m512 dv[NR];
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(w.qs) + (n0 + j) * w.k + g * 32;
+        // The next tile's rows (the head's 28 MB stream from memory): 10-20 % faster at M = 1-2.
+        _mm_prefetch(reinterpret_cast<const char*>(q + NR * w.k), _MM_HINT_T0);
+        const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+        const __m512 f1 =
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+        qv[j] = _mm512_cvtne2ps_pbh(f1, f0);  // elements 0..15 in the low half
+        dv[j] = _mm512_set1_ps(w.d[(n0 + j) * G + g]);
+      }
+#pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i) {
+        const uint16_t* xs = xb + i * ldb + g * 32 * kTerms;
+        __m512bh xt[kTerms];
+#pragma GCC unroll 4
+        for (int t = 0; t < kTerms; ++t) xt[t] = load_bh(xs + 32 * t);
+#pragma GCC unroll 16
+        for (int j = 0; j < NR; ++j) {
+          __m512 a = _mm512_setzero_ps();
+#pragma GCC unroll 4
+          for (int t = 0; t < kTerms; ++t) a = _mm512_dpbf16_ps(a, qv[j], xt[t]);
+          acc[i][j] = _mm512_fmadd_ps(a, dv[j], acc[i][j]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      __m512 s = acc[i][j];
+      if (KIND == kQ4_1)
+        for (int64_t g = 0; g < G; g += 16) {
+          const __mmask16 valid = G - g >= 16 ? 0xFFFF : __mmask16((1u << (G - g)) - 1);
+          s = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(valid, w.m + (n0 + j) * G + g),
+                              _mm512_maskz_loadu_ps(valid, xsum + i * G + g), s);
+        }
+      const float r = _mm512_reduce_add_ps(s);
+      float& o = out[i * ldo + n0 + j];
+      o = accumulate ? o + r : r;
+    }
+}
+
+template <Kind KIND, int MR>
+void rows_bf16_m(const uint16_t* xb, int64_t ldb, const float* xsum, const QWeight& w, int64_t n0, int64_t n1,
+                 float* out, int64_t ldo, bool accumulate) {
+  // Measured (bench/q4_gemm.py, --copies 30 for weights from memory): the head's Q8_0 rows run faster 8
+  // at a time up to 2 rows of x; Q4_1 keeps 2 vectors per weight row, 4 rows best from memory.
+  constexpr int NR = KIND == kQ8_0 && MR <= 2 ? 8 : 4;
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) tile_bf16<KIND, MR, NR>(xb, ldb, xsum, w, n, out, ldo, accumulate);
+  for (; n < n1; ++n) tile_bf16<KIND, MR, 1>(xb, ldb, xsum, w, n, out, ldo, accumulate);
+}
+
+// Weight rows n0..n1 for M <= kBf16MaxRows<KIND> rows of x (prepared by prepare_bf16), up to 4 rows of x
+// per pass over the weights.
+template <Kind KIND>
+void rows_bf16_kind(const uint16_t* xb, const float* xsum, int64_t M, const QWeight& w, int64_t n0, int64_t n1,
+                    float* out, int64_t ldo, bool accumulate) {
+  constexpr int kPass = std::min(kBf16MaxRows<KIND>, 4);
+  const int64_t G = w.k / 32, ldb = bf16_row_stride(KIND, G);
+  for (int64_t i = 0; i < M; i += kPass) {
+    const uint16_t* xi = xb + i * ldb;
+    const float* si = KIND == kQ4_1 ? xsum + i * G : xsum;
+    float* oi = out + i * ldo;
+    switch (std::min<int64_t>(M - i, kPass)) {
+      case 1: rows_bf16_m<KIND, 1>(xi, ldb, si, w, n0, n1, oi, ldo, accumulate); break;
+      case 2: rows_bf16_m<KIND, 2>(xi, ldb, si, w, n0, n1, oi, ldo, accumulate); break;
+      case 3:
+        if constexpr (kPass >= 3) rows_bf16_m<KIND, 3>(xi, ldb, si, w, n0, n1, oi, ldo, accumulate);
+        break;
+      default:
+        if constexpr (kPass >= 4) rows_bf16_m<KIND, 4>(xi, ldb, si, w, n0, n1, oi, ldo, accumulate);
+    }
+  }
+}
+
+void rows_bf16(const uint16_t* xb, const float* xsum, int64_t M, const QWeight& w, int64_t n0, int64_t n1,
+               float* out, int64_t ldo, bool accumulate) {
+  if (w.kind == kQ4_1) rows_bf16_kind<kQ4_1>(xb, xsum, M, w, n0, n1, out, ldo, accumulate);
+  else rows_bf16_kind<kQ8_0>(xb, xsum, M, w, n0, n1, out, ldo, accumulate);
+}
+
+// ---- AVX-512 panels: rows_panels' tiles at 16 rows of x per register ----
+//
+// From 16 rows of x, the dequantized-buffer panels as in rows_panels, with 16-row panels in zmm
+// registers: twice the products per FMA, 2 x 12 tiles (24 accumulators of the 32 registers). Each
+// output sums its products in the same order as rows_panels (k within a K block, then block by block).
+
+template <int PV, int NR>
+inline void tile_panels16(const float* xt, int64_t ldp, const float* wb, int64_t ldw, int64_t kc, float* ct,
+                          int64_t P) {
+  __m512 acc[PV][NR];
+#pragma GCC unroll 16
+  for (int p = 0; p < PV; ++p)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) acc[p][j] = _mm512_loadu_ps(ct + j * P * 16 + p * 16);
+  for (int64_t k = 0; k < kc; ++k) {
+    __m512 xv[PV];
+#pragma GCC unroll 16
+    for (int p = 0; p < PV; ++p) xv[p] = _mm512_loadu_ps(xt + p * ldp + k * 16);
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) {
+      const __m512 wv = _mm512_set1_ps(wb[j * ldw + k]);
+#pragma GCC unroll 16
+      for (int p = 0; p < PV; ++p) acc[p][j] = _mm512_fmadd_ps(xv[p], wv, acc[p][j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int p = 0; p < PV; ++p)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) _mm512_storeu_ps(ct + j * P * 16 + p * 16, acc[p][j]);
+}
+
+template <int PV, int NR>
+void panels16_rows(const float* xt, int64_t ldp, const float* wb, int64_t ldw, int64_t kc, int64_t rows, float* ct,
+                   int64_t P) {
+  int64_t n = 0;
+  for (; n + NR <= rows; n += NR) tile_panels16<PV, NR>(xt, ldp, wb + n * ldw, ldw, kc, ct + n * P * 16, P);
+  for (; n < rows; ++n) tile_panels16<PV, 1>(xt, ldp, wb + n * ldw, ldw, kc, ct + n * P * 16, P);
+}
+
+// Weight rows n0..n1 for M (a multiple of 16) rows of x packed by pack_panel16.
+template <Kind KIND>
+void rows_panels16(const float* xt, int64_t M, const QWeight& w, int64_t n0, int64_t n1, float* out, int64_t ldo,
+                   bool accumulate) {
+  thread_local std::vector<float> buffer, ct;
+  const int64_t K = w.k, P = M / 16, rows = n1 - n0;
+  buffer.resize(rows * K);
+  ct.assign(rows * P * 16, 0.0f);
+  for (int64_t n = n0; n < n1; ++n) dequant_row<KIND>(w, n, buffer.data() + (n - n0) * K);
+  for (int64_t k0 = 0; k0 < K; k0 += kPanelKc) {
+    const int64_t kc = std::min(kPanelKc, K - k0);
+    int64_t p = 0;
+    for (; p + 2 <= P; p += 2)
+      panels16_rows<2, 12>(xt + p * K * 16 + k0 * 16, K * 16, buffer.data() + k0, K, kc, rows, ct.data() + p * 16, P);
+    if (p < P)
+      panels16_rows<1, 12>(xt + p * K * 16 + k0 * 16, K * 16, buffer.data() + k0, K, kc, rows, ct.data() + p * 16, P);
+  }
+  for (int64_t i = 0; i < M; ++i) {
+    float* o = out + i * ldo + n0;
+    const float* c = ct.data() + (i / 16) * 16 + i % 16;
+    for (int64_t n = 0; n < rows; ++n) o[n] = accumulate ? o[n] + c[n * P * 16] : c[n * P * 16];
+  }
+}
+
+void rows_panels16_any(const float* xt, int64_t M, const QWeight& w, int64_t n0, int64_t n1, float* out, int64_t ldo,
+                       bool accumulate) {
+  if (w.kind == kQ4_1) rows_panels16<kQ4_1>(xt, M, w, n0, n1, out, ldo, accumulate);
+  else rows_panels16<kQ8_0>(xt, M, w, n0, n1, out, ldo, accumulate);
+}
+
+#pragma GCC pop_options
+
 constexpr int64_t kChunkRows = 24;  // weight rows per parallel chunk (a multiple of 2, 3, 4, 6 and 12)
 
 // out[M, N] (row stride ldo) = (or +=) x[M, K] @ W.T
 void linear_into(const float* x, int64_t ldx, int64_t M, const QWeight& w, float* out, int64_t ldo, bool accumulate) {
   if (M == 0) return;
   const int64_t G = w.k / 32;
+  const bool bf16 = M <= bf16_max_rows(w.kind) && g_isa.load(std::memory_order_relaxed) == kAvx512Bf16;
   std::vector<float> xsum;  // block sums of x, for the fused Q4_1 tiles
-  if (M <= 2 && w.kind == kQ4_1) {
+  if ((M <= 2 || bf16) && w.kind == kQ4_1) {
     xsum.resize(M * G);
     for (int64_t i = 0; i < M; ++i)
       for (int64_t g = 0; g < G; ++g) {
@@ -439,6 +763,28 @@ void linear_into(const float* x, int64_t ldx, int64_t M, const QWeight& w, float
       }
   }
   const int64_t chunks = (w.n + kChunkRows - 1) / kChunkRows;
+  if (M >= 16 && g_isa.load(std::memory_order_relaxed) == kAvx512Bf16) {
+    // The whole 16-row panels here; the rows past them (1-15) by this function again (reading W again).
+    const int64_t M16 = M / 16 * 16, P = M16 / 16;
+    const std::unique_ptr<float[]> panels(new float[P * w.k * 16]);
+    float* xt = panels.get();
+    for (int64_t p = 0; p < P; ++p) pack_panel16(x, ldx, M16, w.k, p, xt + p * w.k * 16);
+    parallel_chunks(chunks, [&](int64_t c) {
+      const int64_t n0 = c * kChunkRows, n1 = std::min(w.n, n0 + kChunkRows);
+      rows_panels16_any(xt, M16, w, n0, n1, out, ldo, accumulate);
+    });
+    if (M16 < M) linear_into(x + M16 * ldx, ldx, M - M16, w, out + M16 * ldo, ldo, accumulate);
+    return;
+  }
+  if (bf16) {
+    std::vector<uint16_t> xb(M * bf16_row_stride(w.kind, G));
+    prepare_bf16(x, ldx, M, w.kind, w.k, xb.data());
+    parallel_chunks(chunks, [&](int64_t c) {
+      const int64_t n0 = c * kChunkRows, n1 = std::min(w.n, n0 + kChunkRows);
+      rows_bf16(xb.data(), xsum.data(), M, w, n0, n1, out, ldo, accumulate);
+    });
+    return;
+  }
   if (use_panels(M)) {
     // Per call, not thread_local: a prefill's rows would keep megabytes held after it.
     const int64_t P = (M + 7) / 8;
@@ -1154,6 +1500,8 @@ at::Tensor mixed_layers(const at::Tensor& hidden, const at::Tensor& cos, const a
 
 TORCH_LIBRARY(l4m_cpu, lib) {
   lib.def("linear(Tensor x, Tensor qs, Tensor d, Tensor? m) -> Tensor", &linear);
+  lib.def("isa() -> str", &isa);
+  lib.def("set_isa(str isa) -> str", &set_isa);
   lib.def("decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, Tensor[] kv, Tensor page_table, "
           "Tensor ctx_len, Tensor visible, int num_heads, float eps) -> Tensor", &decode_layers);
   lib.def("decode_attention(Tensor q, Tensor kv, Tensor page_table, Tensor ctx_len, Tensor visible, "

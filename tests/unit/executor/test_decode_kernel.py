@@ -159,6 +159,7 @@ def test_load_kernels_compiles_the_cpp_files_current_text(tmp_path, monkeypatch)
     calls = []
     monkeypatch.setattr(cpp_extension, "load_inline", lambda name, **kwargs: calls.append((name, kwargs)))
     monkeypatch.setattr(cpu_kernels, "cpu_supports_kernels", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "select_isa", lambda isa: None)  # no library loaded to select in
     monkeypatch.setenv("PATH", os.environ.get("PATH", ""))
     shipped = Path(cpu_kernels.__file__).with_name("cpu_kernels.cpp").read_text()
     cpu_kernels.load_kernels.__wrapped__()  # past the per-process cache

@@ -1,12 +1,15 @@
 """`torch.ops.l4m_cpu.linear` at every row-tile edge: M across the dot-product tiles (<= 15 rows but 8)
 and the 8-row panels (8, >= 16: 2 x 6 and 1 x 12 tiles), weight row counts that leave NR and chunk tails,
-K past one K block, on 1 and 2 threads, against a dense float64 product of the same blocks."""
+K past one K block and odd block counts (the bf16 path's Q4_1 block pairs), on 1 and 2 threads, under
+each instruction set this CPU runs (AVX2; AVX-512: bf16 dot products up to 2 Q4_1 / 8 Q8_0 rows, 16-row
+panels from 16), against a dense float64 product of the same blocks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from l4m.executor import cpu_kernels
 from l4m.executor.quant import kernels_available
 from tests.unit.executor.conftest import cpu_only
 
@@ -15,7 +18,31 @@ pytestmark = [
     pytest.mark.skipif(not kernels_available(), reason="needs an AVX2 CPU and a C++ compiler"),
 ]
 
-ROWS = [1, 7, 8, 9, 15, 16, 17, 24, 63, 64, 65]
+ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 24, 63, 64, 65]
+
+
+def missing_avx512_bf16_flags() -> list[str]:
+    """The /proc/cpuinfo flags the avx512_bf16 path needs that this CPU lacks."""
+    with open("/proc/cpuinfo") as f:
+        flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    return [f for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16") if f not in flags]
+
+
+def has_avx512_bf16() -> bool:
+    return not missing_avx512_bf16_flags()
+
+
+needs_bf16 = pytest.mark.skipif(
+    not has_avx512_bf16(), reason=f"this CPU lacks {', '.join(missing_avx512_bf16_flags())} (hardware)"
+)
+
+
+@pytest.fixture(params=["avx2", pytest.param("avx512_bf16", marks=needs_bf16)])
+def isa(request):
+    before = torch.ops.l4m_cpu.isa()
+    assert torch.ops.l4m_cpu.set_isa(request.param) == request.param
+    yield request.param
+    torch.ops.l4m_cpu.set_isa(before)
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int) -> tuple:
@@ -46,7 +73,7 @@ def threads(request):
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("n, k", [(37, 96), (24, 160), (61, 1184)])  # NR / chunk tails; K over 2 blocks
-def test_every_row_count_matches_the_dense_product(kind, n, k, threads) -> None:
+def test_every_row_count_matches_the_dense_product(kind, n, k, threads, isa) -> None:
     w = random_blocks(kind, n, k, seed=n + k)
     want_w = dense(*w)
     for m in ROWS:
@@ -58,10 +85,11 @@ def test_every_row_count_matches_the_dense_product(kind, n, k, threads) -> None:
         assert err <= 1e-5 * want.abs().max().item(), f"M = {m}: max error {err:.3g}"
 
 
-@pytest.mark.parametrize("m", [8, 16, 17, 64])
-def test_a_non_finite_row_spoils_only_its_own_outputs(m, threads) -> None:
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("m", [2, 3, 4, 8, 16, 17, 64])
+def test_a_non_finite_row_spoils_only_its_own_outputs(kind, m, threads, isa) -> None:
     """Panels hold 8 rows of x in one register: a NaN / inf row must not reach its neighbours' lanes."""
-    w = random_blocks("q4_1", 29, 96, seed=m)
+    w = random_blocks(kind, 29, 96, seed=m)
     x = torch.randn(m, 96, generator=torch.Generator().manual_seed(0))
     x[m // 2, 5] = float("nan")
     x[m - 1, 0] = float("inf")
@@ -78,3 +106,72 @@ def test_a_non_finite_row_spoils_only_its_own_outputs(m, threads) -> None:
 def test_no_rows_gives_an_empty_product() -> None:
     w = random_blocks("q4_1", 24, 64, seed=0)
     assert torch.ops.l4m_cpu.linear(torch.empty(0, 64), *w).shape == (0, 24)
+
+
+@needs_bf16
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_the_isa_switch_changes_the_path(kind) -> None:
+    """Both paths agree with the dense product, in different summation orders: bitwise different outputs
+    show that `set_isa` really took the other path."""
+    w = random_blocks(kind, 48, 576, seed=1)
+    x = torch.randn(1, 576, generator=torch.Generator().manual_seed(1))
+    before = torch.ops.l4m_cpu.isa()
+    try:
+        got = {}
+        for isa in ("avx2", "avx512_bf16"):
+            torch.ops.l4m_cpu.set_isa(isa)
+            assert torch.ops.l4m_cpu.isa() == isa
+            got[isa] = torch.ops.l4m_cpu.linear(x, *w)
+    finally:
+        torch.ops.l4m_cpu.set_isa(before)
+    assert not torch.equal(got["avx2"], got["avx512_bf16"])
+    torch.testing.assert_close(got["avx2"], got["avx512_bf16"], rtol=1e-5, atol=1e-5)
+
+
+def test_auto_picks_the_best_isa_of_this_cpu() -> None:
+    before = torch.ops.l4m_cpu.isa()
+    try:
+        assert torch.ops.l4m_cpu.set_isa("auto") == ("avx512_bf16" if has_avx512_bf16() else "avx2")
+    finally:
+        torch.ops.l4m_cpu.set_isa(before)
+
+
+def test_an_unknown_isa_is_refused_by_name(monkeypatch) -> None:
+    with pytest.raises(RuntimeError, match="unknown CPU kernel ISA 'sse2'"):
+        torch.ops.l4m_cpu.set_isa("sse2")
+    monkeypatch.setenv("L4M_CPU_ISA", "sse2")
+    with pytest.raises(ValueError, match="L4M_CPU_ISA must be one of auto, avx2, avx512_bf16, got 'sse2'"):
+        cpu_kernels.requested_isa()
+
+
+def test_avx512_bf16_forced_on_a_cpu_without_it_is_an_error_naming_the_variable(monkeypatch) -> None:
+    """Not a silent fall back to AVX2 (or to the torch path): the op's refusal (a fake here, so that this
+    runs on every CPU) becomes a ValueError naming L4M_CPU_ISA, which kernels_available passes on."""
+
+    def refuse(isa: str) -> str:
+        raise RuntimeError("CPU kernel ISA avx512_bf16: this CPU (or its OS) lacks one of avx512f, ...")
+
+    monkeypatch.setattr(torch.ops.l4m_cpu, "set_isa", refuse)
+    expected = r"^L4M_CPU_ISA=avx512_bf16: CPU kernel ISA avx512_bf16: this CPU"
+    with pytest.raises(ValueError, match=expected):
+        cpu_kernels.select_isa("avx512_bf16")
+    monkeypatch.setattr(cpu_kernels, "load_kernels", lambda: cpu_kernels.select_isa("avx512_bf16"))
+    with pytest.raises(ValueError, match=expected):
+        cpu_kernels.kernels_available()
+
+
+@pytest.mark.skipif(has_avx512_bf16(), reason="this CPU has AVX-512 BF16")
+def test_the_real_op_refuses_avx512_bf16_on_a_cpu_without_it() -> None:
+    with pytest.raises(RuntimeError, match="this CPU \\(or its OS\\) lacks one of avx512f"):
+        torch.ops.l4m_cpu.set_isa("avx512_bf16")
+    assert torch.ops.l4m_cpu.isa() == "avx2"
+
+
+def test_the_environment_selects_the_isa(monkeypatch) -> None:
+    before = torch.ops.l4m_cpu.isa()
+    monkeypatch.setenv("L4M_CPU_ISA", "avx2")
+    try:
+        cpu_kernels.select_isa(cpu_kernels.requested_isa())
+        assert torch.ops.l4m_cpu.isa() == "avx2"
+    finally:
+        torch.ops.l4m_cpu.set_isa(before)
