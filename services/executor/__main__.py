@@ -34,6 +34,7 @@ from l4m.common.metrics import (
 )
 from l4m.common.serving import bound_address, serve_until_signal
 from l4m.executor.architectures import UnsupportedModel
+from l4m.executor.cpu_kernels import IsaError, requested_isa
 from l4m.executor.engine import Engine, EngineConfig
 from l4m.executor.metrics import executor_registry
 from l4m.executor.server import ExecutorConfig, create_server
@@ -109,6 +110,11 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Metrics
         tls = tls_files(args.tls_cert, args.tls_key)
     except CredentialError as error:
         parser.error(str(error))
+    if not args.device.startswith("cuda"):
+        try:
+            requested_isa()  # the CPU kernels' instruction set, read when they load: a bad one is refused here
+        except IsaError as error:
+            parser.error(str(error))
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
@@ -172,6 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     except (UnsupportedModel, FileNotFoundError) as error:
         # A model the executor cannot serve right is refused before anything listens: say why, no traceback.
         print(f"l4m executor: cannot serve {config.model_path}: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    except IsaError as error:  # L4M_CPU_ISA=avx512_bf16 on a CPU without it: the same, before anything listens
+        print(f"l4m executor: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     finally:
         shutdown_tracing()

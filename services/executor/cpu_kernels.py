@@ -65,11 +65,15 @@ ISA_ENV = "L4M_CPU_ISA"
 ISAS = ("auto", "avx2", "avx512_bf16")
 
 
+class IsaError(ValueError):
+    """`L4M_CPU_ISA` names no instruction set, or one this CPU does not run: a setting to fix."""
+
+
 def requested_isa() -> str:
     """`L4M_CPU_ISA`, checked: "auto" when unset."""
     isa = os.environ.get(ISA_ENV, "") or "auto"
     if isa not in ISAS:
-        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISAS)}, got {isa!r}")
+        raise IsaError(f"{ISA_ENV} must be one of {', '.join(ISAS)}, got {isa!r}")
     return isa
 
 
@@ -109,20 +113,20 @@ def load_kernels() -> None:
 
 
 def select_isa(isa: str) -> None:
-    """Select `isa` (one of ISAS) in the loaded kernels; ValueError where this CPU does not run it."""
+    """Select `isa` (one of ISAS) in the loaded kernels; IsaError where this CPU does not run it."""
     import torch
 
     try:
         chosen = torch.ops.l4m_cpu.set_isa(isa)
     except RuntimeError as exc:  # avx512_bf16 asked of a CPU without it: the op names the extensions
-        raise ValueError(f"{ISA_ENV}={isa}: {exc}") from None
+        raise IsaError(f"{ISA_ENV}={isa}: {exc}") from None
     log.info("CPU kernels use %s (%s=%s)", chosen, ISA_ENV, isa)
 
 
 def kernels_available() -> bool:
     try:
         load_kernels()
-    except ValueError:  # a bad L4M_CPU_ISA: a setting to fix, not one to fall back from
+    except IsaError:  # a setting to fix, not one to fall back from
         raise
     except Exception as exc:  # a missing compiler or CPU feature: callers fall back to the torch path
         log.warning("CPU kernels unavailable, using the torch path with dense float32 weights: %s", exc)

@@ -88,3 +88,12 @@ def test_openmp_threads_spin_a_little_while_waiting_unless_the_operator_chose(pr
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [*expected.split(), "False", "True"]
+
+
+def test_an_unknown_cpu_isa_is_refused_before_anything_loads(monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("L4M_CPU_ISA", "avx512")
+    with pytest.raises(SystemExit) as exit_:
+        parse_config(["--model", "m.gguf"])
+    assert exit_.value.code == 2
+    assert "L4M_CPU_ISA must be one of auto, avx2, avx512_bf16, got 'avx512'" in capsys.readouterr().err
+    assert parse_config(["--model", "m.gguf", "--device", "cuda:0"])[0].engine.device == "cuda:0"  # no CPU kernels
