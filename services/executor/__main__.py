@@ -17,10 +17,11 @@ from pathlib import Path
 # barriers. libgomp's default (~300,000 spin rounds) holds a thread spinning while its descheduled partner
 # waits for a core: 16 streams' step 131 ms (max 354) beside two busy processes. Sleeping at once
 # (OMP_WAIT_POLICY=PASSIVE) pays a wake-up at every barrier: one stream's step 13.6-15.2 ms against 9.9 on
-# a quiet machine. 10,000 rounds keep both: 9.9-10.4 ms quiet, 81-85 beside the busy processes (PASSIVE
-# 107-117) (docs/benchmarks.md, "OpenMP threads that spin a little").
+# a quiet machine. 1,000 rounds keep most of both: 9.9 ms quiet, 103-104 (max 121-125) beside the busy
+# processes (PASSIVE 107-117, max 143-144); 10,000 had longer tails there and in the full stack
+# (docs/benchmarks.md, "OpenMP threads that spin a little").
 if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 import torch  # noqa: E402 (after the OpenMP wait)
 

@@ -69,7 +69,7 @@ def test_a_model_the_executor_does_not_implement_exits_with_its_reason(tmp_path:
 @pytest.mark.parametrize(
     ("preset", "expected"),
     [
-        ({}, "policy=- spincount=10000"),
+        ({}, "policy=- spincount=1000"),
         ({"OMP_WAIT_POLICY": "PASSIVE"}, "policy=PASSIVE spincount=-"),
         ({"GOMP_SPINCOUNT": "500"}, "policy=- spincount=500"),
     ],
