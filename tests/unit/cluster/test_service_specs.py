@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import stat
 from pathlib import Path
 
@@ -82,10 +83,12 @@ def test_max_continuation_steps_reaches_the_scheduler_only_when_set(tmp_path: Pa
     assert argv[argv.index("--max-continuation-steps") + 1] == "0"
 
 
-def test_prefill_chunk_tokens_reaches_the_scheduler_only_when_set(tmp_path: Path) -> None:
-    def scheduler_argv(**overrides: object) -> tuple[str, ...]:
-        return next(s.argv for s in service_specs(_config(tmp_path, **overrides)) if s.name == "scheduler")
+def _scheduler_argv(tmp_path: Path, **overrides: object) -> tuple[str, ...]:
+    return next(s.argv for s in service_specs(_config(tmp_path, **overrides)) if s.name == "scheduler")
 
+
+def test_prefill_chunk_tokens_reaches_the_scheduler_only_when_set(tmp_path: Path) -> None:
+    scheduler_argv = functools.partial(_scheduler_argv, tmp_path)
     assert "--prefill-chunk-tokens" not in scheduler_argv()  # the scheduler's default chunk
     assert _flag(scheduler_argv(prefill_chunk_tokens=512), "--prefill-chunk-tokens") == "512"
     parser = argparse.ArgumentParser()
@@ -97,9 +100,7 @@ def test_prefill_chunk_tokens_reaches_the_scheduler_only_when_set(tmp_path: Path
 
 
 def test_prefill_chunk_token_slots_reach_the_scheduler_only_when_set(tmp_path: Path) -> None:
-    def scheduler_argv(**overrides: object) -> tuple[str, ...]:
-        return next(s.argv for s in service_specs(_config(tmp_path, **overrides)) if s.name == "scheduler")
-
+    scheduler_argv = functools.partial(_scheduler_argv, tmp_path)
     assert "--prefill-chunk-token-slots" not in scheduler_argv()  # fixed-size chunks
     assert _flag(scheduler_argv(prefill_chunk_token_slots=850), "--prefill-chunk-token-slots") == "850"
     parser = argparse.ArgumentParser()

@@ -1,6 +1,6 @@
 """The gateway's `gateway.request` span (tracing.py), in process: the app over a `FakeBackend` that notes
 the trace context each request opens its model in, an SDK tracer exporting to memory. A completion is
-one span, the child of the caller's `traceparent`, with its model, user, tokens and status; the L4M
+one span, the child of the caller's `traceparent`, with its model, tokens and status (no user); the L4M
 session and a program's Launch carry it as their parent; untraced, the caller's context passes through."""
 
 from __future__ import annotations
@@ -105,6 +105,20 @@ async def test_a_stream_is_spanned_to_its_end_and_without_a_caller_starts_a_trac
     assert span.parent is None and span.attributes["l4m.stream"] is True
     last = json.loads(answer.text.split("data: ")[-2])  # the usage chunk: its tokens were noted before the end
     assert span.attributes["l4m.completion_tokens"] == last["usage"]["completion_tokens"] > 0
+    assert backend.traceparents == [_traceparent_of(span)]
+
+
+@pytest.mark.parametrize("bad", ["garbage", "00-" + "0" * 32 + "-" + "0" * 16 + "-01", "00-xyz-abc-01"])
+async def test_a_malformed_traceparent_starts_a_trace_of_its_own(
+        tmp_path: Path, exporter: InMemorySpanExporter, bad: str) -> None:
+    """A caller's header joins its own request to a trace, nothing more; one the W3C format refuses (all-zero
+    ids included) is ignored, as the rest of the cluster ignores it, and the request is answered."""
+    gateway, backend = _gateway(tmp_path)
+    answer = await _post(gateway, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 2},
+                         traceparent=bad)
+    assert answer.status_code == 200, answer.text
+    (span,) = exporter.get_finished_spans()
+    assert span.parent is None and span.context.trace_id != 0
     assert backend.traceparents == [_traceparent_of(span)]
 
 
