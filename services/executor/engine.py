@@ -11,6 +11,7 @@ continuation decode loop is `continuation.py`, and the configuration is `config.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -97,11 +98,12 @@ class Engine:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = _DTYPES[config.dtype]
-        self.loaded = loaded
         self.weights = resolve_weights(config, loaded)
         self.model = LlamaModel(
             loaded, self.dtype, self.device, self.weights == "quantized", config.max_quantized_rows
         )
+        # The model holds its own copies of the blocks (on huge pages): the loaded ones are not kept here.
+        self.loaded = dataclasses.replace(loaded, quantized={})
         cfg = loaded.config
         self.graphs_off_reason = None if static_ops else self._graphs_off_reason(config, cfg)
         num_pages = config.num_pages

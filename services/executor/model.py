@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from l4m.executor.attention import AttentionPlan, DecodePlan, MixedSplit, paged_attention
 from l4m.executor.kv_cache import KvCache
-from l4m.executor.quant import Linear, cat_rows
+from l4m.executor.quant import Linear, cat_rows, into_huge_pages
 from l4m.executor.weights import LoadedModel, ModelConfig
 
 
@@ -96,6 +96,10 @@ class LlamaModel:
                     down=linear(p + "mlp.down_proj.weight"),
                 )
             )
+        if quantized:  # one mapping on huge pages for every block the decode steps stream
+            blocked = [lin for lin in self._linears() if lin.quantized is not None]
+            for lin, moved in zip(blocked, into_huge_pages([lin.quantized for lin in blocked]), strict=True):
+                lin.quantized = moved
         self._decode_weights = self._pack_decode_weights() if quantized else None
         # Quantized weights mean the CPU kernels are loaded: mixed batches' decode steps attend there.
         self._decode_attention_kernel = quantized and dtype == torch.float32 and self.config.head_dim in (64, 128)
@@ -109,6 +113,9 @@ class LlamaModel:
         angles = torch.cat((angles, angles), dim=-1)  # [max_context, D], rotate-half layout
         self.rope_cos = angles.cos().float().to(device)
         self.rope_sin = angles.sin().float().to(device)
+
+    def _linears(self) -> list[Linear]:
+        return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.head]
 
     def _pack_decode_weights(self) -> list[torch.Tensor] | None:
         """The flat per-layer weight list `decode_layers` takes, or None if the kernel does not apply."""

@@ -6,6 +6,10 @@ panels from 16), against a dense float64 product of the same blocks."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
+
 import pytest
 import torch
 
@@ -101,6 +105,33 @@ def test_a_non_finite_row_spoils_only_its_own_outputs(kind, m, threads, isa) -> 
     want = x[clean].double() @ dense(*w).T
     assert got[clean].isfinite().all()
     assert (got[clean].double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def before_a_guard_page(t: torch.Tensor, keep: list) -> torch.Tensor:
+    """A copy of `t` whose last byte is the last readable one: the page after it may not be touched."""
+    page = mmap.PAGESIZE
+    size = t.numel() * t.element_size()
+    body = -(-size // page) * page
+    area = mmap.mmap(-1, body + page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    keep.append(area)
+    base = torch.frombuffer(area, dtype=torch.uint8)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    assert libc.mprotect(base.data_ptr() + body, page, 0) == 0, os.strerror(ctypes.get_errno())  # PROT_NONE
+    return base[body - size : body].view(t.dtype).view(t.shape).copy_(t)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_reading_ahead_stops_at_the_weights_end(kind, threads, isa) -> None:
+    """The 1-2-row tiles ask for weight rows ahead of use (blocks and scales): past the last row those
+    must stay prefetches, which never fault, not loads; each array here ends where an unreadable page
+    starts."""
+    keep: list = []
+    w = tuple(None if t is None else before_a_guard_page(t, keep) for t in random_blocks(kind, 40, 576, seed=3))
+    for m in (1, 2, 3):
+        x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
+        want = x.double() @ dense(*w).T
+        assert (torch.ops.l4m_cpu.linear(x, *w).double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 def test_no_rows_gives_an_empty_product() -> None:

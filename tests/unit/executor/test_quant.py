@@ -3,11 +3,13 @@ and the engine picks its weight mode as documented."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
 from l4m.executor.config import EngineConfig, resolve_weights
-from l4m.executor.quant import BLOCK_SIZE, QuantizedTensor, kernels_available
+from l4m.executor.quant import BLOCK_SIZE, HUGE_PAGE, QuantizedTensor, into_huge_pages, kernels_available
 from tests.unit.executor.conftest import cpu_only
 
 pytestmark = cpu_only  # the GGUF-block kernels are a CPU path
@@ -76,3 +78,48 @@ def test_weight_mode_resolution(loaded) -> None:
         resolve_weights(EngineConfig(dtype="bfloat16", weights="quantized"), loaded)
     with pytest.raises(ValueError, match="weights must be"):
         resolve_weights(EngineConfig(weights="int3"), loaded)
+
+
+def mapping_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(a, 16) for a in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_weights_move_into_one_mapping_advised_for_huge_pages(loaded) -> None:
+    names = ["model.layers.0.self_attn.o_proj.weight", "model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight"]
+    weights = [loaded.quantized[n] for n in names]
+    moved = into_huge_pages(weights)
+    assert moved[0].qs.data_ptr() % HUGE_PAGE == 0  # the first block on a huge-page boundary
+    parts = [t for w in moved for t in (w.qs, w.d, w.m) if t is not None]
+    assert all(t.data_ptr() % 64 == 0 for t in parts)
+    assert "hg" in mapping_flags(parts[0].data_ptr())  # MADV_HUGEPAGE (whether the kernel grants it is its own)
+    assert len({tuple(mapping_flags(t.data_ptr())) for t in parts}) == 1
+    assert moved[1].m is None and moved[1].kind == "q8_0"
+    expected = [dequantize(w) for w in weights]
+    del weights
+    gc.collect()  # the views alone keep the mapping alive
+    for w, want in zip(moved, expected, strict=True):
+        assert torch.equal(dequantize(w), want)
+
+
+@pytest.mark.skipif(not kernels_available(), reason="needs an AVX2 CPU and a C++ compiler")
+def test_the_quantized_model_decodes_from_huge_page_weights(make_engine) -> None:
+    """Every block a decode step reads (each layer's four linears and the head) is in the one mapping;
+    the engine keeps no second copy of the loaded blocks."""
+    engine = make_engine(weights="quantized")
+    model = engine.model
+    linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    pointers = [t.data_ptr() for lin in [*linears, model.head] for t in (lin.quantized.qs, lin.quantized.d)]
+    assert pointers == sorted(pointers) and pointers[-1] - pointers[0] < 512 << 20
+    assert "hg" in mapping_flags(pointers[0]) and "hg" in mapping_flags(pointers[-1])
+    assert engine.loaded.quantized == {}
+
