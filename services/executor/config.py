@@ -27,7 +27,10 @@ class EngineConfig:
     # with them for calls of at most `max_quantized_rows` tokens (CPU, float32). "auto": quantized
     # when that applies and the kernel builds, else dequantized.
     weights: str = "auto"
-    max_quantized_rows: int = 64  # prefill of 100 tokens: dense 436 tok/s vs quantized 224 (2 threads)
+    # 0 ("auto"): every call a batch can hold where the kernels run AVX-512 BF16 (prefill of 100 tokens
+    # on 2 threads: blocks 903-1,002 tok/s vs dense 511-633; 16 x 100: 1,242 vs 794-838), else 64 (AVX2:
+    # blocks ahead up to ~16 x 100 tokens, behind at 64 x 100). See resolve_max_quantized_rows.
+    max_quantized_rows: int = 0
     # With quantized weights, run batches of single-token items (decode steps) through the whole layer
     # stack in one C++ call (`cpu_kernels.decode_layers`); False keeps them on the torch path.
     decode_kernel: bool = True
@@ -43,6 +46,18 @@ class EngineConfig:
     # Host swap slots for the pages of instances the scheduler preempts (one KV page each). -1: as many as
     # the device cache holds, at most what `MAX_AUTO_SWAP_BYTES` of host memory holds; 0: no swap space.
     swap_space_pages: int = -1
+
+
+AVX2_MAX_QUANTIZED_ROWS = 64
+
+
+def resolve_max_quantized_rows(config: EngineConfig, isa: str) -> int:
+    """`config.max_quantized_rows`, with 0 ("auto") resolved for the kernels' instruction set `isa`."""
+    if config.max_quantized_rows < 0:
+        raise ValueError(f"max_quantized_rows must be 0 (auto) or more, got {config.max_quantized_rows}")
+    if config.max_quantized_rows:
+        return config.max_quantized_rows
+    return config.max_batch_tokens if isa == "avx512_bf16" else AVX2_MAX_QUANTIZED_ROWS
 
 
 def resolve_weights(config: EngineConfig, loaded: LoadedModel) -> str:

@@ -57,7 +57,7 @@ from l4m.executor.commands import (
     SwapIn,
     SwapOut,
 )
-from l4m.executor.config import MAX_AUTO_SWAP_BYTES, EngineConfig, resolve_weights
+from l4m.executor.config import MAX_AUTO_SWAP_BYTES, EngineConfig, resolve_max_quantized_rows, resolve_weights
 from l4m.executor.continuation import (
     Continuation,
     plan_continuations,
@@ -99,9 +99,11 @@ class Engine:
         self.device = torch.device(config.device)
         self.dtype = _DTYPES[config.dtype]
         self.weights = resolve_weights(config, loaded)
-        self.model = LlamaModel(
-            loaded, self.dtype, self.device, self.weights == "quantized", config.max_quantized_rows
+        # Calls of up to this many tokens multiply with the GGUF blocks (the rest with dense weights).
+        self.max_quantized_rows = (
+            resolve_max_quantized_rows(config, torch.ops.l4m_cpu.isa()) if self.weights == "quantized" else 0
         )
+        self.model = LlamaModel(loaded, self.dtype, self.device, self.weights == "quantized", self.max_quantized_rows)
         # The model holds its own copies of the blocks (on huge pages): the loaded ones are not kept here.
         self.loaded = dataclasses.replace(loaded, quantized={})
         cfg = loaded.config
@@ -302,7 +304,7 @@ class Engine:
         return (
             self.config.decode_kernel
             and self.model.has_decode_kernel
-            and num_tokens <= self.config.max_quantized_rows
+            and num_tokens <= self.max_quantized_rows
         )
 
     def forward_text(self, items: Sequence[ForwardText]) -> list[ForwardTextResult]:

@@ -3,12 +3,19 @@ and the engine picks its weight mode as documented."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import pytest
 import torch
 
-from l4m.executor.config import EngineConfig, resolve_weights
+from l4m.executor.config import (
+    AVX2_MAX_QUANTIZED_ROWS,
+    EngineConfig,
+    resolve_max_quantized_rows,
+    resolve_weights,
+)
+from l4m.executor.engine import Engine
 from l4m.executor.quant import BLOCK_SIZE, HUGE_PAGE, QuantizedTensor, into_huge_pages, kernels_available
 from tests.unit.executor.conftest import cpu_only
 
@@ -78,6 +85,34 @@ def test_weight_mode_resolution(loaded) -> None:
         resolve_weights(EngineConfig(dtype="bfloat16", weights="quantized"), loaded)
     with pytest.raises(ValueError, match="weights must be"):
         resolve_weights(EngineConfig(weights="int3"), loaded)
+
+
+def test_auto_quantized_rows_follow_the_instruction_set() -> None:
+    """Where the 4-bit linears have AVX-512 BF16 panels they beat dense float32 at any row count (prefill
+    included); on AVX2 only up to 64 rows. An explicit count is kept; a negative one is refused."""
+    auto = EngineConfig()
+    assert auto.max_quantized_rows == 0
+    assert resolve_max_quantized_rows(auto, "avx512_bf16") == auto.max_batch_tokens
+    assert resolve_max_quantized_rows(auto, "avx2") == AVX2_MAX_QUANTIZED_ROWS == 64
+    assert resolve_max_quantized_rows(EngineConfig(max_quantized_rows=16), "avx512_bf16") == 16
+    with pytest.raises(ValueError, match="max_quantized_rows must be 0 \\(auto\\) or more, got -1"):
+        resolve_max_quantized_rows(EngineConfig(max_quantized_rows=-1), "avx2")
+
+
+@pytest.mark.skipif(not kernels_available(), reason="needs an AVX2 CPU and a C++ compiler")
+def test_an_engine_resolves_auto_rows_for_the_selected_instruction_set(loaded) -> None:
+    config = EngineConfig(num_pages=8, num_embed_slots=0, weights="quantized")
+    before = torch.ops.l4m_cpu.isa()
+    try:
+        torch.ops.l4m_cpu.set_isa("avx2")
+        assert Engine(loaded, config).max_quantized_rows == 64
+        torch.ops.l4m_cpu.set_isa("auto")
+        want = config.max_batch_tokens if torch.ops.l4m_cpu.isa() == "avx512_bf16" else 64
+        engine = Engine(loaded, config)
+        assert engine.max_quantized_rows == want and engine.model.head.max_quantized_rows == want
+        assert Engine(loaded, dataclasses.replace(config, weights="dequantized")).max_quantized_rows == 0
+    finally:
+        torch.ops.l4m_cpu.set_isa(before)
 
 
 def mapping_flags(address: int) -> list[str]:
