@@ -805,6 +805,7 @@ void rows_panels16_any(const float* xt, int64_t M, const QWeight& w, int64_t n0,
 
 #pragma GCC pop_options
 
+constexpr int64_t kPanelRowsAtOnce = 512;  // rows of x per pass over the weights (6,400 rows: 1.3-2x faster)
 constexpr int64_t kChunkRows = 24;  // weight rows per parallel chunk (a multiple of 2, 3, 4, 6 and 12)
 
 // out[M, N] (row stride ldo) = (or +=) x[M, K] @ W.T
@@ -823,6 +824,13 @@ void linear_into(const float* x, int64_t ldx, int64_t M, const QWeight& w, float
       }
   }
   const int64_t chunks = (w.n + kChunkRows - 1) / kChunkRows;
+  if (M > kPanelRowsAtOnce && g_isa.load(std::memory_order_relaxed) == kAvx512Bf16) {
+    // Every weight chunk streams all the packed rows of x: at a prefill's thousands of rows they no
+    // longer stay in cache, so the rows go in blocks (each block reads the weights again, from cache).
+    for (int64_t m0 = 0; m0 < M; m0 += kPanelRowsAtOnce)
+      linear_into(x + m0 * ldx, ldx, std::min(kPanelRowsAtOnce, M - m0), w, out + m0 * ldo, ldo, accumulate);
+    return;
+  }
   if (M >= 16 && g_isa.load(std::memory_order_relaxed) == kAvx512Bf16) {
     // The whole 16-row panels here; the rows past them (1-15) by this function again (reading W again).
     const int64_t M16 = M / 16 * 16, P = M16 / 16;

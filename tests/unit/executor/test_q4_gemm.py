@@ -107,6 +107,17 @@ def test_a_non_finite_row_spoils_only_its_own_outputs(kind, m, threads, isa) -> 
     assert (got[clean].double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_a_prefill_of_more_rows_than_one_pass_matches_the_dense_product(kind, isa) -> None:
+    """Past 512 rows the AVX-512 panels take x in blocks of 512 (each a pass over the weights): 1,100 rows
+    are two blocks and a tail of 76 (4 panels and 12 rows on the dot-product tiles)."""
+    w = random_blocks(kind, 50, 96, seed=11)
+    x = torch.randn(1100, 96, generator=torch.Generator().manual_seed(1))
+    want = x.double() @ dense(*w).T
+    got = torch.ops.l4m_cpu.linear(x, *w)
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 def before_a_guard_page(t: torch.Tensor, keep: list) -> torch.Tensor:
     """A copy of `t` whose last byte is the last readable one: the page after it may not be touched."""
     page = mmap.PAGESIZE
