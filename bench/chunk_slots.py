@@ -67,8 +67,9 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=2.0, help="the inter-token gap a chunk may cause, in steps")
     parser.add_argument("--headroom", type=float, default=0.2,
                         help="the share of the room left for the rest of the round trip and the machine's noise")
-    parser.add_argument("--max-rows", type=int, default=64,
-                        help="the executor's max_quantized_rows: decode steps + chunk tokens that keep the fused path")
+    parser.add_argument("--max-rows", type=int, default=0,
+                        help="the executor's max_quantized_rows: decode steps + chunk tokens that keep the fused path "
+                             "(0: the executor's own, as it resolves it on this CPU)")
     parser.add_argument("--out", type=Path, default=None, help="JSON of every time")
     args = parser.parse_args()
     try:
@@ -113,7 +114,8 @@ def main() -> None:
         return
     token_slots = round(a / b)
     room = (args.ratio - 1) * steps * (1 - args.headroom)
-    chunk_tokens = best_chunk(k, a, b, room, max(1, args.max_rows - args.decode_items))
+    max_rows = args.max_rows or engine.max_quantized_rows
+    chunk_tokens = best_chunk(k, a, b, room, max(1, max_rows - args.decode_items))
     print(f"per mixed batch {1e3 * k:.2f} ms, per chunk token {1e3 * a:.3f} ms, per slot it reads {1e6 * b:.3f} us: "
           f"--prefill-chunk-token-slots {token_slots}")
     print(f"a gap within {args.ratio:g}x the {1e3 * steps:.1f} ms step ({1e3 * room:.1f} ms for the chunk after "

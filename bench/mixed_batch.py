@@ -13,7 +13,7 @@ in one forward_text batch (what the scheduler's chunked prefill makes). Timed pe
   or as one padded call (`CALL_COST_PAIRS = inf`, the path before ragged groups),
 - **unfused**: the mixed batch in groups on per-op torch (`decode_kernel` off: the decode steps attend on
   the `decode_attention` kernel, layer by layer), where ragged runs it as one `mixed_layers` call
-  (batches of up to `max_quantized_rows` tokens, 64),
+  (batches of up to the engine's `max_quantized_rows` tokens: 64 on AVX2, all a batch holds on AVX-512 BF16),
 interleaved over `--repeats` after `--warmup` untimed rounds (medians shown; every time in the JSON). Every batch re-runs the same
 tokens into the same slots, so each repeat does the same work. The mixed batch's step / steps ratio
 is what a stream's inter-token latency grows by while a chunk runs.
