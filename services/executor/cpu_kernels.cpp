@@ -191,10 +191,11 @@ inline void tile_dequantized(const float* x, int64_t ldx, const QWeight& w, int6
   store_tile<MR, NR>(acc, out, ldo, n0, accumulate);
 }
 
-// Weight rows ahead that the 1-2-row tiles (tile_fused, tile_bf16) prefetch, blocks and scales alike. At 1-2 rows of x a linear streams
-// its weights from memory, and the scales (d, m: one line per 16 blocks of a row) are streams of their
-// own that the hardware prefetcher does not follow across short rows: without them prefetched, ~12 GB/s
-// of weights per step; with them, 16 rows ahead, 20-27 GB/s (8 and 24 rows measured alike).
+// Weight rows ahead that the 1-2-row tiles (tile_fused, tile_bf16) prefetch, blocks and scales alike.
+// At 1-2 rows of x a linear streams its weights from memory, and the scales (d, m: one line per 16
+// blocks of a row) are streams of their own that the hardware prefetcher does not follow across short
+// rows: without them prefetched, ~12 GB/s of weights per step; with them, 16 rows ahead, 20-27 GB/s (8
+// and 24 rows measured alike).
 constexpr int64_t kAheadRows = 16;
 
 // Asks for row n's block g (and, every 16 blocks, its scales' line) ahead of use.
@@ -222,7 +223,7 @@ inline void tile_fused(const float* x, int64_t ldx, const float* xsum, const QWe
   for (int64_t g = 0; g < G; ++g) {
     __m256 qv[NR][4];
     for (int j = 0; j < NR; ++j) {
-      if (MR <= 2) prefetch_block<KIND>(w, n0 + j + kAheadRows, g);  // a prefetch past the end never faults
+      prefetch_block<KIND>(w, n0 + j + kAheadRows, g);  // (a prefetch past the end never faults)
       block_values<KIND>(w, n0 + j, g, qv[j]);
     }
     for (int i = 0; i < MR; ++i) {
