@@ -59,8 +59,12 @@ def _must(argv: list[str], timeout: float, what: str, env: dict[str, str] | None
 
 def _ensure_docker() -> None:
     """A running engine with `docker compose`, and the base image; installed/started/built if missing."""
-    if shutil.which("docker") is None or _run(["docker", "info"], 60).returncode != 0:
-        _must(["scripts/ci/docker-engine.sh"], 900, "installing/starting a Docker engine")
+    if (
+        shutil.which("docker") is None
+        or _run(["docker", "info"], 60).returncode != 0
+        or _run(["docker", "compose", "version"], 60).returncode != 0  # e.g. a plugin link left dangling
+    ):
+        _must(["scripts/ci/docker-engine.sh"], 900, "installing/starting a Docker engine and its compose plugin")
     _must(["docker", "info"], 60, "reaching the Docker engine")
     _must(["docker", "compose", "version"], 60, "docker compose (the v2 CLI plugin)")
     _must(["scripts/ci/base-image.sh", "python:3.11-slim"], 900, "providing the base image python:3.11-slim")
