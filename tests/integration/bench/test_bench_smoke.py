@@ -201,8 +201,10 @@ def test_sdk_bench_measures_every_mode_on_both_transports(tmp_path: Path) -> Non
     for (mode, _), row in rows.items():
         assert row["tokens"] == 100 and row["sdk_cpu_ms_per_token"] > 0
         assert (row["llguidance_cpu_ms_per_token"] > 0) == (mode == "json-schema")
-        if mode != "continuation":  # 100 round trips: well over the 10 ms of CPU that /proc counts in
-            assert row["scheduler_cpu_ms_per_token"] > 0
+        assert row["scheduler_cpu_ms_per_token"] >= 0
+    # The scheduler's CPU is read from /proc in 10 ms ticks, and one run's 100 round trips cost it ~9 ms
+    # (a run measured 0.0 in CI): the six stepwise runs together are well over a tick.
+    assert sum(row["scheduler_cpu_ms_per_token"] for (mode, _), row in rows.items() if mode != "continuation") > 0
 
 
 def test_chunk_slots_fit_recovers_the_cost_model_and_sizes_the_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
