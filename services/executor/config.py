@@ -28,8 +28,8 @@ class EngineConfig:
     # when that applies and the kernel builds, else dequantized.
     weights: str = "auto"
     # 0 ("auto"): every call a batch can hold where the kernels run AVX-512 BF16 (prefill of 100 tokens
-    # on 2 threads: blocks 903-1,002 tok/s vs dense 511-633; 16 x 100: 1,242 vs 794-838), else 64 (AVX2:
-    # blocks ahead up to ~16 x 100 tokens, behind at 64 x 100). See resolve_max_quantized_rows.
+    # on 2 threads: blocks 903-1,002 tok/s vs dense 511-633; 16 x 100: 1,242 vs 794-838), else 64 (AVX2, under
+    # L4M_CPU_ISA=avx2 on that host: blocks ahead up to ~16 x 100 tokens, behind at 64 x 100). See resolve_max_quantized_rows.
     max_quantized_rows: int = 0
     # With quantized weights, run batches of single-token items (decode steps) through the whole layer
     # stack in one C++ call (`cpu_kernels.decode_layers`); False keeps them on the torch path.

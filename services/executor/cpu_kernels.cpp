@@ -191,11 +191,11 @@ inline void tile_dequantized(const float* x, int64_t ldx, const QWeight& w, int6
   store_tile<MR, NR>(acc, out, ldo, n0, accumulate);
 }
 
-// Weight rows ahead that the 1-2-row tiles (tile_fused, tile_bf16) prefetch, blocks and scales alike.
-// At 1-2 rows of x a linear streams its weights from memory, and the scales (d, m: one line per 16
-// blocks of a row) are streams of their own that the hardware prefetcher does not follow across short
-// rows: without them prefetched, ~12 GB/s of weights per step; with them, 16 rows ahead, 20-27 GB/s (8
-// and 24 rows measured alike).
+// Weight rows ahead that the few-row tiles (tile_fused, tile_bf16: 1-2 rows, the head's Q8_0 up to 8)
+// prefetch, blocks and scales alike. At 1-2 rows of x a linear streams its weights from memory, and the
+// scales (d, m: one line per 16 blocks of a row) are streams of their own that the hardware prefetcher
+// does not follow across short rows: without them prefetched, ~12 GB/s of weights per step; with them,
+// 16 rows ahead, 20-27 GB/s (8 and 24 rows measured alike).
 constexpr int64_t kAheadRows = 16;
 
 // Asks for row n's block g (and, every 16 blocks, its scales' line) ahead of use.
@@ -616,13 +616,7 @@ inline void tile_bf16(const uint16_t* xb, int64_t ldb, const float* xsum, const 
 #pragma GCC unroll 16
       for (int j = 0; j < NR; ++j) {
         const uint8_t* q = w.qs + (n0 + j) * (w.k / 2) + g * 16;
-        if (MR <= 2) {  // from memory: 16 rows ahead, the scales too (a prefetch past the end never faults)
-          _mm_prefetch(reinterpret_cast<const char*>(q + kAheadRows * (w.k / 2)), _MM_HINT_T0);
-          if (g % 16 == 0) {
-            _mm_prefetch(reinterpret_cast<const char*>(w.d + (n0 + j + kAheadRows) * G + g), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(w.m + (n0 + j + kAheadRows) * G + g), _MM_HINT_T0);
-          }
-        }
+        if (MR <= 2) prefetch_block<KIND>(w, n0 + j + kAheadRows, g);  // from memory (never faults past the end)
         const __m256i bytes = both ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))
                                    : _mm256_maskz_loadu_epi8(0xFFFF, q);
         const __m512i words = _mm512_cvtepu8_epi16(bytes);
@@ -655,9 +649,7 @@ inline void tile_bf16(const uint16_t* xb, int64_t ldb, const float* xsum, const 
 #pragma GCC unroll 16
       for (int j = 0; j < NR; ++j) {
         const int8_t* q = reinterpret_cast<const int8_t*>(w.qs) + (n0 + j) * w.k + g * 32;
-        // The head's 28 MB stream from memory, as Q4_1's above.
-        _mm_prefetch(reinterpret_cast<const char*>(q + kAheadRows * w.k), _MM_HINT_T0);
-        if (g % 16 == 0) _mm_prefetch(reinterpret_cast<const char*>(w.d + (n0 + j + kAheadRows) * G + g), _MM_HINT_T0);
+        prefetch_block<KIND>(w, n0 + j + kAheadRows, g);  // the head's 28 MB stream, as Q4_1's above
         const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
         const __m512 f1 =
             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
