@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from l4m.executor import model as model_module
 from l4m.executor.commands import MaskKvPage, SamplerKind, SamplerSpec
 from l4m.wire import brle
-from tests.unit.executor.conftest import LogitsRecorder, PageTables, engine_stats
+from tests.unit.executor.conftest import LogitsRecorder, PageTables, cpu_only, engine_stats
 from tests.unit.executor.reference import reference_logits
 
 TOL_FP32 = 1e-3
@@ -71,6 +72,28 @@ def test_mixed_batch_matches_reference_per_item(make_engine, loaded, prompts, we
     got = torch.split(logits, [len(it.output_indices) for it in items])
     diffs = [float((g - e).abs().max()) for g, e in zip(got, expected, strict=True)]
     print("max |Δlogit| per item:", diffs)
+    assert max(diffs) <= TOL_FP32
+
+
+@cpu_only
+@pytest.mark.parametrize(("weights", "max_quantized_rows"), WEIGHT_MODES)
+def test_mlp_in_row_blocks_matches_reference(make_engine, loaded, prompts, monkeypatch, weights, max_quantized_rows):
+    """A prefill past `MLP_ROWS` runs each layer's MLP block by block, in place on the residual rows."""
+    monkeypatch.setattr(model_module, "MLP_ROWS", 16)
+    engine = make_engine(page_size=4, weights=weights, max_quantized_rows=max_quantized_rows)
+    tables = PageTables(engine)
+    items = [tables.item(str(i), p) for i, p in enumerate(prompts)]
+    total = sum(len(p) for p in prompts)
+    assert total > 3 * 16 and total % 16, "several blocks and a short last one"
+    blocks: list[int] = []
+    inner = engine.model._mlp
+    monkeypatch.setattr(engine.model, "_mlp", lambda layer, rows: (blocks.append(len(rows)), inner(layer, rows))[1])
+    recorder = LogitsRecorder(engine)
+    engine.forward_text(items)
+    assert blocks[: -(-total // 16)] == [16] * (total // 16) + [total % 16]
+    got = torch.split(recorder.calls[0], [len(p) for p in prompts])
+    diffs = [float((g - reference_logits(loaded, p)).abs().max()) for g, p in zip(got, prompts, strict=True)]
+    print("max |Δlogit| per prompt:", diffs)
     assert max(diffs) <= TOL_FP32
 
 
