@@ -7,9 +7,9 @@
 Weights are random GGUF blocks (Q4_1 for the layers, Q8_0 for the tied embedding used as the LM head)
 with the model's shapes; x is random float32 [M, K]. Each (shape, M, kernel) cell is timed over calls
 totalling >= --min-ms, and the cells run in turn, `--repeats` times (interleaved, so drift from other
-processes spreads over all of them); the table shows medians (`--stat min`: minima). GFLOP/s counts 2 M N K per call, and the
-peak printed is 2 FMA x 8 lanes x 2 FLOP per cycle per core at /proc/cpuinfo's clock (this CPU may boost
-above it). `--compare SOURCE` (repeatable) also builds another cpu_kernels.cpp (say the previous
+processes spreads over all of them); the table shows medians (`--stat min`: minima). GFLOP/s counts
+2 M N K per call (no "peak" line: /proc's clock times a guessed FLOP per cycle read 166 GFLOP/s on a host
+whose panels ran 400+). `--compare SOURCE` (repeatable) also builds another cpu_kernels.cpp (say the previous
 version) under the op namespace `l4m_cpu_cmp<i>` and times it beside the current one, labelled by its
 file name. `--isa` times the current source under each named instruction set (as L4M_CPU_ISA). With
 `--copies N` each call takes the next of N weight copies (N = 30: the weights stream from memory, as a
@@ -39,10 +39,10 @@ LAYERS = 30  # per decode step: every layer's 4 linears, then the head once
 
 
 def random_blocks(kind: str, n: int, k: int, gen: torch.Generator) -> tuple:
-    d = torch.rand(n, k // 32, generator=gen) * 0.01 + 0.001
+    d = (torch.rand(n, k // 32, generator=gen) * 0.01 + 0.001).half()  # float16, as in a GGUF
     if kind == "q4_1":
         qs = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
-        return qs, d, torch.randn(n, k // 32, generator=gen) * 0.05
+        return qs, d, (torch.randn(n, k // 32, generator=gen) * 0.05).half()
     return torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen), d, None
 
 
@@ -64,8 +64,20 @@ def build_compare(source: Path, namespace: str):
         raise SystemExit(f"{source}: no TORCH_LIBRARY(l4m_cpu, ...) block to rename")
     text = text.replace("TORCH_LIBRARY(l4m_cpu,", f"TORCH_LIBRARY({namespace},")
     load_inline(namespace, cpp_sources=[text], no_implicit_headers=True, is_python_module=False,
-                extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    return getattr(torch.ops, namespace).linear
+                extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    op = getattr(torch.ops, namespace).linear
+    if "at::kHalf" in text:
+        return op
+    # Sources before 2026-11-27 take float32 scales: converted once per weight, outside the timing.
+    as_float: dict[int, tuple] = {}
+
+    def linear(x, qs, d, m):
+        if id(d) not in as_float:
+            as_float[id(d)] = (d, d.float(), None if m is None else m.float())
+        _, d32, m32 = as_float[id(d)]
+        return op(x, qs, d32, m32)
+
+    return linear
 
 
 def time_call(fn, min_ms: float) -> float:
@@ -163,11 +175,8 @@ def main() -> None:
 
     stat = min if args.stat == "min" else statistics.median
     mhz = cpu_mhz()
-    peak = args.threads * 32 * mhz / 1e3 if mhz else None
     print(f"threads {args.threads}, {args.stat} of {args.repeats} interleaved repeats; load average "
           f"{load_before[0]:.2f} before, {load_after[0]:.2f} after")
-    if peak:
-        print(f"fp32 FMA peak at {mhz:.0f} MHz: {peak:.0f} GFLOP/s ({args.threads} cores x 32 FLOP/cycle)")
     print(f"{'shape':<8} {'kernel':<12} {'M':>4} {'N':>6} {'K':>5} {'ms':>8} {'GFLOP/s':>8}")
     rows = []
     for name in names:

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -83,29 +84,33 @@ void parallel_chunks_ahead(int64_t n, const A& ahead, const F& f) {
 
 enum Kind { kQ4_1 = 0, kQ8_0 = 1 };
 
+// The scales d and m stay float16, as the GGUF stores them: at one row of x a linear streams its weights,
+// and float32 scales made a Q4_1 block 24 bytes instead of 20.
 struct QWeight {
   Kind kind;
   int64_t n, k;  // rows, columns
   const uint8_t* qs;
-  const float* d;
-  const float* m;  // Q4_1 only
+  const uint16_t* d;  // float16 bits
+  const uint16_t* m;  // float16 bits, Q4_1 only
 };
 
+inline float half_at(const uint16_t* p, int64_t i) { return _cvtsh_ss(p[i]); }
+
 QWeight make_qweight(const at::Tensor& qs, const at::Tensor& d, const c10::optional<at::Tensor>& m) {
-  TORCH_CHECK(d.dim() == 2 && d.scalar_type() == at::kFloat && d.is_contiguous(), "d: contiguous float [N, K/32]");
+  TORCH_CHECK(d.dim() == 2 && d.scalar_type() == at::kHalf && d.is_contiguous(), "d: contiguous float16 [N, K/32]");
   TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.size(0) == d.size(0), "qs: contiguous [N, ...]");
   QWeight w;
   w.n = d.size(0);
   w.k = d.size(1) * 32;
   w.qs = static_cast<const uint8_t*>(qs.data_ptr());
-  w.d = d.data_ptr<float>();
+  w.d = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
   w.m = nullptr;
   if (qs.scalar_type() == at::kByte) {
     TORCH_CHECK(qs.size(1) * 2 == w.k, "Q4_1 qs must be [N, K/2]");
-    TORCH_CHECK(m.has_value() && m->sizes() == d.sizes() && m->is_contiguous() && m->scalar_type() == at::kFloat,
-                "Q4_1 needs m shaped like d");
+    TORCH_CHECK(m.has_value() && m->sizes() == d.sizes() && m->is_contiguous() && m->scalar_type() == at::kHalf,
+                "Q4_1 needs m shaped like d, float16");
     w.kind = kQ4_1;
-    w.m = m->data_ptr<float>();
+    w.m = reinterpret_cast<const uint16_t*>(m->data_ptr<at::Half>());
   } else {
     TORCH_CHECK(qs.scalar_type() == at::kChar && qs.size(1) == w.k, "Q8_0 qs must be int8 [N, K]");
     w.kind = kQ8_0;
@@ -121,13 +126,13 @@ inline __m256 q4_to_float(__m128i nibbles, __m256 d, __m256 m) {  // 8 low bytes
 template <Kind KIND>
 inline void dequant_block(const QWeight& w, int64_t n, int64_t g, __m256 out[4]) {
   const int64_t G = w.k / 32;
-  const __m256 vd = _mm256_set1_ps(w.d[n * G + g]);
+  const __m256 vd = _mm256_set1_ps(half_at(w.d, n * G + g));
   if (KIND == kQ4_1) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + n * (w.k / 2) + g * 16));
     const __m128i low4 = _mm_set1_epi8(0x0F);
     const __m128i lo = _mm_and_si128(bytes, low4);
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-    const __m256 vm = _mm256_set1_ps(w.m[n * G + g]);
+    const __m256 vm = _mm256_set1_ps(half_at(w.m, n * G + g));
     out[0] = q4_to_float(lo, vd, vm);
     out[1] = q4_to_float(_mm_srli_si128(lo, 8), vd, vm);
     out[2] = q4_to_float(hi, vd, vm);
@@ -193,12 +198,13 @@ inline void tile_dequantized(const float* x, int64_t ldx, const QWeight& w, int6
 
 // Weight rows ahead that the few-row tiles (tile_fused, tile_bf16: 1-2 rows, the head's Q8_0 up to 8)
 // prefetch, blocks and scales alike. At 1-2 rows of x a linear streams its weights from memory, and the
-// scales (d, m: one line per 16 blocks of a row) are streams of their own that the hardware prefetcher
+// scales (d, m: one line per 32 blocks of a row) are streams of their own that the hardware prefetcher
 // does not follow across short rows: without them prefetched, ~12 GB/s of weights per step; with them,
 // 16 rows ahead, 20-27 GB/s (8 and 24 rows measured alike).
 constexpr int64_t kAheadRows = 16;
 
-// Asks for row n's block g (and, every 16 blocks, its scales' line) ahead of use.
+// Asks for row n's block g (and, every 16 blocks, its scales' line: every 32 bytes, so that each line a
+// row's scales touch is asked for whatever their alignment) ahead of use.
 template <Kind KIND>
 inline void prefetch_block(const QWeight& w, int64_t n, int64_t g) {
   const int64_t G = w.k / 32;
@@ -235,8 +241,8 @@ inline void tile_fused(const float* x, int64_t ldx, const float* xsum, const QWe
         b = _mm256_fmadd_ps(qv[j][1], x1, b);
         b = _mm256_fmadd_ps(qv[j][2], x2, b);
         b = _mm256_fmadd_ps(qv[j][3], x3, b);
-        acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(w.d[(n0 + j) * G + g]), b, acc[i][j]);
-        if (KIND == kQ4_1) offset[i][j] += w.m[(n0 + j) * G + g] * xsum[i * G + g];
+        acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w.d, (n0 + j) * G + g)), b, acc[i][j]);
+        if (KIND == kQ4_1) offset[i][j] += half_at(w.m, (n0 + j) * G + g) * xsum[i * G + g];
       }
     }
   }
@@ -435,7 +441,7 @@ inline void dequant_row(const QWeight& w, int64_t n, float* out) {
     const uint8_t* q = w.qs + n * (w.k / 2);
     const __m256i low4 = _mm256_set1_epi32(0x0F);
     for (int64_t g = 0; g < G; ++g, q += 16, out += 32) {
-      const __m256 vd = _mm256_set1_ps(w.d[n * G + g]), vm = _mm256_set1_ps(w.m[n * G + g]);
+      const __m256 vd = _mm256_set1_ps(half_at(w.d, n * G + g)), vm = _mm256_set1_ps(half_at(w.m, n * G + g));
       const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
       const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
       _mm256_storeu_ps(out, _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_and_si256(b0, low4)), vm));
@@ -487,8 +493,8 @@ inline void prefetch_rows(const QWeight& w, int64_t n0, int64_t n1) {
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
   };
   lines(w.qs + n0 * row_bytes, (n1 - n0) * row_bytes);
-  lines(w.d + n0 * G, (n1 - n0) * G * 4);
-  if (w.kind == kQ4_1) lines(w.m + n0 * G, (n1 - n0) * G * 4);
+  lines(w.d + n0 * G, (n1 - n0) * G * 2);
+  if (w.kind == kQ4_1) lines(w.m + n0 * G, (n1 - n0) * G * 2);
 }
 
 // ---- AVX-512 BF16: few rows of x as dot products of exact bf16 weights ------------------------------
@@ -622,8 +628,10 @@ inline void tile_bf16(const uint16_t* xb, int64_t ldb, const float* xsum, const 
         const __m512i words = _mm512_cvtepu8_epi16(bytes);
         lo[j] = as_bh(_mm512_permutexvar_epi16(words, table));
         hi[j] = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table));
-        const float* d = w.d + (n0 + j) * G + g;
-        const __m128 d2 = both ? _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d))) : _mm_load_ss(d);
+        const uint16_t* d = w.d + (n0 + j) * G + g;
+        int32_t d_bits = d[0];
+        if (both) std::memcpy(&d_bits, d, 4);
+        const __m128 d2 = _mm_cvtph_ps(_mm_cvtsi32_si128(d_bits));
         dv[j] = _mm512_permutexvar_ps(pair_index, _mm512_castps128_ps512(d2));
       }
 #pragma GCC unroll 16
@@ -654,7 +662,7 @@ inline void tile_bf16(const uint16_t* xb, int64_t ldb, const float* xsum, const 
         const __m512 f1 =
             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
         qv[j] = _mm512_cvtne2ps_pbh(f1, f0);  // elements 0..15 in the low half
-        dv[j] = _mm512_set1_ps(w.d[(n0 + j) * G + g]);
+        dv[j] = _mm512_set1_ps(half_at(w.d, (n0 + j) * G + g));
       }
 #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i) {
@@ -678,7 +686,7 @@ inline void tile_bf16(const uint16_t* xb, int64_t ldb, const float* xsum, const 
       if (KIND == kQ4_1)
         for (int64_t g = 0; g < G; g += 16) {
           const __mmask16 valid = G - g >= 16 ? 0xFFFF : __mmask16((1u << (G - g)) - 1);
-          s = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(valid, w.m + (n0 + j) * G + g),
+          s = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, w.m + (n0 + j) * G + g)),
                               _mm512_maskz_loadu_ps(valid, xsum + i * G + g), s);
         }
       const float r = _mm512_reduce_add_ps(s);

@@ -35,8 +35,8 @@ class QuantizedTensor:
     """A `[rows, cols]` weight in GGUF blocks of 32 along `cols`, rows in HF order.
 
     `qs`: Q4_1 `[rows, cols / 2]` uint8 (per block 16 bytes: element j in the low nibble of byte j,
-    element j + 16 in its high nibble), Q8_0 `[rows, cols]` int8. `d`, `m`: `[rows, cols / 32]` float32
-    (`m` is None for Q8_0).
+    element j + 16 in its high nibble), Q8_0 `[rows, cols]` int8. `d`, `m`: `[rows, cols / 32]` float16,
+    as the GGUF stores them (`m` is None for Q8_0): a decode step streams them with the blocks.
     """
 
     kind: str
@@ -62,9 +62,9 @@ class QuantizedTensor:
 def from_gguf_blocks(kind: str, raw: np.ndarray, num_rows: int) -> QuantizedTensor:
     """Split a GGUF tensor's raw bytes (`[rows, row_bytes]` uint8) into qs / d / m."""
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(num_rows, -1, 20 if kind == "q4_1" else 34)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
     if kind == "q4_1":
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
         qs = blocks[..., 4:].reshape(num_rows, -1)
         return QuantizedTensor(kind, torch.from_numpy(qs.copy()), torch.from_numpy(d), torch.from_numpy(m))
     qs = blocks[..., 2:].copy().view(np.int8).reshape(num_rows, -1)

@@ -173,4 +173,4 @@ def test_load_kernels_compiles_the_cpp_files_current_text(tmp_path, monkeypatch)
     assert first["cpp_sources"] == [shipped]
     assert second["cpp_sources"] == [shipped + "// edited\n"]
     assert first["no_implicit_headers"] and shipped.startswith("#include <torch/extension.h>\n")
-    assert first["extra_cflags"] == second["extra_cflags"] == ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+    assert first["extra_cflags"] == second["extra_cflags"] == ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]

@@ -51,10 +51,10 @@ def isa(request):
 
 def random_blocks(kind: str, n: int, k: int, seed: int) -> tuple:
     gen = torch.Generator().manual_seed(seed)
-    d = torch.rand(n, k // 32, generator=gen) * 0.02 + 0.001
+    d = (torch.rand(n, k // 32, generator=gen) * 0.02 + 0.001).half()  # scales are float16, as in a GGUF
     if kind == "q4_1":
         qs = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
-        return qs, d, torch.randn(n, k // 32, generator=gen) * 0.05
+        return qs, d, (torch.randn(n, k // 32, generator=gen) * 0.05).half()
     return torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen), d, None
 
 

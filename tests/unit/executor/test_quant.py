@@ -24,12 +24,12 @@ pytestmark = cpu_only  # the GGUF-block kernels are a CPU path
 
 def dequantize(q: QuantizedTensor) -> torch.Tensor:
     rows, cols = q.shape
-    d = q.d.repeat_interleave(BLOCK_SIZE, dim=1)
+    d = q.d.float().repeat_interleave(BLOCK_SIZE, dim=1)
     if q.kind == "q8_0":
         return q.qs.float() * d
     nibbles = q.qs.view(rows, cols // BLOCK_SIZE, BLOCK_SIZE // 2)
     values = torch.cat((nibbles & 15, nibbles >> 4), dim=-1).reshape(rows, cols).float()
-    return d * values + q.m.repeat_interleave(BLOCK_SIZE, dim=1)  # type: ignore[union-attr]
+    return d * values + q.m.float().repeat_interleave(BLOCK_SIZE, dim=1)  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(
@@ -74,6 +74,10 @@ def test_kernel_rejects_mismatched_shapes(loaded) -> None:
         torch.ops.l4m_cpu.linear(torch.randn(2, 1000), q.qs, q.d, q.m)
     with pytest.raises(RuntimeError, match="Q4_1 needs m"):
         torch.ops.l4m_cpu.linear(torch.randn(2, 1536), q.qs, q.d, None)
+    with pytest.raises(RuntimeError, match="d: contiguous float16"):  # scales stay as the GGUF has them
+        torch.ops.l4m_cpu.linear(torch.randn(2, 1536), q.qs, q.d.float(), q.m)
+    with pytest.raises(RuntimeError, match="Q4_1 needs m shaped like d, float16"):
+        torch.ops.l4m_cpu.linear(torch.randn(2, 1536), q.qs, q.d, q.m.float())  # type: ignore[union-attr]
 
 
 def test_weight_mode_resolution(loaded) -> None:
