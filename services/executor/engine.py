@@ -103,9 +103,13 @@ class Engine:
         self.max_quantized_rows = (
             resolve_max_quantized_rows(config, torch.ops.l4m_cpu.isa()) if self.weights == "quantized" else 0
         )
-        self.model = LlamaModel(loaded, self.dtype, self.device, self.weights == "quantized", self.max_quantized_rows)
-        # The model holds its own copies of the blocks (on huge pages): the loaded ones are not kept here.
-        self.loaded = dataclasses.replace(loaded, quantized={})
+        quantized = self.weights == "quantized"
+        # Where the blocks serve every batch this engine accepts, the linears keep no dense copy.
+        self.dense_linears = not quantized or self.max_quantized_rows < config.max_batch_tokens
+        self.model = LlamaModel(loaded, self.dtype, self.device, quantized, self.max_quantized_rows, self.dense_linears)
+        # The model holds what it uses (the blocks on huge pages, the weights it multiplies with): neither
+        # the loaded blocks nor the loaded float32 tensors are kept here.
+        self.loaded = dataclasses.replace(loaded, quantized={}, tensors={})
         cfg = loaded.config
         self.graphs_off_reason = None if static_ops else self._graphs_off_reason(config, cfg)
         num_pages = config.num_pages

@@ -53,6 +53,9 @@ class LlamaModel:
     also keeps those blocks, and calls of at most `max_quantized_rows` tokens multiply with them. When
     every layer's weights have blocks, `forward_decode` runs single-token batches through the whole
     stack in one C++ call (`has_decode_kernel`), and `forward_mixed` such steps beside a prefill chunk.
+    With `dense_linears=False` (the engine's choice when `max_quantized_rows` covers every batch it
+    accepts) such linears keep only the blocks: no float32 copy that no call would read (~700 MB for
+    SmolLM2: the layers' weights and the fused qkv / gate_up copies).
     """
 
     def __init__(
@@ -62,6 +65,7 @@ class LlamaModel:
         device: torch.device,
         quantized: bool = False,
         max_quantized_rows: int = 0,
+        dense_linears: bool = True,
     ) -> None:
         self.config: ModelConfig = loaded.config
         self.dtype = dtype
@@ -72,20 +76,22 @@ class LlamaModel:
             return t[name].to(device=device, dtype=as_dtype).contiguous()
 
         def linear(*names: str, dense: torch.Tensor | None = None) -> Linear:
-            if dense is None:
-                dense = torch.cat([w(n) for n in names]).contiguous() if len(names) > 1 else w(names[0])
             blocks = [loaded.quantized.get(n) for n in names] if quantized else [None]
             packed = cat_rows(blocks) if all(b is not None for b in blocks) else None  # type: ignore[arg-type]
-            return Linear(dense, packed, max_quantized_rows, bias(names, dense))
+            if packed is not None and not dense_linears:
+                return Linear(None, packed, max_quantized_rows, bias(names))
+            if dense is None:
+                dense = torch.cat([w(n) for n in names]).contiguous() if len(names) > 1 else w(names[0])
+            return Linear(dense, packed, max_quantized_rows, bias(names))
 
-        def bias(names: tuple[str, ...], dense: torch.Tensor) -> torch.Tensor | None:
+        def bias(names: tuple[str, ...]) -> torch.Tensor | None:
             """The fused bias of `names` (zeros for parts without one), or None when none has one."""
             biases = [t.get(n.removesuffix(".weight") + ".bias") for n in names]
             if all(b is None for b in biases):
                 return None
             sizes = [t[n].shape[0] for n in names]
             parts = [torch.zeros(size) if b is None else b for b, size in zip(biases, sizes, strict=True)]
-            return torch.cat(parts).to(device=device, dtype=dense.dtype).contiguous()
+            return torch.cat(parts).to(device=device, dtype=dtype).contiguous()
 
         self.embed = w("model.embed_tokens.weight")  # [V, hidden]
         if "lm_head.weight" in t:

@@ -85,7 +85,7 @@ class Linear:
 
     With both, calls of up to `max_quantized_rows` rows use the quantized kernel (memory-bound decode,
     where reading 4.5 bits per weight instead of 32 wins) and bigger ones the dense BLAS GEMM
-    (compute-bound prefill).
+    (compute-bound prefill). With blocks alone, every call multiplies with them.
     """
 
     def __init__(

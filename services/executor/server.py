@@ -30,6 +30,7 @@ from grpc_health.v1 import health_pb2
 
 from l4m.common.framed_execute import FramedExecuteServer
 from l4m.common.serving import GrpcServer, build_server
+from l4m.controller import release_free_memory
 from l4m.executor.convert import batch_from_pb, error_to_pb, info_to_pb, reply_to_pb
 from l4m.executor.engine import Engine, EngineConfig
 from l4m.executor.errors import CapabilityError, ExecutorError
@@ -199,6 +200,9 @@ async def create_server(config: ExecutorConfig, engine: Engine | None = None) ->
         engine = await asyncio.get_running_loop().run_in_executor(
             worker, lambda: Engine(load_model(config.model_path, config.model_name), config.engine)
         )
+        # The loaded float32 tensors the engine did not keep are free but resident in the C heap: ~680 MiB
+        # for SmolLM2 on the 4-bit blocks (RSS 1,197 -> 517 MiB), handed back to the kernel here.
+        release_free_memory()
     framed_path = os.path.abspath(config.listen_framed) if config.listen_framed else ""
     servicer = ExecutorServicer(engine, worker, config.cluster_secret, framed_path)
     try:

@@ -9,6 +9,7 @@ import gc
 import pytest
 import torch
 
+from l4m.executor.commands import Allocate, ForwardText, ResourceKind, SamplerKind, SamplerSpec
 from l4m.executor.config import (
     AVX2_MAX_QUANTIZED_ROWS,
     EngineConfig,
@@ -16,6 +17,7 @@ from l4m.executor.config import (
     resolve_weights,
 )
 from l4m.executor.engine import Engine
+from l4m.executor.errors import InvalidCommand
 from l4m.executor.quant import BLOCK_SIZE, HUGE_PAGE, QuantizedTensor, into_huge_pages, kernels_available
 from tests.unit.executor.conftest import cpu_only
 
@@ -113,7 +115,9 @@ def test_an_engine_resolves_auto_rows_for_the_selected_instruction_set(loaded) -
         torch.ops.l4m_cpu.set_isa("auto")
         want = config.max_batch_tokens if torch.ops.l4m_cpu.isa() == "avx512_bf16" else 64
         engine = Engine(loaded, config)
-        assert engine.max_quantized_rows == want and engine.model.head.max_quantized_rows == want
+        assert engine.max_quantized_rows == want
+        # Blocks for every batch: the head keeps no dense copy and always multiplies with its blocks.
+        assert engine.model.head.max_quantized_rows == (1 << 62 if want == config.max_batch_tokens else want)
         assert Engine(loaded, dataclasses.replace(config, weights="dequantized")).max_quantized_rows == 0
     finally:
         torch.ops.l4m_cpu.set_isa(before)
@@ -162,3 +166,28 @@ def test_the_quantized_model_decodes_from_huge_page_weights(make_engine) -> None
     assert "hg" in mapping_flags(pointers[0]) and "hg" in mapping_flags(pointers[-1])
     assert engine.loaded.quantized == {}
 
+
+
+@pytest.mark.skipif(not kernels_available(), reason="needs an AVX2 CPU and a C++ compiler")
+def test_linears_keep_no_dense_copy_where_the_blocks_serve_every_batch(loaded, prompts) -> None:
+    """With `max_quantized_rows` >= `max_batch_tokens` no call reads a linear's float32 weights, so none
+    is kept (nor the loaded tensors); a full batch still runs, on the blocks, as an engine with them does."""
+    config = EngineConfig(num_pages=64, num_embed_slots=0, weights="quantized", max_batch_tokens=48)
+    lean = Engine(loaded, dataclasses.replace(config, max_quantized_rows=48))
+    dense = Engine(loaded, dataclasses.replace(config, max_quantized_rows=47))
+    assert not lean.dense_linears and dense.dense_linears
+    model = lean.model
+    linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    assert all(lin.dense is None and lin.quantized is not None for lin in [*linears, model.head])
+    assert all(lin.dense is not None for lin in [dense.model.layers[0].qkv, dense.model.head])
+    assert lean.loaded.tensors == {} and lean.loaded.config == loaded.config
+    tokens = tuple((prompts[0] * 4)[:48])
+    greedy = (SamplerSpec(SamplerKind.GREEDY),)
+    outputs = []
+    for engine in (lean, dense):  # 48 rows: the lean engine on the blocks, the other on dense weights
+        engine.allocate([Allocate(ResourceKind.KV_PAGE, (0, 1, 2, 3))])
+        item = ForwardText((0, 1, 2), 16, tokens, tuple(range(48)), (), tuple(range(48)), greedy * 48)
+        outputs.append([o.token_id for o in engine.forward_text([item])[0].outputs])
+    assert outputs[0] == outputs[1]
+    with pytest.raises(InvalidCommand, match="more than max_batch_tokens=48"):
+        lean.forward_text([ForwardText((0, 1, 2, 3), 1, (1,) * 49, tuple(range(49)), (), (48,), greedy)])
