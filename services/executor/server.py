@@ -30,11 +30,11 @@ from grpc_health.v1 import health_pb2
 
 from l4m.common.framed_execute import FramedExecuteServer
 from l4m.common.serving import GrpcServer, build_server
-from l4m.controller import release_free_memory
 from l4m.executor.convert import batch_from_pb, error_to_pb, info_to_pb, reply_to_pb
 from l4m.executor.engine import Engine, EngineConfig
 from l4m.executor.errors import CapabilityError, ExecutorError
 from l4m.executor.weights import load_model
+from l4m.memory import release_free_memory
 from l4m.v1 import executor_pb2, executor_pb2_grpc
 from l4m.wire import limits
 from l4m.wire.credentials import TlsFiles, bearer_token, secrets_equal

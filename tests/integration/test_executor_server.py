@@ -32,6 +32,8 @@ class SecuredExecutor:
     secret: str
     ca_path: Path
     framed_path: Path
+    pid: int
+    log: ServiceProcess
 
     def channel(self) -> grpc.Channel:
         return grpc.secure_channel(self.address, grpc.ssl_channel_credentials(self.ca_path.read_bytes()))
@@ -53,7 +55,8 @@ def executor(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyp
     )  # fmt: skip
     try:
         address = process.wait_listening(300)  # the model loads first: minutes on a busy 2-core box
-        yield SecuredExecutor(address, secret_file, secret, certificates.ca_path, directory / "executor.frames.sock")
+        yield SecuredExecutor(address, secret_file, secret, certificates.ca_path, directory / "executor.frames.sock",
+                              process.process.pid, process)
     finally:
         process.stop()
         print("executor log:\n" + process.output())
@@ -61,6 +64,20 @@ def executor(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyp
 
 def greedy() -> common_pb2.SamplerSpec:
     return common_pb2.SamplerSpec(kind=common_pb2.SAMPLER_KIND_GREEDY)
+
+
+def resident_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def test_the_loaded_executor_holds_no_copy_it_does_not_use(executor: SecuredExecutor) -> None:
+    """After loading, the executor keeps no float32 weights that no call reads (where the 4-bit blocks
+    serve every batch) and hands the loader's freed heap back: SmolLM2's executor held ~1.2 GiB before
+    either (docs/benchmarks.md, "no dense copy"), ~0.5 GiB with both; AVX2 keeps its dense weights."""
+    isa = "avx512_bf16" if "CPU kernels use avx512_bf16" in executor.log.output() else "avx2"
+    limit = {"avx512_bf16": 800, "avx2": 1100}[isa]
+    assert resident_mib(executor.pid) < limit, (isa, resident_mib(executor.pid))
 
 
 def test_info_health_and_batches(executor: SecuredExecutor) -> None:

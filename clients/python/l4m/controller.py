@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from l4m import eventloop
 from l4m.errors import ProgramError, SessionClosed, Trapped
 from l4m.instance import Instance
+from l4m.memory import release_free_memory
 from l4m.model import Model
 from l4m.runtime import ChildExit, LocalRuntime, Runtime, RuntimeClient
 from l4m.session import Session
@@ -110,28 +111,6 @@ async def run_main(main: Main, args: Sequence[str], session: Session, runtime: R
         await session.close()
         if isinstance(failure, Trapped):
             raise failure
-
-
-def release_free_memory() -> bool:
-    """Hands the C heap's free pages back to the kernel (glibc's `malloc_trim`); False where the C library
-    has none (musl). The imports and the session's start leave ~0.5 MiB freed but resident, which an idle
-    controller would hold for as long as it waits (docs/benchmarks.md, "Controller memory"); ~0.3 ms.
-
-    It calls through `_ctypes`, ctypes' C core, not `ctypes`: that module's C types (~0.2 MiB of type
-    objects) would stay with the controller for its whole life, for one call."""
-    try:
-        import _ctypes
-
-        address = _ctypes.dlsym(_ctypes.dlopen(None, _ctypes.RTLD_LOCAL), "malloc_trim")
-    except (ImportError, OSError):  # an interpreter without ctypes, or a C library without the call
-        return False
-
-    class Trim(_ctypes.CFuncPtr):  # ctypes.CFUNCTYPE(None, c_int): a cdecl function, its result ignored
-        _flags_ = _ctypes.FUNCFLAG_CDECL
-        _restype_ = None
-
-    Trim(address)(0)
-    return True
 
 
 async def run_program(program: str, args: Sequence[str], config: ControllerConfig) -> Any:

@@ -18,7 +18,7 @@ SERVICES = ("executor", "scheduler", "spawner", "gateway")
 SHARED_PACKAGES = ("l4m.v1", "l4m.wire", "l4m.common")
 # The SDK's modules besides the wire layer that every process shares; a service may import these and no
 # other part of the SDK. A new one belongs here only if clients need it too (else: l4m.common).
-WIRE_MODULES = frozenset({"l4m.telemetry", "l4m.eventloop"})
+WIRE_MODULES = frozenset({"l4m.telemetry", "l4m.eventloop", "l4m.memory"})
 EXTRA_MODULES = {
     # `l4m` itself for its location (the SDK mounted into sandboxes); the key store `l4m keys` writes.
     "spawner": frozenset({"l4m", "l4m.keys"}),

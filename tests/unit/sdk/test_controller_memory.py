@@ -38,7 +38,7 @@ print(json.dumps([before, private_dirty()]))
 
 
 def test_freed_heap_pages_go_back_to_the_kernel() -> None:
-    release = "l4m.controller:release_free_memory"
+    release = "l4m.memory:release_free_memory"
     done = subprocess.run([sys.executable, "-c", _HEAP_PROBE, release], capture_output=True, text=True,
                           timeout=60, check=True)  # fmt: skip
     before, after = json.loads(done.stdout)
