@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from l4m.executor.commands import (
@@ -20,6 +21,7 @@ from l4m.executor.commands import (
     SampleTopK,
 )
 from l4m.executor.engine import Engine
+from l4m.executor.kv_cache import KvCache
 
 from .conftest import LogitsRecorder
 
@@ -112,3 +114,31 @@ def test_reused_embed_slot_gives_no_previous_distribution(
     engine.allocate([Allocate(ResourceKind.EMBED_SLOT, (0,))])
     assert engine.sample_top_k([SampleTopK(slot_id=0, k=10)])[0] == never_used
     assert not engine.cache.embeds[0].any() and int(engine.cache.embed_positions[0]) == 0
+
+
+def _resident_kib(address: int) -> int:
+    """Resident kB of this process's mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(a, 16) for a in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "Rss:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_a_cpu_cache_takes_memory_for_the_pages_it_hands_out() -> None:
+    """The CPU cache's K/V are mappings the kernel fills with zeros as they are first written: a cache
+    sized for 96 MiB a layer holds nothing until pages are allocated, then about their size (a 2 MB
+    huge page or two where transparent huge pages are always on), and those pages read as zeros."""
+    cache = KvCache(num_layers=2, num_pages=4096, page_size=16, num_kv_heads=3, head_dim=64, num_embed_slots=0,
+                    hidden_size=576, dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
+    layer = cache.layers[0]
+    assert layer.numel() * 4 == 96 << 20
+    assert _resident_kib(layer.data_ptr()) <= 4
+    cache.allocate_pages(np.arange(8))  # 8 pages of 24 KiB a layer, zeroed
+    assert 8 * 24 <= _resident_kib(layer.data_ptr()) <= 5 << 10
+    assert not layer[:8].any()
