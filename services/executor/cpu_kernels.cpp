@@ -1343,7 +1343,8 @@ QWeight layer_qweight(const std::vector<at::Tensor>& ws, int64_t base) {
 
 at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                          std::vector<at::Tensor> weights, std::vector<at::Tensor> kv, const at::Tensor& page_table,
-                         const at::Tensor& ctx_len, const at::Tensor& visible, int64_t num_heads, double eps) {
+                         const at::Tensor& ctx_len, const at::Tensor& visible, int64_t num_heads, double eps,
+                         const c10::optional<at::Tensor>& final_norm) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat, "hidden must be float32 [B, E]");
   const int64_t B = hidden.size(0), E = hidden.size(1), L = kv.size();
   TORCH_CHECK(int64_t(weights.size()) == L * kWeightsPerLayer, "expected ", kWeightsPerLayer, " weights per layer");
@@ -1353,7 +1354,16 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
   TORCH_CHECK(visible.scalar_type() == at::kByte && visible.dim() == 2 && visible.size(0) == B &&
               visible.is_contiguous(), "visible: contiguous uint8 [B, width]");
   at::Tensor x = hidden.contiguous().clone();
-  if (L == 0 || B == 0) return x;
+  float* xp = x.data_ptr<float>();
+  auto normed = [&]() {  // the model's last norm here when asked: one torch op fewer after the weights' stream
+    if (final_norm.has_value()) {
+      TORCH_CHECK(final_norm->scalar_type() == at::kFloat && final_norm->is_contiguous() && final_norm->numel() == E,
+                  "final_norm: contiguous float32 [E]");
+      rms_norm(xp, final_norm->data_ptr<float>(), B, E, eps, xp);
+    }
+    return x;
+  };
+  if (L == 0 || B == 0) return normed();
   const int64_t S = kv[0].size(2), KVH = kv[0].size(3), D = kv[0].size(4), H = num_heads;
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == B && cos.size(1) == D && cos.is_contiguous() &&
               sin.is_contiguous(), "cos/sin: contiguous [B, head_dim]");
@@ -1365,7 +1375,6 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
   const float* cs = cos.data_ptr<float>();
   const float* sn = sin.data_ptr<float>();
   std::vector<float> h(B * E), qkv(B * QKV), attn(B * H * D), gate_up, act;
-  float* xp = x.data_ptr<float>();
   for (int64_t l = 0; l < L; ++l) {
     const int64_t base = l * kWeightsPerLayer;
     TORCH_CHECK(kv[l].is_contiguous() && kv[l].scalar_type() == at::kFloat && kv[l].size(2) == S &&
@@ -1396,7 +1405,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
     silu_mul(gate_up.data(), B, F, act.data());
     linear_into(act.data(), F, B, w_down, xp, E, true);
   }
-  return x;
+  return normed();
 }
 
 // decode_layers' attention alone, for the single-token items of a mixed batch (the rest of the batch
@@ -1575,12 +1584,77 @@ at::Tensor mixed_layers(const at::Tensor& hidden, const at::Tensor& cos, const a
 
 }  // namespace
 
+// ---- greedy sampling --------------------------------------------------------------------------------
+//
+// Each row of logits [M, V]: the first index of its maximum, as torch.argmax gives it, and the log-softmax
+// there, -log(sum_v exp(l_v - max)). One call where the sampler's torch path makes ~7 (log_softmax, two
+// row selections, argmax, gather, ...): after a decode step has streamed its weights through the caches,
+// the first call of each distinct torch op costs 45-80 us of cold code. A NaN anywhere in a row makes it
+// the argmax (as torch's) and the logprob NaN.
+std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() && logits.size(1) > 0,
+              "logits must be contiguous float32 [M, V], V >= 1");
+  const int64_t M = logits.size(0), V = logits.size(1), V8 = V / 8 * 8;
+  at::Tensor ids = at::empty({M}, logits.options().dtype(at::kLong));
+  at::Tensor logprobs = at::empty({M}, logits.options());
+  const float* base = logits.data_ptr<float>();
+  int64_t* id = ids.data_ptr<int64_t>();
+  float* lp = logprobs.data_ptr<float>();
+  at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = base + r * V;
+      __m256 vmax = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+      for (int64_t v = 0; v < V8; v += 8) {
+        const __m256 x = _mm256_loadu_ps(row + v);
+        vmax = _mm256_max_ps(vmax, x);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, vmax);
+      float best = lanes[0];
+      for (int i = 1; i < 8; ++i) best = std::max(best, lanes[i]);
+      bool has_nan = _mm256_movemask_ps(nan) != 0;
+      for (int64_t v = V8; v < V; ++v) {
+        has_nan |= std::isnan(row[v]);
+        best = std::max(best, row[v]);
+      }
+      if (has_nan) {
+        int64_t v = 0;
+        while (!std::isnan(row[v])) ++v;
+        id[r] = v;
+        lp[r] = NAN;
+        continue;
+      }
+      int64_t arg = 0;
+      while (row[arg] != best) ++arg;  // the first maximum (best is one of the row's values)
+      id[r] = arg;
+      if (std::isinf(best)) {  // every value -inf, or some +inf: torch's log_softmax gives NaN too
+        lp[r] = NAN;
+        continue;
+      }
+      const __m256 vb = _mm256_set1_ps(best);
+      __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();  // in double: 49,152 terms
+      for (int64_t v = 0; v < V8; v += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + v), vb));
+        lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+        hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+      }
+      alignas(32) double parts[4];
+      _mm256_store_pd(parts, _mm256_add_pd(lo, hi));
+      double sum = (parts[0] + parts[1]) + (parts[2] + parts[3]);
+      for (int64_t v = V8; v < V; ++v) sum += std::exp(double(row[v]) - double(best));
+      lp[r] = float(-std::log(sum));
+    }
+  });
+  return {ids, logprobs};
+}
+
 TORCH_LIBRARY(l4m_cpu, lib) {
   lib.def("linear(Tensor x, Tensor qs, Tensor d, Tensor? m) -> Tensor", &linear);
   lib.def("isa() -> str", &isa);
   lib.def("set_isa(str isa) -> str", &set_isa);
   lib.def("decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, Tensor[] kv, Tensor page_table, "
-          "Tensor ctx_len, Tensor visible, int num_heads, float eps) -> Tensor", &decode_layers);
+          "Tensor ctx_len, Tensor visible, int num_heads, float eps, Tensor? final_norm=None) -> Tensor", &decode_layers);
   lib.def("decode_attention(Tensor q, Tensor kv, Tensor page_table, Tensor ctx_len, Tensor visible, "
           "int num_heads) -> Tensor", &decode_attention);
   lib.def("mixed_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, Tensor[] kv, Tensor page_table, "
@@ -1588,4 +1662,5 @@ TORCH_LIBRARY(l4m_cpu, lib) {
           "Tensor dead_rows, int num_heads, float eps) -> Tensor", &mixed_layers);
   lib.def("group_attention(Tensor q, Tensor kv, Tensor group_kv_index, Tensor group_mask, int num_heads) -> Tensor",
           &group_attention_op);
+  lib.def("greedy(Tensor logits) -> (Tensor, Tensor)", &greedy);
 }

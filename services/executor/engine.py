@@ -110,6 +110,8 @@ class Engine:
         # The model holds what it uses (the blocks on huge pages, the weights it multiplies with): neither
         # the loaded blocks nor the loaded float32 tensors are kept here.
         self.loaded = dataclasses.replace(loaded, quantized={}, tensors={})
+        # Plain greedy batches sample in one call of the CPU kernels (loaded with the quantized weights).
+        self._greedy = torch.ops.l4m_cpu.greedy if quantized else None
         cfg = loaded.config
         self.graphs_off_reason = None if static_ops else self._graphs_off_reason(config, cfg)
         num_pages = config.num_pages
@@ -376,7 +378,7 @@ class Engine:
                 normed = self._run_model(prepared, self.model.embed_tokens(tokens), positions, output_rows)
                 logits = self.model.logits(normed) if specs else None
             with _tracer.start_as_current_span("sample"):
-                outputs = apply_samplers(logits, specs, allowed) if specs else []
+                outputs = apply_samplers(logits, specs, allowed, self._greedy) if specs else []
         results, start = [], 0
         for item in items:
             results.append(ForwardTextResult(tuple(outputs[start : start + len(item.output_indices)])))

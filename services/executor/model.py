@@ -175,8 +175,10 @@ class LlamaModel:
             plan.visible,
             cfg.num_heads,
             cfg.rms_norm_eps,
-        )  # [B, hidden], before the final norm
-        return F.rms_norm(out[output_rows], (cfg.hidden_size,), self.final_norm, cfg.rms_norm_eps)
+            self.final_norm,
+        )  # [B, hidden], after the final norm
+        # One output per item, in order, is every row (rows of single-token items are unique and sorted).
+        return out if output_rows.numel() == out.shape[0] else out[output_rows]
 
     def forward_mixed(
         self,

@@ -13,7 +13,7 @@ overflow either.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -113,10 +113,23 @@ def _top_logprobs(logprobs: torch.Tensor, specs: Sequence[SamplerSpec], rows: Se
             for r, i in enumerate(rows)]
 
 
+def is_plain_greedy(spec: SamplerSpec) -> bool:
+    return spec.kind is SamplerKind.GREEDY and not spec.logit_bias_token_ids and not spec.top_logprobs
+
+
 def apply_samplers(
-    logits: torch.Tensor, specs: Sequence[SamplerSpec], allowed: np.ndarray | None
+    logits: torch.Tensor,
+    specs: Sequence[SamplerSpec],
+    allowed: np.ndarray | None,
+    greedy: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> list[SamplerResult]:
-    """One result per row of `logits` `[M, V]` (float32), in order."""
+    """One result per row of `logits` `[M, V]` (float32), in order. `greedy` (the CPU kernels'
+    `l4m_cpu.greedy`: argmax and its logprob per row, one call) serves batches whose every sampler is a
+    plain greedy one (no mask, bias or top_logprobs); the same tokens as the torch path below, logprobs
+    to float32 rounding."""
+    if greedy is not None and allowed is None and all(is_plain_greedy(s) for s in specs):
+        ids, logprobs = greedy(logits)
+        return [SampledToken(t, p) for t, p in zip(ids.tolist(), logprobs.tolist(), strict=True)]
     device = logits.device
     logits = add_logit_bias(logits, specs)
     if allowed is not None:

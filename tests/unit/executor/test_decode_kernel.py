@@ -121,6 +121,21 @@ def test_forward_from_embed_slots_takes_the_kernel(make_engine, prompts) -> None
     assert max(abs(a - b) for a, b in zip(fast.probs, slow.probs, strict=True)) <= 1e-5
 
 
+@needs_kernels
+def test_the_decode_step_applies_the_final_norm_when_given_it() -> None:
+    """`final_norm` makes `decode_layers` return the model's last norm of its rows (what `forward_decode`
+    hands the head) instead of the residual; one of another size is refused."""
+    hidden = torch.randn(2, 64, generator=torch.Generator().manual_seed(0)) * 3
+    weight = torch.rand(64, generator=torch.Generator().manual_seed(1)) + 0.5
+    args = (torch.zeros(2, 64), torch.zeros(2, 64), [], [], torch.zeros(2, 1, dtype=torch.long),
+            torch.ones(2, dtype=torch.long), torch.ones(2, 1, dtype=torch.uint8), 1, 1e-5)  # no layers
+    assert torch.equal(torch.ops.l4m_cpu.decode_layers(hidden, *args), hidden)
+    normed = torch.ops.l4m_cpu.decode_layers(hidden, *args, weight)
+    torch.testing.assert_close(normed, torch.nn.functional.rms_norm(hidden, (64,), weight, 1e-5))
+    with pytest.raises(RuntimeError, match=r"final_norm: contiguous float32 \[E\]"):
+        torch.ops.l4m_cpu.decode_layers(hidden, *args, weight[:32])
+
+
 def test_falls_back_to_the_torch_path_without_a_compiler(tmp_path, loaded, prompts) -> None:
     """A fresh extension cache and no C++ compiler: the engine serves with dense weights, correctly. The fresh
     process gets the loaded model pickled on its stdin (parsing the GGUF again would take most of its time);

@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from l4m.executor.commands import Distribution, SampledToken, SamplerKind, SamplerSpec
+from l4m.executor.quant import kernels_available
 from l4m.executor.sampler import MIN_SAMPLE_TEMPERATURE, apply_samplers, decode_vocab_masks
 from l4m.wire import brle
 
@@ -165,3 +167,73 @@ def test_a_seed_is_any_uint64() -> None:
     (first,) = apply_samplers(logits_of(5), [spec], None)
     (again,) = apply_samplers(logits_of(5), [spec], None)
     assert first.token_id == again.token_id
+
+
+# ---- the CPU kernels' greedy call (`l4m_cpu.greedy`), which serves plain greedy batches -----------------
+
+
+def _kernel_greedy():  # type: ignore[no-untyped-def]
+    if not kernels_available():
+        pytest.skip("needs an AVX2 CPU and a C++ compiler")
+    return torch.ops.l4m_cpu.greedy
+
+
+@pytest.mark.parametrize("vocab", [1, 13, 64, 49152])
+def test_the_kernel_greedy_is_argmax_and_log_softmax(vocab: int) -> None:
+    greedy = _kernel_greedy()
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(vocab)) * 5
+    if vocab > 8:
+        logits[1, vocab - 2] = logits[1, 3] = logits[1].max() + 1  # a tie: the first index wins, as argmax
+    ids, logprobs = greedy(logits)
+    assert torch.equal(ids, logits.argmax(-1))
+    want = torch.log_softmax(logits.double(), -1).gather(-1, ids[:, None])[:, 0]
+    assert float((logprobs.double() - want).abs().max()) <= 1e-6
+
+
+def test_the_kernel_greedy_handles_nan_and_infinite_rows_as_torch() -> None:
+    greedy = _kernel_greedy()
+    logits = torch.randn(3, 40)
+    logits[0, 17] = logits[0, 30] = math.nan
+    logits[1] = -math.inf
+    logits[2, 5] = math.inf
+    ids, logprobs = greedy(logits)
+    assert ids.tolist() == logits.argmax(-1).tolist() == [17, 0, 5]
+    assert all(math.isnan(p) for p in logprobs.tolist())
+    assert all(math.isnan(p) for p in torch.log_softmax(logits, -1).gather(-1, ids[:, None]).flatten().tolist())
+
+
+def test_the_kernel_greedy_refuses_what_it_cannot_read() -> None:
+    greedy = _kernel_greedy()
+    for bad in (torch.randn(2, 8).double(), torch.randn(8, 2).t(), torch.randn(8), torch.empty(2, 0)):
+        with pytest.raises(RuntimeError, match="logits must be contiguous float32"):
+            greedy(bad)
+
+
+def test_plain_greedy_batches_take_the_kernel_and_others_the_torch_path() -> None:
+    greedy = _kernel_greedy()
+    calls: list[int] = []
+
+    def spy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(logits.shape[0])
+        return greedy(logits)
+
+    logits = torch.randn(3, 4000, generator=torch.Generator().manual_seed(1)) * 4
+    plain = [SamplerSpec(SamplerKind.GREEDY)] * 3
+    fast, slow = apply_samplers(logits, plain, None, spy), apply_samplers(logits, plain, None)
+    assert calls == [3]
+    assert [r.token_id for r in fast] == [r.token_id for r in slow]  # type: ignore[union-attr]
+    assert max(abs(f.logprob - s.logprob) for f, s in zip(fast, slow, strict=True)) <= 1e-5  # type: ignore[union-attr]
+    others = [
+        SamplerSpec(SamplerKind.GREEDY, top_logprobs=2),
+        SamplerSpec(SamplerKind.GREEDY, logit_bias_token_ids=(5,), logit_bias_values=(3.0,)),
+        SamplerSpec(SamplerKind.SAMPLE, seed=1),
+        SamplerSpec(SamplerKind.DISTRIBUTION, distribution_top_k=3),
+    ]
+    for other in others:
+        assert apply_samplers(logits, [plain[0], other, plain[0]], None, spy) == apply_samplers(
+            logits, [plain[0], other, plain[0]], None
+        )
+    allowed = np.ones((3, 4000), dtype=bool)
+    allowed[:, 0] = False
+    assert apply_samplers(logits, plain, allowed, spy) == apply_samplers(logits, plain, allowed)
+    assert calls == [3]  # none of these took the kernel
