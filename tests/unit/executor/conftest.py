@@ -134,3 +134,18 @@ class PageTables:
         return ForwardText(
             pages, last, tuple(tokens), tuple(positions), mask, outputs, (sampler,) * len(outputs)
         )
+
+
+def smaps_fields(address: int, key: str) -> list[str]:
+    """The fields after `key` (say "Rss:" or "VmFlags:") of this process's mapping that holds `address`
+    (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(a, 16) for a in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == key:
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")

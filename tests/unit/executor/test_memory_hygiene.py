@@ -23,7 +23,7 @@ from l4m.executor.commands import (
 from l4m.executor.engine import Engine
 from l4m.executor.kv_cache import KvCache
 
-from .conftest import LogitsRecorder
+from .conftest import LogitsRecorder, smaps_fields
 
 PAGE_SIZE = 4
 NUM_PAGES = 8  # 26 unwritten slots + 1 new token = 27 slots = 7 pages
@@ -117,17 +117,7 @@ def test_reused_embed_slot_gives_no_previous_distribution(
 
 
 def _resident_kib(address: int) -> int:
-    """Resident kB of this process's mapping that holds `address` (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(a, 16) for a in head.split("-"))
-                inside = start <= address < end
-            elif inside and head == "Rss:":
-                return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
+    return int(smaps_fields(address, "Rss:")[0])
 
 
 def test_a_cpu_cache_takes_memory_for_the_pages_it_hands_out() -> None:

@@ -19,7 +19,7 @@ from l4m.executor.config import (
 from l4m.executor.engine import Engine
 from l4m.executor.errors import InvalidCommand
 from l4m.executor.quant import BLOCK_SIZE, HUGE_PAGE, QuantizedTensor, into_huge_pages, kernels_available
-from tests.unit.executor.conftest import cpu_only
+from tests.unit.executor.conftest import cpu_only, smaps_fields
 
 pytestmark = cpu_only  # the GGUF-block kernels are a CPU path
 
@@ -124,17 +124,8 @@ def test_an_engine_resolves_auto_rows_for_the_selected_instruction_set(loaded) -
 
 
 def mapping_flags(address: int) -> list[str]:
-    """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(a, 16) for a in head.split("-"))
-                inside = start <= address < end
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
+    """The VmFlags of this process's mapping that holds `address`."""
+    return smaps_fields(address, "VmFlags:")
 
 
 def test_weights_move_into_one_mapping_advised_for_huge_pages(loaded) -> None:
