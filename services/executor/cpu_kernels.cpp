@@ -1353,14 +1353,13 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
   TORCH_CHECK(ctx_len.scalar_type() == at::kLong && ctx_len.numel() == B && ctx_len.is_contiguous());
   TORCH_CHECK(visible.scalar_type() == at::kByte && visible.dim() == 2 && visible.size(0) == B &&
               visible.is_contiguous(), "visible: contiguous uint8 [B, width]");
+  TORCH_CHECK(!final_norm.has_value() || (final_norm->scalar_type() == at::kFloat && final_norm->is_contiguous() &&
+                                          final_norm->numel() == E),
+              "final_norm: contiguous float32 [E]");  // checked before any layer writes the cache
   at::Tensor x = hidden.contiguous().clone();
   float* xp = x.data_ptr<float>();
   auto normed = [&]() {  // the model's last norm here when asked: one torch op fewer after the weights' stream
-    if (final_norm.has_value()) {
-      TORCH_CHECK(final_norm->scalar_type() == at::kFloat && final_norm->is_contiguous() && final_norm->numel() == E,
-                  "final_norm: contiguous float32 [E]");
-      rms_norm(xp, final_norm->data_ptr<float>(), B, E, eps, xp);
-    }
+    if (final_norm.has_value()) rms_norm(xp, final_norm->data_ptr<float>(), B, E, eps, xp);
     return x;
   };
   if (L == 0 || B == 0) return normed();
@@ -1609,10 +1608,7 @@ std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& logits) {
         vmax = _mm256_max_ps(vmax, x);
         nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
       }
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, vmax);
-      float best = lanes[0];
-      for (int i = 1; i < 8; ++i) best = std::max(best, lanes[i]);
+      float best = hmax(vmax);
       bool has_nan = _mm256_movemask_ps(nan) != 0;
       for (int64_t v = V8; v < V; ++v) {
         has_nan |= std::isnan(row[v]);

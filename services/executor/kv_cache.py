@@ -30,10 +30,11 @@ Invariants:
 from __future__ import annotations
 
 import math
-import mmap
 
 import numpy as np
 import torch
+
+from l4m.executor.host_memory import anonymous_bytes
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -45,8 +46,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     if device.type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(area, dtype=dtype).view(shape)
+    return anonymous_bytes(nbytes).view(dtype).view(shape)
 
 
 class KvCache:

@@ -13,7 +13,6 @@ float32 matmul on AVX2-only CPUs (no AVX-512 kernels), hence this kernel.
 
 from __future__ import annotations
 
-import mmap
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -21,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from l4m.executor.cpu_kernels import kernels_available, load_kernels
+from l4m.executor.host_memory import anonymous_bytes
 
 __all__ = [
     "QuantizedTensor", "Linear", "cat_rows", "from_gguf_blocks", "into_huge_pages", "kernels_available", "load_kernels",
@@ -129,10 +129,7 @@ def into_huge_pages(weights: list[QuantizedTensor]) -> list[QuantizedTensor]:
         total += -(-t.numel() * t.element_size() // 64) * 64  # each part 64-byte aligned
     if total == 0:
         return list(weights)
-    area = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(area, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
-        area.madvise(mmap.MADV_HUGEPAGE)
-    base = torch.frombuffer(area, dtype=torch.uint8)  # keeps `area` alive as long as a view lives
+    base = anonymous_bytes(total + HUGE_PAGE, huge_pages=True)
     start = -base.data_ptr() % HUGE_PAGE  # the first part on a huge-page boundary
     copies = iter(
         base[start + offset : start + offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
