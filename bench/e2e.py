@@ -132,8 +132,8 @@ class StackSampler:
         self._thread.join()
         self._sample()
 
-    def cpu_s_by_role(self) -> dict[str, float]:
-        return {role: round(seconds, 2) for role, seconds in sorted(self._cpu_s_by_role.items())}
+    def cpu_s_by_role(self, digits: int = 2) -> dict[str, float]:
+        return {role: round(seconds, digits) for role, seconds in sorted(self._cpu_s_by_role.items())}
 
     def _run(self) -> None:
         while not self._stop.wait(self._period_s):
@@ -270,7 +270,7 @@ async def run_stack(client: Client, program: str, config: ClusterConfig, prompts
                                          for p in prompts))
     # This process: the user client (N launches, N attach streams), the services' log pumps and the
     # sampler. It shares the 2 cores with the stack; a real user's client would run elsewhere.
-    cpu_s_by_role = {**sampler.cpu_s_by_role(), "bench": round(sum(os.times()[:2]) - own_cpu_before_s, 2)}
+    cpu_s_by_role = {**sampler.cpu_s_by_role(4), "bench": round(sum(os.times()[:2]) - own_cpu_before_s, 4)}
     timeline = Timeline(engine, [s["token_ids"] for s in streams], [s["token_times_s"] for s in streams],
                         sampler.peak_rss_bytes)
     first_seen = [s["first_seen_s"] for s in streams]
@@ -319,7 +319,7 @@ async def run_gateway(config: ClusterConfig, prompts: list[list[int]], new_token
         origin_s = time.time()
         streams = await asyncio.gather(*(gateway_stream(client, model, p, new_tokens, origin_s) for p in prompts))
     await client.close()
-    cpu_s_by_role = {**sampler.cpu_s_by_role(), "bench": round(sum(os.times()[:2]) - own_cpu_before_s, 2)}
+    cpu_s_by_role = {**sampler.cpu_s_by_role(4), "bench": round(sum(os.times()[:2]) - own_cpu_before_s, 4)}
     timeline = Timeline(GATEWAY_ENGINE, [s[0] for s in streams], [s[1] for s in streams], sampler.peak_rss_bytes)
     return timeline, {"cpu_s_by_role": cpu_s_by_role, "peak_rss_mib_by_role": sampler.peak_rss_mib_by_role}
 
@@ -571,12 +571,38 @@ def print_table(results: dict[str, object]) -> None:
             print(f"{r['engine']} N={r['n']}: TTFT from controller start p50 {r['ttft_controller_p50_ms']:.0f} ms; "
                   f"{r['num_forward_text_batches']} forward_text batches, mean size "
                   f"{r['mean_forward_text_batch_size']:.1f}; per batch {r['step_ms']}; CPU s by role "
-                  f"{r['cpu_s_by_role']}; peak RSS MiB "
+                  f"{ {role: round(cpu_s, 2) for role, cpu_s in r['cpu_s_by_role'].items()} }; peak RSS MiB "
                   f"by role {r['peak_rss_mib_by_role']}")
+    print_cpu_per_token(results["rows"])
     for n, checks in results["token_checks"].items():
         for engine, check in checks.items():
             print(f"tokens N={n} {engine} vs l4m-executor: prompt 0 shares {check['prompt0_matching_prefix']} "
                   f"leading tokens; {check['num_streams_identical']}/{check['num_streams']} streams identical")
+
+
+def cpu_us_per_token(row: dict[str, object]) -> dict[str, float]:
+    """CPU microseconds each role of the stack used per generated token of the run (the roles' CPU seconds
+    over the run's generated tokens; "control plane" is every role but the executor and this process)."""
+    tokens = max(int(row["generated_tokens"]), 1)  # type: ignore[call-overload]
+    per_token = {role: 1e6 * cpu_s / tokens for role, cpu_s in row["cpu_s_by_role"].items()}  # type: ignore[attr-defined]
+    per_token["control plane"] = sum(us for role, us in per_token.items() if role not in ("executor", "bench"))
+    return per_token
+
+
+def print_cpu_per_token(rows: list[dict[str, object]]) -> None:
+    """Issue #19's figures: the stack's CPU per generated token, by role."""
+    rows = [r for r in rows if "cpu_s_by_role" in r]
+    if not rows:
+        return
+    roles = [role for role in (*ROLES, "warm-up", "sandbox", "bench") if any(role in r["cpu_s_by_role"] for r in rows)]  # type: ignore[operator]
+    columns = [*roles, "control plane"]
+    print("\nCPU us per generated token, by role (\"control plane\": all but the executor and bench, this process):")
+    print("| engine | N | " + " | ".join(columns) + " |")
+    print("|---|---:|" + "---:|" * len(columns))
+    for r in rows:
+        per_token = cpu_us_per_token(r)
+        cells = " | ".join(f"{per_token[c]:.0f}" if c in per_token else "-" for c in columns)
+        print(f"| {r['engine']} | {r['n']} | {cells} |")
 
 
 def print_long_prompt_table(results: dict[str, object]) -> None:

@@ -56,6 +56,12 @@ def test_e2e_full_stack_and_executor_alone(tmp_path: Path) -> None:
     assert rows["l4m-stepwise"]["num_forward_text_commands"] == 2 * 4
     assert rows["l4m"]["num_forward_text_commands"] == 2 * 2
     assert "| l4m | 2 |" in done.stdout and "| l4m-stepwise | 2 |" in done.stdout
+    # Issue #19's table: the stack's CPU per generated token by role, the control plane's sum among them.
+    table = done.stdout[done.stdout.index("CPU us per generated token, by role"):]
+    assert "| engine | N | executor | scheduler |" in table and "control plane |" in table
+    stepwise = next(line for line in table.splitlines() if line.startswith("| l4m-stepwise | 2 |"))
+    cells = [float(cell) for cell in stepwise.strip("| ").split(" | ")[2:] if cell != "-"]
+    assert cells[0] > 0 and cells[-1] > 0  # the executor's, and the control plane's
 
 
 @pytest.mark.slow
