@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 from collections.abc import Sequence
@@ -129,6 +130,10 @@ async def serve(config: SchedulerConfig, metrics: MetricsEndpoint = METRICS_OFF)
     if framed is not None:
         await framed.start()
     start_metrics_server(metrics.port, server.scheduler.metrics.registry, host=metrics.host)
+    # What start-up built lives as long as the process: keep the cyclic GC's full collections from
+    # rescanning it (each one ~10 ms at 256 sessions, a pause every command in flight waits out).
+    gc.collect()
+    gc.freeze()
 
     async def announce() -> None:
         print(f"l4m scheduler listening on {bound_address(config.listen, server.port)}"

@@ -327,7 +327,7 @@ class Scheduler:
                  "l4m.kv_pages": kind.num_kv_pages(item),
                  "l4m.instance.kv_pages_held": len(instance.table.kv_pages)},
             )
-        chunked = kind.split(item, limits) if kind.split is not None else None
+        chunked = kind.split(item, limits, num_tokens) if kind.split is not None else None
         if chunked is None:
             self.batcher.submit(command)
         else:

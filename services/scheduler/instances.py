@@ -42,7 +42,8 @@ class Instance:
         "max_tokens",
         "launched_at_unix_ms",
         "launch_seq",
-        "state",
+        "_state",
+        "is_alive",
         "num_tokens_used",
         "streams",
         "executor",
@@ -103,8 +104,14 @@ class Instance:
         self.wait_timer: Any = None  # the loop's TimerHandle of its admission timeout
 
     @property
-    def is_alive(self) -> bool:
-        return self.state is InstanceState.ACTIVE
+    def state(self) -> InstanceState:
+        return self._state
+
+    @state.setter
+    def state(self, state: InstanceState) -> None:
+        self._state = state
+        # A plain attribute, not a property: the hot path asks it ~6 times per command.
+        self.is_alive = state is InstanceState.ACTIVE
 
     @property
     def is_parked(self) -> bool:

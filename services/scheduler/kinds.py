@@ -40,7 +40,7 @@ Translate = Callable[[M, "ResourceTable", "Executor | None", ModelLimits], "M | 
 RunLocal = Callable[["SchedulerView", "Command", M], "LocalOutcome"]
 Permit = Callable[["Instance", M], None]
 # A command too long for one batch as consecutive chunks (prefill.py); None when it fits one.
-Split = Callable[[M, ModelLimits], "ChunkedPrefill | None"]
+Split = Callable[[M, ModelLimits, int], "ChunkedPrefill | None"]  # (item, limits, num_tokens)
 
 
 def _zero(item: Message) -> int:
@@ -95,7 +95,12 @@ def _forward_tokens(item: common_pb2.ForwardItem) -> int:
     return len(item.input_embed_slot_ids)
 
 
-def _split_forward_text(item: common_pb2.ForwardTextItem, limits: ModelLimits) -> ChunkedPrefill | None:
+def _split_forward_text(item: common_pb2.ForwardTextItem, limits: ModelLimits,
+                        num_tokens: int) -> ChunkedPrefill | None:
+    """`num_tokens`: `_forward_text_tokens`'s count (steps included), at least the item's tokens: an item
+    whose count fits one chunk is not read again."""
+    if not limits.prefill_chunk_tokens or num_tokens <= limits.prefill_chunk_tokens:
+        return None
     return prefill.split_forward_text(item, limits.kv_page_size, limits.prefill_chunk_tokens,
                                       limits.prefill_chunk_token_slots)
 

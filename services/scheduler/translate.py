@@ -51,13 +51,19 @@ def translate_one(table: dict[int, int], virtual_id: int, what: str) -> int:
     return physical_id
 
 
+def frozen_pool(executor: Executor | None) -> RefCountedPool | None:
+    """The executor's kv page pool when any of its pages is frozen (exported or imported), else None."""
+    pool = executor.resources.kv_pages if executor is not None and executor.resources is not None else None
+    return pool if pool is not None and pool.has_frozen else None
+
+
 def check_writable(executor: Executor | None, virtual_ids: Sequence[int], physical_ids: list[int],
                    page_size: int, last_page_length: int = 0, num_written: int = 0) -> None:
     """Traps when a command would write into a frozen (exported or imported) page. With
     `num_written`, only the pages holding the last `num_written` token slots are written (the
     LENGTH RULE puts the new tokens at the end); without it every listed page is."""
-    pool = executor.resources.kv_pages if executor is not None and executor.resources is not None else None
-    if pool is None or not pool.has_frozen:  # the common case: nothing is exported on this executor
+    pool = frozen_pool(executor)
+    if pool is None:  # the common case: nothing is exported on this executor
         return
     first = 0
     if num_written:
@@ -74,9 +80,11 @@ def check_writable(executor: Executor | None, virtual_ids: Sequence[int], physic
 
 def translate_forward_text(item: common_pb2.ForwardTextItem, table: ResourceTable, executor: Executor | None,
                            limits: ModelLimits) -> common_pb2.ForwardTextItem:
-    physical = translate_ids(table.kv_pages, item.kv_page_ids, "kv page")
-    check_writable(executor, item.kv_page_ids, physical, limits.kv_page_size, item.kv_last_page_length,
-                   len(item.token_ids) + item.num_continuation_steps)
+    virtual = item.kv_page_ids[:]  # a list: one read of the field (the hot path)
+    physical = translate_ids(table.kv_pages, virtual, "kv page")
+    if frozen_pool(executor) is not None:
+        check_writable(executor, virtual, physical, limits.kv_page_size, item.kv_last_page_length,
+                       len(item.token_ids) + item.num_continuation_steps)
     item.kv_page_ids[:] = physical
     return item
 

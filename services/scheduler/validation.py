@@ -92,7 +92,16 @@ def check_forward_text(item: common_pb2.ForwardTextItem, limits: ModelLimits) ->
             num_samplers=len(samplers), num_continuation_steps=num_steps, vocab_size=vocab_size,
             max_context=limits.max_context_tokens, page_size=limits.kv_page_size,
             max_pages=limits.max_kv_pages_per_instance, max_batch_tokens=max_tokens)
-        specs = [_sampler_values(sampler) for sampler in samplers]
+        # A sampler checked before (the same bytes, the same vocabulary) is not read again: a decode loop
+        # sends the same one every step, and reading its fields costs more than its rules.
+        specs, unchecked = [], []
+        for sampler in samplers:
+            key = (sampler.SerializeToString(), vocab_size)
+            spec = _CHECKED_SAMPLERS.get(key)
+            if spec is None:
+                spec = _sampler_values(sampler)
+                unchecked.append((len(specs), spec, key))
+            specs.append(spec)
         # Every mask's runs counted against the per-command bound before any row is summed.
         num_runs = sum(len(spec[_MASK]) for spec in specs) if specs else 0
         if mask_rows:
@@ -101,13 +110,14 @@ def check_forward_text(item: common_pb2.ForwardTextItem, limits: ModelLimits) ->
             rules.check_mask_runs(num_runs, limits.max_mask_runs_per_command)
         if mask_rows:
             rules.check_mask_rows(mask_rows, num_context, num_tokens)
-        for sampler_index, spec in enumerate(specs):  # noqa: B007 (the except clause reads it)
+        for sampler_index, spec, key in unchecked:  # noqa: B007 (the except clause reads sampler_index)
             (kind, distribution_top_k, temperature, top_k, top_p, min_p, vocabulary_mask, bias_ids, bias_values,
              top_logprobs) = spec
             rules.check_sampler(
                 kind, distribution_top_k=distribution_top_k, temperature=temperature, top_k=top_k, top_p=top_p,
                 min_p=min_p, seed=None, vocabulary_mask=vocabulary_mask, vocab_size=vocab_size,
                 logit_bias_token_ids=bias_ids, logit_bias_values=bias_values, top_logprobs=top_logprobs)
+            _remember_checked(key, spec)
         sampler_index = -1
         if num_steps or item.continuation_stop_token_ids:
             rules.check_continuation(
@@ -124,7 +134,23 @@ def check_forward_text(item: common_pb2.ForwardTextItem, limits: ModelLimits) ->
     return cost
 
 
-_KIND, _DISTRIBUTION_TOP_K, _MASK, _TOP_LOGPROBS = 0, 1, 6, 9  # in `_sampler_values`
+_KIND, _DISTRIBUTION_TOP_K, _MASK, _BIAS_IDS, _TOP_LOGPROBS = 0, 1, 6, 7, 9  # in `_sampler_values`
+
+# Samplers that passed `rules.check_sampler`, by (serialized bytes, vocab_size), as `_sampler_values` read
+# them. Equal bytes parse to equal fields, so a hit is the same sampler checked against the same vocabulary.
+# Only samplers without a vocabulary mask or a logit bias are kept (those hold per-token data, and their
+# spec would keep the request's message alive); the whole cache is dropped once it holds
+# `_MAX_CHECKED_SAMPLERS`, so a client that sends a new sampler every time costs a bounded dict, no more.
+_CHECKED_SAMPLERS: dict[tuple[bytes, int], tuple[Any, ...]] = {}
+_MAX_CHECKED_SAMPLERS = 1024
+
+
+def _remember_checked(key: tuple[bytes, int], spec: tuple[Any, ...]) -> None:
+    if spec[_MASK] or spec[_BIAS_IDS]:
+        return
+    if len(_CHECKED_SAMPLERS) >= _MAX_CHECKED_SAMPLERS:
+        _CHECKED_SAMPLERS.clear()
+    _CHECKED_SAMPLERS[key] = spec
 
 
 def _sampler_values(sampler: common_pb2.SamplerSpec) -> tuple[Any, ...]:

@@ -301,3 +301,49 @@ def test_forward_text_validation_counts_the_reply_cost_the_batcher_would(case, c
     counted = Command(stream, 1, "forward_text", item, 0.0, 2, is_executor_kind=True)
     assert (given.num_entries, given.reply_bytes, given.request_bytes) == \
         (counted.num_entries, counted.reply_bytes, counted.request_bytes)
+
+
+def _model_limits(vocab_size: int = 1000):  # type: ignore[no-untyped-def]
+    from l4m.scheduler.validation import ModelLimits
+
+    return ModelLimits(vocab_size=vocab_size, kv_page_size=16, max_context_tokens=4096, max_batch_tokens=8192,
+                       max_kv_pages_per_instance=64, max_embed_slots_per_instance=64,
+                       capabilities=frozenset({"text"}), max_continuation_steps=64)
+
+
+def test_a_sampler_checked_once_is_not_read_again_and_a_bad_one_is_refused_every_time(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The hot path keeps the samplers it checked by their bytes and vocabulary: the same sampler again is
+    not read; a bad sampler is never kept (refused on every command); the same bytes checked against
+    another vocabulary are checked again; a sampler with per-token data (mask, logit bias) is not kept;
+    the cache is bounded."""
+    from l4m.scheduler import validation
+    from l4m.scheduler.errors import InvalidCommand
+
+    monkeypatch.setattr(validation, "_CHECKED_SAMPLERS", {})
+    reads = []
+    read = validation._sampler_values
+    monkeypatch.setattr(validation, "_sampler_values", lambda sampler: reads.append(sampler.kind) or read(sampler))
+    small, large = _model_limits(), _model_limits(50_000)
+    top_k = S(kind=3, temperature=0.7, top_k=40)
+    for _ in range(3):
+        validation.check_forward_text(ft(outputs=[1], samplers=[top_k]).forward_text, small)
+    assert reads == [3]  # read (and checked) once
+    bad = S(kind=3, temperature=-1.0)
+    for _ in range(2):
+        with pytest.raises(InvalidCommand, match=r"samplers\[0\]: .*temperature"):
+            validation.check_forward_text(ft(outputs=[1], samplers=[bad]).forward_text, small)
+    assert reads == [3, 3, 3]
+    validation.check_forward_text(ft(outputs=[1], samplers=[top_k]).forward_text, large)
+    assert reads == [3, 3, 3, 3]  # another vocabulary: checked again
+    # Token 999 is in a 1000-token vocabulary, 1500 is not: a biased sampler is checked on every command.
+    biased = S(kind=2, logit_bias_token_ids=[999], logit_bias_values=[1.0])
+    validation.check_forward_text(ft(outputs=[1], samplers=[biased]).forward_text, small)
+    outside = S(kind=2, logit_bias_token_ids=[1500], logit_bias_values=[1.0])
+    with pytest.raises(InvalidCommand, match="1500"):
+        validation.check_forward_text(ft(outputs=[1], samplers=[outside]).forward_text, small)
+    assert len(validation._CHECKED_SAMPLERS) == 2  # top_k under both vocabularies; neither biased one
+    monkeypatch.setattr(validation, "_MAX_CHECKED_SAMPLERS", 4)
+    for temperature in (0.1, 0.2, 0.3, 0.4, 0.5):
+        validation.check_forward_text(ft(outputs=[1], samplers=[S(kind=3, temperature=temperature)]).forward_text,
+                                      small)
+    assert len(validation._CHECKED_SAMPLERS) <= 4
