@@ -46,6 +46,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -705,6 +706,9 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    # SIGTERM (a `timeout`, a killed job) as Ctrl-C: the sweep's `finally` stops the cluster it started,
+    # whose services run in a session of their own and would otherwise outlive this process.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     load_before = os.getloadavg()
     results = asyncio.run(long_prompt_sweep(args) if args.long_prompt else sweep(args))
     results.update(args=vars(args), load_average=[load_before, os.getloadavg()], cpu=peers.cpu_model(),

@@ -155,6 +155,9 @@ def test_scheduler_bench_prints_a_row_per_strategy(mode: tuple[str, ...]) -> Non
     assert [row[0] for row in rows] == ["adaptive", "t-only:1", "k-only:2", "k-or-t:8:1"], done.stdout
     for row in rows:
         assert row[1] == "2" and float(row[2].replace(",", "")) > 0, done.stdout
+        if mode:  # the scheduler's CPU per command, and what one core of it takes: 1e6 / that
+            scheduler_us, one_core = float(row[6]), float(row[7].replace(",", ""))
+            assert scheduler_us > 0 and abs(one_core * scheduler_us / 1e6 - 1) < 0.01, done.stdout
 
 
 def test_scheduler_bench_runs_in_front_of_the_real_executor() -> None:
