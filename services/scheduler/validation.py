@@ -94,10 +94,12 @@ def check_forward_text(item: common_pb2.ForwardTextItem, limits: ModelLimits) ->
             max_pages=limits.max_kv_pages_per_instance, max_batch_tokens=max_tokens)
         # A sampler checked before (the same bytes, the same vocabulary) is not read again: a decode loop
         # sends the same one every step, and reading its fields costs more than its rules.
+        # (A sampler with a vocabulary mask is never kept: it is not serialized for a key either, since its
+        # runs are counted against their bound before anything else reads them.)
         specs, unchecked = [], []
         for sampler in samplers:
-            key = (sampler.SerializeToString(), vocab_size)
-            spec = _CHECKED_SAMPLERS.get(key)
+            key = None if sampler.HasField("vocabulary_mask") else (sampler.SerializeToString(), vocab_size)
+            spec = _CHECKED_SAMPLERS.get(key) if key is not None else None
             if spec is None:
                 spec = _sampler_values(sampler)
                 unchecked.append((len(specs), spec, key))
@@ -145,8 +147,8 @@ _CHECKED_SAMPLERS: dict[tuple[bytes, int], tuple[Any, ...]] = {}
 _MAX_CHECKED_SAMPLERS = 1024
 
 
-def _remember_checked(key: tuple[bytes, int], spec: tuple[Any, ...]) -> None:
-    if spec[_MASK] or spec[_BIAS_IDS]:
+def _remember_checked(key: tuple[bytes, int] | None, spec: tuple[Any, ...]) -> None:
+    if key is None or spec[_MASK] or spec[_BIAS_IDS]:
         return
     if len(_CHECKED_SAMPLERS) >= _MAX_CHECKED_SAMPLERS:
         _CHECKED_SAMPLERS.clear()

@@ -341,7 +341,11 @@ def test_a_sampler_checked_once_is_not_read_again_and_a_bad_one_is_refused_every
     outside = S(kind=2, logit_bias_token_ids=[1500], logit_bias_values=[1.0])
     with pytest.raises(InvalidCommand, match="1500"):
         validation.check_forward_text(ft(outputs=[1], samplers=[outside]).forward_text, small)
-    assert len(validation._CHECKED_SAMPLERS) == 2  # top_k under both vocabularies; neither biased one
+    masked = S(kind=2, vocabulary_mask=common_pb2.Brle(run_lengths=[10, 990]))
+    for _ in range(2):
+        validation.check_forward_text(ft(outputs=[1], samplers=[masked]).forward_text, small)
+    assert reads[-2:] == [2, 2]  # read and checked on every command
+    assert len(validation._CHECKED_SAMPLERS) == 2  # top_k under both vocabularies; no biased or masked one
     monkeypatch.setattr(validation, "_MAX_CHECKED_SAMPLERS", 4)
     for temperature in (0.1, 0.2, 0.3, 0.4, 0.5):
         validation.check_forward_text(ft(outputs=[1], samplers=[S(kind=3, temperature=temperature)]).forward_text,
