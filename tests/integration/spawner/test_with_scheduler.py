@@ -209,3 +209,39 @@ def test_a_controller_on_frames_alone_receives_shares_and_spawns_without_grpc(
     assert exit_of(events).reason == spawner_pb2.EXIT_REASON_EXITED, events
     messages = [e.message.text for e in events if e.HasField("message")]
     assert messages == ["waiting", "hello! True True 'child ran' grpc imported: False"], events
+
+
+# The runner ends the process without the interpreter's finalization (`l4m.controller.exit_now`): what a
+# program registered with atexit still runs, after what it printed, and a non-daemon thread it left running
+# is still waited for (before the atexit handlers, as in a normal exit).
+AT_EXIT = """
+import atexit, threading, time
+
+def late():
+    time.sleep(0.3)
+    print("the thread finished", flush=True)
+
+async def main(ctx):
+    atexit.register(lambda: print("atexit ran", flush=True))
+    if ctx.args and ctx.args[0] == "thread":
+        threading.Thread(target=late).start()
+    print("main returned")
+"""
+
+
+def test_the_runner_exits_after_atexit_and_the_program_threads(
+    sandbox: Sandbox, scheduler_cluster: SchedulerCluster, tmp_path: Path
+) -> None:
+    async def go(args: list[str]) -> list[spawner_pb2.AttachResponse]:
+        async with running_spawner(_config(tmp_path, scheduler_cluster), sandbox) as spawner:
+            sha = await upload(spawner.stub, AT_EXIT)
+            launched = await spawner.stub.Launch(spawner_pb2.LaunchRequest(program=sha, args=args), timeout=30)
+            return await attach(spawner.stub, launched.instance_id)
+
+    for args, expected in (([], ["main returned", "atexit ran"]),
+                           (["thread"], ["main returned", "the thread finished", "atexit ran"])):
+        events = asyncio.run(go(args))
+        exit_event = exit_of(events)
+        assert exit_event.reason == spawner_pb2.EXIT_REASON_EXITED and exit_event.exit_code == 0, events
+        lines = log_lines(events)
+        assert [line for line in lines if line in expected] == expected, lines
