@@ -21,7 +21,7 @@ Exit status: 0 success (or the int `main` returned), 1 the program raised, 2 the
 loaded, 3 the scheduler trapped the instance, 4 the scheduler could not be reached or the session broke.
 
 The process then ends without the interpreter's finalization (`exit_now`): the atexit handlers run and
-stdout and stderr are flushed, but the modules are not torn down one by one, which cost ~20-25 ms of CPU
+stdout and stderr are flushed, but the modules are not torn down one by one, which cost ~20-27 ms of CPU
 per controller with the SDK loaded. A program that leaves a non-daemon thread running gets the normal
 exit, which waits for it.
 """
