@@ -3,8 +3,9 @@
     .venv/bin/python bench/executor.py                       # batches 1,16,64; prompt 100; 128 new
     .venv/bin/python bench/executor.py --batches 1,16 --new-tokens 32 --engines l4m-q4,l4m-fp32 --threads 1
 
-Engines: l4m-q4 (float32 compute on the GGUF's Q4_1/Q8_0 blocks, the CPU default), l4m-fp32 (dense
-float32 weights), l4m-bf16, hf-fp32, hf-bf16, llama-cpp-f32, llama-cpp-f16 and llama-cpp-q4_1
+Engines: l4m-q4 (float32 compute on the GGUF's Q4_1/Q8_0 blocks, the CPU default), l4m-q4-xbf16 (the same
+with x rounded to bf16 in the blocks' products: `--quantized-activations bfloat16`, AVX-512 BF16 only),
+l4m-fp32 (dense float32 weights), l4m-bf16, hf-fp32, hf-bf16, llama-cpp-f32, llama-cpp-f16 and llama-cpp-q4_1
 (llama-cpp-python's batched decode on F32 / F16 GGUF exports of the same weights and on the model's own
 Q4_1 file, see bench/peers.py; skipped with a note when llama-cpp-python is not installed:
 scripts/bench-setup.sh builds it). Every engine decodes
@@ -28,6 +29,7 @@ import torch
 
 from l4m.executor import decode_ops
 from l4m.executor.commands import Allocate, ForwardText, ResourceKind, SamplerKind, SamplerSpec
+from l4m.executor.config import EngineConfigError
 from l4m.executor.engine import Engine, EngineConfig
 from l4m.executor.weights import default_model_path, load_model
 
@@ -37,6 +39,8 @@ GREEDY = SamplerSpec(SamplerKind.GREEDY)
 L4M_ENGINES = {  # name -> (dtype, weights, decode kernel: single-token batches through the C++ stack)
     "l4m-q4": ("float32", "quantized", True),
     "l4m-q4-torch": ("float32", "quantized", False),  # the same weights on the per-op torch path (A/B)
+    # x rounded to bf16 in the products with the blocks (quantized_activations="bfloat16"; AVX-512 BF16)
+    "l4m-q4-xbf16": ("float32", "quantized", True),
     "l4m-fp32": ("float32", "dequantized", False),
     "l4m-bf16": ("bfloat16", "dequantized", False),
     # On CUDA l4m-fp32 / l4m-bf16 decode through CUDA graphs; these keep the per-op path (A/B).
@@ -66,11 +70,15 @@ def bench_l4m(
         num_pages=batch * pages_per_seq + 1,
         num_embed_slots=0,
         weights=weights,
+        quantized_activations="bfloat16" if name.endswith("-xbf16") else "float32",
         decode_kernel=decode_kernel,
         decode_graphs=not name.endswith("-eager"),
         graph_max_batch=max(64, batch),
     )
-    engine = Engine(loaded, config)
+    try:
+        engine = Engine(loaded, config)
+    except EngineConfigError as error:  # x in bf16 where the kernels run AVX2
+        raise peers.PeerUnavailable(str(error)) from None
     engine.allocate([Allocate(ResourceKind.KV_PAGE, tuple(range(batch * pages_per_seq)))])
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(100, 40000, (batch, prompt_len), generator=gen).tolist()

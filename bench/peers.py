@@ -172,9 +172,11 @@ def own_rss() -> RssSampler:
 # ---- l4m executor alone ------------------------------------------------------------------------
 
 
-def run_l4m_executor(prompts: list[list[int]], new_tokens: int, weights: str = "auto", device: str = "cpu") -> Timeline:
+def run_l4m_executor(prompts: list[list[int]], new_tokens: int, weights: str = "auto", device: str = "cpu",
+                     quantized_activations: str = "float32") -> Timeline:
     """Greedy decode, one forward_text per token; on a GPU in bfloat16 (the executor service's default
-    there) with its decode graphs captured first, else in float32."""
+    there) with its decode graphs captured first, else in float32 (with `quantized_activations` as the
+    executor's flag of that name)."""
     from l4m.executor.commands import Allocate, ForwardText, ResourceKind, SamplerKind, SamplerSpec
     from l4m.executor.engine import Engine, EngineConfig
     from l4m.executor.weights import default_model_path, load_model
@@ -186,7 +188,7 @@ def run_l4m_executor(prompts: list[list[int]], new_tokens: int, weights: str = "
     # On a GPU the decode graphs are captured before the clock starts, as the executor service does.
     config = EngineConfig(device=device, dtype=dtype, page_size=page_size,
                           num_pages=num_streams * pages_per_stream, num_embed_slots=0, weights=weights,
-                          capture_graphs_at_start=device != "cpu")
+                          capture_graphs_at_start=device != "cpu", quantized_activations=quantized_activations)
     engine = Engine(load_model(default_model_path()), config)
     engine.allocate([Allocate(ResourceKind.KV_PAGE, tuple(range(num_streams * pages_per_stream)))])
 
@@ -215,7 +217,8 @@ def run_l4m_executor(prompts: list[list[int]], new_tokens: int, weights: str = "
             position = len(prompts[0]) + len(token_ids[0]) - 1
             pending = [item(s, [ids[-1]], position) for s, ids in enumerate(token_ids)]
     return Timeline("l4m-executor", token_ids, times, rss.peak_bytes,
-                    {"weights": engine.weights, "device": device, "dtype": dtype})
+                    {"weights": engine.weights, "device": device, "dtype": dtype,
+                     "quantized_activations": quantized_activations})
 
 
 def _chunks_within(items: list, max_tokens: int) -> Iterator[list]:  # type: ignore[type-arg]
@@ -393,11 +396,11 @@ def run_llama_cpp(prompts: list[list[int]], new_tokens: int, precision: str, thr
 
 
 def run_engine(engine: str, prompts: list[list[int]], new_tokens: int, threads: int = 0,
-               device: str = "cpu") -> Timeline:
+               device: str = "cpu", quantized_activations: str = "float32") -> Timeline:
     """One run of `engine` (a name from ENGINES); raises PeerUnavailable when its package is missing.
-    `device` is the l4m executor's alone (the other peers run on the CPU)."""
+    `device` and `quantized_activations` are the l4m executor's alone (the other peers run on the CPU)."""
     if engine == "l4m-executor":
-        return run_l4m_executor(prompts, new_tokens, device=device)
+        return run_l4m_executor(prompts, new_tokens, device=device, quantized_activations=quantized_activations)
     if engine in ("hf-fp32", "hf-bf16"):
         try:
             import transformers  # noqa: F401
@@ -418,6 +421,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="of the random prompts")
     parser.add_argument("--threads", type=int, default=0, help="torch / llama.cpp threads; 0 = all cores")
     parser.add_argument("--device", default="cpu", help="l4m-executor's device (cuda:0: bfloat16)")
+    parser.add_argument("--quantized-activations", default="float32", choices=["float32", "bfloat16"],
+                        help="l4m-executor's precision of x in the 4-bit products (the executor's flag)")
     parser.add_argument("--out", default="", help="write the timeline here as JSON (default: stdout)")
     args = parser.parse_args()
     if args.device != "cpu" and args.engine != "l4m-executor":
@@ -430,7 +435,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     prompts = make_prompts(args.streams, args.prompt_tokens, args.seed)
     try:
-        timeline = run_engine(args.engine, prompts, args.new_tokens, args.threads, args.device)
+        timeline = run_engine(args.engine, prompts, args.new_tokens, args.threads, args.device,
+                              args.quantized_activations)
     except PeerUnavailable as error:
         print(f"peers.py: {args.engine} unavailable: {error}", file=sys.stderr)
         sys.exit(EXIT_UNAVAILABLE)

@@ -3,6 +3,7 @@
     .venv/bin/python bench/q4_gemm.py                              # M = 1,16,64; 2 threads; 5 repeats
     .venv/bin/python bench/q4_gemm.py --m 1,8,16,64 --threads 1 --repeats 9 --stat min --compare /tmp/before.cpp
     .venv/bin/python bench/q4_gemm.py --m 1,4 --isa avx2,avx512_bf16 --copies 30   # both paths, cold weights
+    .venv/bin/python bench/q4_gemm.py --m 1,16,64 --bf16-x --copies 30   # also x rounded to bf16 (AVX-512 BF16)
 
 Weights are random GGUF blocks (Q4_1 for the layers, Q8_0 for the tied embedding used as the LM head)
 with the model's shapes; x is random float32 [M, K]. Each (shape, M, kernel) cell is timed over calls
@@ -13,7 +14,9 @@ whose panels ran 400+). `--compare SOURCE` (repeatable) also builds another cpu_
 version) under the op namespace `l4m_cpu_cmp<i>` and times it beside the current one, labelled by its
 file name. `--isa` times the current source under each named instruction set (as L4M_CPU_ISA). With
 `--copies N` each call takes the next of N weight copies (N = 30: the weights stream from memory, as a
-decode step's 30 layers do; 1: they stay in cache). Writes JSON (--out).
+decode step's 30 layers do; 1: they stay in cache). `--bf16-x` also times the current source with x rounded
+to bf16 (`bf16_x`, the engine's `quantized_activations="bfloat16"`; AVX-512 BF16 only), checked against
+bf16(x) times the blocks. Writes JSON (--out).
 """
 
 from __future__ import annotations
@@ -114,6 +117,8 @@ def main() -> None:
     parser.add_argument("--isa", default="",
                         help="time the current kernels under each of these ISAs (comma-separated, as L4M_CPU_ISA: "
                              "avx2, avx512_bf16), each as its own kernel; default: the one loaded")
+    parser.add_argument("--bf16-x", action="store_true",
+                        help="also time the current source with x rounded to bf16 (label cur-x-bf16)")
     parser.add_argument("--stat", choices=("median", "min"), default="median",
                         help="of the repeats (min: the least disturbed run, for A/B on a busy machine)")
     parser.add_argument("--out", default="bench/results/q4_gemm.json")
@@ -131,13 +136,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     load_kernels()
     isas = [v for v in args.isa.split(",") if v]
-    # label -> (op, the ISA to select before it runs, or None)
-    kernels = {f"cur-{isa.removeprefix('avx512_')}": (torch.ops.l4m_cpu.linear, isa) for isa in isas} or {
-        "current": (torch.ops.l4m_cpu.linear, None)}
+    # label -> (op, the ISA to select before it runs, or None; whether it rounds x to bf16)
+    kernels = {f"cur-{isa.removeprefix('avx512_')}": (torch.ops.l4m_cpu.linear, isa, False) for isa in isas} or {
+        "current": (torch.ops.l4m_cpu.linear, None, False)}
     for i, source in enumerate(args.compare):
         label = source.stem[:12]
         kernels[label if label not in kernels else f"{label[:10]}-{i}"] = (
-            build_compare(source, f"l4m_cpu_cmp{i}"), None)
+            build_compare(source, f"l4m_cpu_cmp{i}"), None, False)
+    if args.bf16_x:
+        kernels["cur-x-bf16"] = (lambda x, qs, d, m: torch.ops.l4m_cpu.linear(x, qs, d, m, True), "avx512_bf16", True)
 
     gen = torch.Generator().manual_seed(0)
     weights = {name: random_blocks(*SHAPES[name], gen) for name in names}
@@ -151,10 +158,11 @@ def main() -> None:
     xs = {(name, m): torch.randn(m, SHAPES[name][2], generator=gen) for name in names for m in ms}
     for (name, m), x in xs.items():  # every kernel agrees with the dense product before it is timed
         qs, d, mins = weights[name]
-        want = x.double() @ dequantize(qs, d, mins).double().T
-        for label, (op, isa) in kernels.items():
+        w = dequantize(qs, d, mins).double().T
+        for label, (op, isa, bf16_x) in kernels.items():
             if isa:
                 torch.ops.l4m_cpu.set_isa(isa)
+            want = (x.bfloat16() if bf16_x else x).double() @ w
             err = (op(x, qs, d, mins).double() - want).abs().max().item()
             if err > 1e-4 * want.abs().max().item():
                 raise SystemExit(f"{label} is wrong on {name} at M = {m}: max error {err:.3g}")
@@ -166,7 +174,7 @@ def main() -> None:
             ws = itertools.cycle(copies[name])
             for m in ms:
                 x = xs[(name, m)]
-                for label, (op, isa) in kernels.items():
+                for label, (op, isa, _) in kernels.items():
                     if isa:
                         torch.ops.l4m_cpu.set_isa(isa)
                     t = time_call(lambda op=op, x=x, ws=ws: op(x, *next(ws)), args.min_ms)

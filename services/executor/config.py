@@ -10,7 +10,13 @@ import torch
 from l4m.executor.quant import kernels_available, load_kernels
 from l4m.executor.weights import LoadedModel
 
+
+class EngineConfigError(ValueError):
+    """Settings that contradict each other or this host (the executor refuses them before it listens)."""
+
+
 WEIGHT_MODES = ("auto", "dequantized", "quantized")
+ACTIVATION_MODES = ("float32", "bfloat16")
 MAX_AUTO_SWAP_BYTES = 1 << 30  # the automatic swap space's host memory at most (untouched slots cost none on CPU)
 
 
@@ -31,6 +37,12 @@ class EngineConfig:
     # on 2 threads: blocks 903-1,002 tok/s vs dense 511-633; 16 x 100: 1,242 vs 794-838), else 64 (AVX2, under
     # L4M_CPU_ISA=avx2 on that host: blocks ahead up to ~16 x 100 tokens, behind at 64 x 100). See resolve_max_quantized_rows.
     max_quantized_rows: int = 0
+    # The precision of x in the products with the GGUF blocks. "float32": float32's products to its
+    # rounding (the default, what the tests hold to the reference). "bfloat16": x rounded to bf16 first,
+    # then exact products summed in float32, as llama.cpp rounds x for its own 4-bit dot products (to 8
+    # bits per block for Q4_1): 1.4-1.5x faster linears at 4-64 rows (docs/benchmarks.md); needs quantized
+    # weights and the kernels' avx512_bf16 instruction set. The operator's choice (executor flag).
+    quantized_activations: str = "float32"
     # With quantized weights, run batches of single-token items (decode steps) through the whole layer
     # stack in one C++ call (`cpu_kernels.decode_layers`); False keeps them on the torch path.
     decode_kernel: bool = True
@@ -60,16 +72,33 @@ def resolve_max_quantized_rows(config: EngineConfig, isa: str) -> int:
     return config.max_batch_tokens if isa == "avx512_bf16" else AVX2_MAX_QUANTIZED_ROWS
 
 
+def resolve_bf16_x(config: EngineConfig, weights: str, isa: str) -> bool:
+    """Whether the blocks' products take x rounded to bf16 (`config.quantized_activations`), for an
+    engine of weight mode `weights` whose kernels run `isa`; ValueError where that mode cannot run."""
+    mode = config.quantized_activations
+    if mode not in ACTIVATION_MODES:
+        raise EngineConfigError(f"quantized_activations must be one of {ACTIVATION_MODES}, got {mode!r}")
+    if mode == "float32":
+        return False
+    if weights != "quantized":
+        raise EngineConfigError("quantized_activations=bfloat16 needs quantized weights (a GGUF with Q4_1 / Q8_0 blocks, "
+                         f"device cpu, dtype float32); this engine's weights are {weights}")
+    if isa != "avx512_bf16":
+        raise EngineConfigError(f"quantized_activations=bfloat16 needs the CPU kernels' avx512_bf16 instruction set; "
+                         f"they run {isa} (L4M_CPU_ISA)")
+    return True
+
+
 def resolve_weights(config: EngineConfig, loaded: LoadedModel) -> str:
     """The weight mode an engine with `config` uses: "dequantized" or "quantized"."""
     if config.weights not in WEIGHT_MODES:
-        raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {config.weights!r}")
+        raise EngineConfigError(f"weights must be one of {WEIGHT_MODES}, got {config.weights!r}")
     fits = torch.device(config.device).type == "cpu" and config.dtype == "float32"
     if config.weights == "quantized":
         if not fits:
-            raise ValueError("weights=quantized needs device cpu and dtype float32")
+            raise EngineConfigError("weights=quantized needs device cpu and dtype float32")
         if not loaded.quantized:
-            raise ValueError("weights=quantized needs a GGUF model with Q4_1 / Q8_0 tensors")
+            raise EngineConfigError("weights=quantized needs a GGUF model with Q4_1 / Q8_0 tensors")
         load_kernels()
         return "quantized"
     if config.weights == "auto" and fits and loaded.quantized and kernels_available():

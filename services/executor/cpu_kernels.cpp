@@ -549,49 +549,63 @@ constexpr int kBf16MaxRows = KIND == kQ8_0 ? 8 : 2;
 inline int64_t bf16_max_rows(Kind kind) { return kind == kQ8_0 ? kBf16MaxRows<kQ8_0> : kBf16MaxRows<kQ4_1>; }
 
 // bf16 terms of x: 3 hold float32's whole significand. (2 measured 10-15 % faster at M = 1-4 but leave
-// up to 2^-16 |x| out: ~2e-6 relative errors where float32 makes 1e-7.)
-constexpr int kTerms = 3;
+// up to 2^-16 |x| out: ~2e-6 relative errors where float32 makes 1e-7.) With `bf16_x` (x rounded to bf16
+// by the caller's choice, `linear_into`) 1 term: the product of bf16(x) with the weights.
+constexpr int kExactTerms = 3;
 
 // xb row stride in bf16 values. Q4_1, per pair of blocks (2p, 2p + 1): for the low nibbles (elements
 // 0..15 of both blocks) then the high ones (16..31), each term of x as 32 values (block 2p's 16, then
 // 2p + 1's), matching the words of both blocks' 32 bytes zero-extended. Q8_0, per block: each term's 32.
-inline int64_t bf16_row_stride(Kind kind, int64_t G) {
-  return kind == kQ4_1 ? (G + 1) / 2 * 64 * kTerms : G * 32 * kTerms;
+inline int64_t bf16_row_stride(Kind kind, int64_t G, int terms) {
+  return kind == kQ4_1 ? (G + 1) / 2 * 64 * terms : G * 32 * terms;
 }
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 
-// 16 floats (lanes past `valid` read as 0) -> their kTerms bf16 terms, term t at out[t * stride + 0..15].
-inline void split_bf16(const float* x, __mmask16 valid, uint16_t* out, int64_t stride) {
+// 16 floats (lanes past `valid` read as 0) -> their `terms` bf16 terms, term t at out[t * stride + 0..15].
+inline void split_bf16(const float* x, __mmask16 valid, uint16_t* out, int64_t stride, int terms) {
   __m512 v = _mm512_maskz_loadu_ps(valid, x);
-  for (int t = 0; t < kTerms; ++t, out += stride) {
+  for (int t = 0; t < terms; ++t, out += stride) {
     const __m256bh h = _mm512_cvtneps_pbh(v);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)h);
     v = _mm512_sub_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16)));
   }
 }
 
-void prepare_bf16(const float* x, int64_t ldx, int64_t M, Kind kind, int64_t K, uint16_t* xb) {
-  const int64_t G = K / 32, ldb = bf16_row_stride(kind, G);
+void prepare_bf16(const float* x, int64_t ldx, int64_t M, Kind kind, int64_t K, uint16_t* xb, int terms) {
+  const int64_t G = K / 32, ldb = bf16_row_stride(kind, G, terms);
   for (int64_t i = 0; i < M; ++i) {
     const float* xr = x + i * ldx;
     uint16_t* b = xb + i * ldb;
     if (kind == kQ4_1) {
-      for (int64_t p = 0; p < (G + 1) / 2; ++p, b += 64 * kTerms)
+      for (int64_t p = 0; p < (G + 1) / 2; ++p, b += 64 * terms)
         for (int t = 0; t < 2; ++t) {  // block 2p + t
           const __mmask16 valid = 2 * p + t < G ? 0xFFFF : 0;
           const float* xs = xr + (2 * p + t) * 32;
-          split_bf16(xs, valid, b + 16 * t, 32);                        // elements 0..15
-          split_bf16(xs + 16, valid, b + 32 * kTerms + 16 * t, 32);     // elements 16..31
+          split_bf16(xs, valid, b + 16 * t, 32, terms);                    // elements 0..15
+          split_bf16(xs + 16, valid, b + 32 * terms + 16 * t, 32, terms);  // elements 16..31
         }
     } else {
-      for (int64_t g = 0; g < G; ++g, b += 32 * kTerms) {
-        split_bf16(xr + g * 32, 0xFFFF, b, 32);
-        split_bf16(xr + g * 32 + 16, 0xFFFF, b + 16, 32);
+      for (int64_t g = 0; g < G; ++g, b += 32 * terms) {
+        split_bf16(xr + g * 32, 0xFFFF, b, 32, terms);
+        split_bf16(xr + g * 32 + 16, 0xFFFF, b + 16, 32, terms);
       }
     }
   }
+}
+
+// Block sums of bf16(x): xsum[i * G + g] = sum of bf16(x[i][32g .. 32g + 31]), for `bf16_x`.
+void block_sums_bf16(const float* x, int64_t ldx, int64_t M, int64_t G, float* xsum) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* xs = x + i * ldx + g * 32;
+      const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xs + 16), _mm512_loadu_ps(xs));
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+      const __m512 hi =
+          _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+      xsum[i * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    }
 }
 
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
@@ -599,7 +613,7 @@ inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512
 
 // MR rows of x (xb, stride ldb) times NR weight rows from n0. acc[i][j] holds per-lane partial sums of
 // out[i][n0 + j], scaled per block by d; Q4_1's m * sum(x) is one dot over the blocks at the end.
-template <Kind KIND, int MR, int NR>
+template <Kind KIND, int MR, int NR, int T>
 inline void tile_bf16(const uint16_t* xb, int64_t ldb, const float* xsum, const QWeight& w, int64_t n0, float* out,
                       int64_t ldo, bool accumulate) {
   const int64_t G = w.k / 32;
@@ -636,16 +650,16 @@ inline void tile_bf16(const uint16_t* xb, int64_t ldb, const float* xsum, const 
       }
 #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i) {
-        const uint16_t* xs = xb + i * ldb + g / 2 * 64 * kTerms;
-        __m512bh xl[kTerms], xh[kTerms];
+        const uint16_t* xs = xb + i * ldb + g / 2 * 64 * T;
+        __m512bh xl[T], xh[T];
 #pragma GCC unroll 4
-        for (int t = 0; t < kTerms; ++t) xl[t] = load_bh(xs + 32 * t), xh[t] = load_bh(xs + 32 * (kTerms + t));
+        for (int t = 0; t < T; ++t) xl[t] = load_bh(xs + 32 * t), xh[t] = load_bh(xs + 32 * (T + t));
 #pragma GCC unroll 16
         for (int j = 0; j < NR; ++j) {
           // Two chains (low, high nibbles): shorter dependencies than one.
           __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
 #pragma GCC unroll 4
-          for (int t = 0; t < kTerms; ++t) a = _mm512_dpbf16_ps(a, lo[j], xl[t]), b = _mm512_dpbf16_ps(b, hi[j], xh[t]);
+          for (int t = 0; t < T; ++t) a = _mm512_dpbf16_ps(a, lo[j], xl[t]), b = _mm512_dpbf16_ps(b, hi[j], xh[t]);
           acc[i][j] = _mm512_fmadd_ps(_mm512_add_ps(a, b), dv[j], acc[i][j]);
         }
       }
@@ -666,15 +680,15 @@ inline void tile_bf16(const uint16_t* xb, int64_t ldb, const float* xsum, const 
       }
 #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i) {
-        const uint16_t* xs = xb + i * ldb + g * 32 * kTerms;
-        __m512bh xt[kTerms];
+        const uint16_t* xs = xb + i * ldb + g * 32 * T;
+        __m512bh xt[T];
 #pragma GCC unroll 4
-        for (int t = 0; t < kTerms; ++t) xt[t] = load_bh(xs + 32 * t);
+        for (int t = 0; t < T; ++t) xt[t] = load_bh(xs + 32 * t);
 #pragma GCC unroll 16
         for (int j = 0; j < NR; ++j) {
           __m512 a = _mm512_setzero_ps();
 #pragma GCC unroll 4
-          for (int t = 0; t < kTerms; ++t) a = _mm512_dpbf16_ps(a, qv[j], xt[t]);
+          for (int t = 0; t < T; ++t) a = _mm512_dpbf16_ps(a, qv[j], xt[t]);
           acc[i][j] = _mm512_fmadd_ps(a, dv[j], acc[i][j]);
         }
       }
@@ -695,44 +709,49 @@ inline void tile_bf16(const uint16_t* xb, int64_t ldb, const float* xsum, const 
     }
 }
 
-template <Kind KIND, int MR>
+template <Kind KIND, int MR, int T>
 void rows_bf16_m(const uint16_t* xb, int64_t ldb, const float* xsum, const QWeight& w, int64_t n0, int64_t n1,
                  float* out, int64_t ldo, bool accumulate) {
   // Measured (bench/q4_gemm.py, --copies 30 for weights from memory): the head's Q8_0 rows run faster 8
   // at a time up to 2 rows of x; Q4_1 keeps 2 vectors per weight row, 4 rows best from memory.
   constexpr int NR = KIND == kQ8_0 && MR <= 2 ? 8 : 4;
   int64_t n = n0;
-  for (; n + NR <= n1; n += NR) tile_bf16<KIND, MR, NR>(xb, ldb, xsum, w, n, out, ldo, accumulate);
-  for (; n < n1; ++n) tile_bf16<KIND, MR, 1>(xb, ldb, xsum, w, n, out, ldo, accumulate);
+  for (; n + NR <= n1; n += NR) tile_bf16<KIND, MR, NR, T>(xb, ldb, xsum, w, n, out, ldo, accumulate);
+  for (; n < n1; ++n) tile_bf16<KIND, MR, 1, T>(xb, ldb, xsum, w, n, out, ldo, accumulate);
 }
 
 // Weight rows n0..n1 for M <= kBf16MaxRows<KIND> rows of x (prepared by prepare_bf16), up to 4 rows of x
 // per pass over the weights.
-template <Kind KIND>
+template <Kind KIND, int T>
 void rows_bf16_kind(const uint16_t* xb, const float* xsum, int64_t M, const QWeight& w, int64_t n0, int64_t n1,
                     float* out, int64_t ldo, bool accumulate) {
-  constexpr int kPass = std::min(kBf16MaxRows<KIND>, 4);
-  const int64_t G = w.k / 32, ldb = bf16_row_stride(KIND, G);
+  constexpr int kPass = T == 1 ? 4 : std::min(kBf16MaxRows<KIND>, 4);
+  const int64_t G = w.k / 32, ldb = bf16_row_stride(KIND, G, T);
   for (int64_t i = 0; i < M; i += kPass) {
     const uint16_t* xi = xb + i * ldb;
     const float* si = KIND == kQ4_1 ? xsum + i * G : xsum;
     float* oi = out + i * ldo;
     switch (std::min<int64_t>(M - i, kPass)) {
-      case 1: rows_bf16_m<KIND, 1>(xi, ldb, si, w, n0, n1, oi, ldo, accumulate); break;
-      case 2: rows_bf16_m<KIND, 2>(xi, ldb, si, w, n0, n1, oi, ldo, accumulate); break;
+      case 1: rows_bf16_m<KIND, 1, T>(xi, ldb, si, w, n0, n1, oi, ldo, accumulate); break;
+      case 2: rows_bf16_m<KIND, 2, T>(xi, ldb, si, w, n0, n1, oi, ldo, accumulate); break;
       case 3:
-        if constexpr (kPass >= 3) rows_bf16_m<KIND, 3>(xi, ldb, si, w, n0, n1, oi, ldo, accumulate);
+        if constexpr (kPass >= 3) rows_bf16_m<KIND, 3, T>(xi, ldb, si, w, n0, n1, oi, ldo, accumulate);
         break;
       default:
-        if constexpr (kPass >= 4) rows_bf16_m<KIND, 4>(xi, ldb, si, w, n0, n1, oi, ldo, accumulate);
+        if constexpr (kPass >= 4) rows_bf16_m<KIND, 4, T>(xi, ldb, si, w, n0, n1, oi, ldo, accumulate);
     }
   }
 }
 
 void rows_bf16(const uint16_t* xb, const float* xsum, int64_t M, const QWeight& w, int64_t n0, int64_t n1,
-               float* out, int64_t ldo, bool accumulate) {
-  if (w.kind == kQ4_1) rows_bf16_kind<kQ4_1>(xb, xsum, M, w, n0, n1, out, ldo, accumulate);
-  else rows_bf16_kind<kQ8_0>(xb, xsum, M, w, n0, n1, out, ldo, accumulate);
+               float* out, int64_t ldo, bool accumulate, int terms) {
+  if (terms == 1) {
+    if (w.kind == kQ4_1) rows_bf16_kind<kQ4_1, 1>(xb, xsum, M, w, n0, n1, out, ldo, accumulate);
+    else rows_bf16_kind<kQ8_0, 1>(xb, xsum, M, w, n0, n1, out, ldo, accumulate);
+  } else {
+    if (w.kind == kQ4_1) rows_bf16_kind<kQ4_1, kExactTerms>(xb, xsum, M, w, n0, n1, out, ldo, accumulate);
+    else rows_bf16_kind<kQ8_0, kExactTerms>(xb, xsum, M, w, n0, n1, out, ldo, accumulate);
+  }
 }
 
 // ---- AVX-512 panels: rows_panels' tiles at 16 rows of x per register ----
@@ -804,16 +823,175 @@ void rows_panels16_any(const float* xt, int64_t M, const QWeight& w, int64_t n0,
   else rows_panels16<kQ8_0>(xt, M, w, n0, n1, out, ldo, accumulate);
 }
 
+// ---- AVX-512 BF16 with x rounded to bf16 (`bf16_x`): 16-row panels of bf16 pairs -----------------------
+//
+// An opt-in precision (the engine's `quantized_activations="bfloat16"`): y = bf16(x) @ W.T, W's values
+// exact. A panel holds 16 rows of x as bf16 pairs, xt[(k / 2) * 32 + 2r + k % 2] = bf16(x[16p + r][k]),
+// so one `vdpbf16ps` against a broadcast pair of a weight row's integer values (exact in bf16) adds 2
+// products to each of 16 rows: 32 multiply-adds an instruction where the float32 panels do 16. The sums
+// run per block (32 values), then d * sum + m * sum(bf16(x)) in float32, as llama.cpp scales its blocks.
+
+// Panel p as bf16 pairs, from pack_panel16's float32 panel xf (xf[k * 16 + r]).
+void pairs_panel16(const float* xf, int64_t K, uint16_t* xt) {
+  const __m512i lo_index = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i hi_index = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  for (int64_t k = 0; k < K; k += 2) {
+    const __m512 a = _mm512_loadu_ps(xf + k * 16), b = _mm512_loadu_ps(xf + (k + 1) * 16);
+    const __m512 lo = _mm512_permutex2var_ps(a, lo_index, b);  // rows 0..7: (x[r][k], x[r][k + 1])
+    const __m512 hi = _mm512_permutex2var_ps(a, hi_index, b);  // rows 8..15
+    _mm512_storeu_si512(xt + k * 16, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+// Row n of W's integer values as K bf16s, in the row's order (Q4_1: 0..15, Q8_0: -128..127).
+template <Kind KIND>
+inline void values_row_bf16(const QWeight& w, int64_t n, uint16_t* out) {
+  const int64_t G = w.k / 32;
+  if (KIND == kQ4_1) {
+    // bf16(v) for v in 0..15: a 16-word vpermw reads the low 4 bits, so the low nibble needs no mask.
+    const __m256i table = _mm256_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0,
+                                           0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+    const uint8_t* q = w.qs + n * (w.k / 2);
+    for (int64_t g = 0; g < G; ++g, q += 16, out += 32) {
+      prefetch_block<KIND>(w, n + kAheadRows, g);  // the scales are streams of their own (see kAheadRows)
+      const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permutexvar_epi16(words, table));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16),
+                          _mm256_permutexvar_epi16(_mm256_srli_epi16(words, 4), table));
+    }
+  } else {
+    const int8_t* q = reinterpret_cast<const int8_t*>(w.qs) + n * w.k;
+    for (int64_t g = 0; g < G; ++g, q += 32, out += 32) {
+      prefetch_block<KIND>(w, n + kAheadRows, g);
+      const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+      const __m512 f1 =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+      _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));
+    }
+  }
+}
+
+// PV panels of x (xt, panel stride ldp) times NR weight rows (wq: values, row stride ldw; wd / wm: scales,
+// row stride G), over all G blocks; xs[p * G * 16 + g * 16 + r]: panel p's block sums. Writes the
+// tile's sums to ct[j][p][16] (stride P * 16 per weight row).
+template <Kind KIND, int PV, int NR>
+inline void tile_pairs16(const uint16_t* xt, int64_t ldp, const float* xs, const uint16_t* wq, int64_t ldw,
+                         const float* wd, const float* wm, int64_t G, float* ct, int64_t P) {
+  __m512 acc[PV][NR];
+#pragma GCC unroll 16
+  for (int p = 0; p < PV; ++p)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) acc[p][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 part[PV][NR];
+#pragma GCC unroll 16
+    for (int p = 0; p < PV; ++p)
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j) part[p][j] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+    for (int kp = 0; kp < 16; ++kp) {
+      __m512bh xv[PV];
+#pragma GCC unroll 16
+      for (int p = 0; p < PV; ++p) xv[p] = load_bh(xt + p * ldp + (g * 16 + kp) * 32);
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j) {
+        int32_t pair;
+        std::memcpy(&pair, wq + j * ldw + g * 32 + 2 * kp, 4);
+        const __m512bh wv = as_bh(_mm512_set1_epi32(pair));
+#pragma GCC unroll 16
+        for (int p = 0; p < PV; ++p) part[p][j] = _mm512_dpbf16_ps(part[p][j], xv[p], wv);
+      }
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) {
+      const __m512 dv = _mm512_set1_ps(wd[j * G + g]);
+#pragma GCC unroll 16
+      for (int p = 0; p < PV; ++p) acc[p][j] = _mm512_fmadd_ps(part[p][j], dv, acc[p][j]);
+      if (KIND == kQ4_1) {
+        const __m512 mv = _mm512_set1_ps(wm[j * G + g]);
+#pragma GCC unroll 16
+        for (int p = 0; p < PV; ++p)
+          acc[p][j] = _mm512_fmadd_ps(_mm512_loadu_ps(xs + p * G * 16 + g * 16), mv, acc[p][j]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int p = 0; p < PV; ++p)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) _mm512_storeu_ps(ct + j * P * 16 + p * 16, acc[p][j]);
+}
+
+template <Kind KIND, int PV, int NR>
+void pairs16_rows(const uint16_t* xt, int64_t ldp, const float* xs, const uint16_t* wq, int64_t ldw, const float* wd,
+                  const float* wm, int64_t G, int64_t rows, float* ct, int64_t P) {
+  int64_t n = 0;
+  for (; n + NR <= rows; n += NR)
+    tile_pairs16<KIND, PV, NR>(xt, ldp, xs, wq + n * ldw, ldw, wd + n * G, wm + n * G, G, ct + n * P * 16, P);
+  for (; n < rows; ++n)
+    tile_pairs16<KIND, PV, 1>(xt, ldp, xs, wq + n * ldw, ldw, wd + n * G, wm + n * G, G, ct + n * P * 16, P);
+}
+
+// Weight rows n0..n1 for the M rows of x in P = ceil(M / 16) panels of pairs (xt, from pairs_panel16)
+// with their block sums xs.
+template <Kind KIND>
+void rows_pairs16(const uint16_t* xt, const float* xs, int64_t M, const QWeight& w, int64_t n0, int64_t n1,
+                  float* out, int64_t ldo, bool accumulate) {
+  thread_local std::vector<uint16_t> values;
+  thread_local std::vector<float> scales, offsets, ct;
+  const int64_t K = w.k, G = K / 32, P = (M + 15) / 16, rows = n1 - n0;
+  values.resize(rows * K);
+  scales.resize(rows * G);
+  offsets.resize(rows * G);
+  ct.resize(rows * P * 16);
+  for (int64_t n = n0; n < n1; ++n) {
+    values_row_bf16<KIND>(w, n, values.data() + (n - n0) * K);
+    for (int64_t g = 0; g < G; g += 16) {  // the row's float16 scales (and offsets) widened 16 at a time
+      const __mmask16 valid = G - g >= 16 ? 0xFFFF : __mmask16((1u << (G - g)) - 1);
+      _mm512_mask_storeu_ps(scales.data() + (n - n0) * G + g, valid,
+                            _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, w.d + n * G + g)));
+      if (KIND == kQ4_1)
+        _mm512_mask_storeu_ps(offsets.data() + (n - n0) * G + g, valid,
+                              _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, w.m + n * G + g)));
+    }
+  }
+  int64_t p = 0;
+  for (; p + 2 <= P; p += 2)
+    pairs16_rows<KIND, 2, 6>(xt + p * K * 16, K * 16, xs + p * G * 16, values.data(), K, scales.data(), offsets.data(),
+                             G, rows, ct.data() + p * 16, P);
+  if (p < P)
+    pairs16_rows<KIND, 1, 12>(xt + p * K * 16, K * 16, xs + p * G * 16, values.data(), K, scales.data(),
+                              offsets.data(), G, rows, ct.data() + p * 16, P);
+  for (int64_t i = 0; i < M; ++i) {
+    float* o = out + i * ldo + n0;
+    const float* c = ct.data() + (i / 16) * 16 + i % 16;
+    for (int64_t n = 0; n < rows; ++n) o[n] = accumulate ? o[n] + c[n * P * 16] : c[n * P * 16];
+  }
+}
+
+void rows_pairs16_any(const uint16_t* xt, const float* xs, int64_t M, const QWeight& w, int64_t n0, int64_t n1,
+                      float* out, int64_t ldo, bool accumulate) {
+  if (w.kind == kQ4_1) rows_pairs16<kQ4_1>(xt, xs, M, w, n0, n1, out, ldo, accumulate);
+  else rows_pairs16<kQ8_0>(xt, xs, M, w, n0, n1, out, ldo, accumulate);
+}
+
 #pragma GCC pop_options
 
 constexpr int64_t kPanelRowsAtOnce = 512;  // rows of x per pass over the weights (6,400 rows: 1.3-2x faster)
 constexpr int64_t kChunkRows = 24;  // weight rows per parallel chunk (a multiple of 2, 3, 4, 6 and 12)
 
-// out[M, N] (row stride ldo) = (or +=) x[M, K] @ W.T
-void linear_into(const float* x, int64_t ldx, int64_t M, const QWeight& w, float* out, int64_t ldo, bool accumulate) {
+// Rows of x up to which `bf16_x` takes the few-row tiles' one-term dot products (4 rows a pass); more
+// take the panels of pairs (padded to 16 rows).
+inline int64_t bf16_x_tile_rows(Kind kind) { return kind == kQ8_0 ? 8 : 4; }
+
+// out[M, N] (row stride ldo) = (or +=) x[M, K] @ W.T; with `bf16_x`, bf16(x) @ W.T (AVX-512 BF16 only).
+void linear_into(const float* x, int64_t ldx, int64_t M, const QWeight& w, float* out, int64_t ldo, bool accumulate,
+                 bool bf16_x) {
+  const bool avx512 = g_isa.load(std::memory_order_relaxed) == kAvx512Bf16;
+  TORCH_CHECK(!bf16_x || avx512, "x rounded to bf16 (quantized_activations=bfloat16) needs the CPU kernels' ",
+              "avx512_bf16 instruction set; they run ", isa());
   if (M == 0) return;
   const int64_t G = w.k / 32;
-  const bool bf16 = M <= bf16_max_rows(w.kind) && g_isa.load(std::memory_order_relaxed) == kAvx512Bf16;
+  const bool bf16 = M <= bf16_max_rows(w.kind) && avx512;
   std::vector<float> xsum;  // block sums of x, for the fused Q4_1 tiles
   if ((M <= 2 || bf16) && w.kind == kQ4_1) {
     xsum.resize(M * G);
@@ -825,14 +1003,44 @@ void linear_into(const float* x, int64_t ldx, int64_t M, const QWeight& w, float
       }
   }
   const int64_t chunks = (w.n + kChunkRows - 1) / kChunkRows;
-  if (M > kPanelRowsAtOnce && g_isa.load(std::memory_order_relaxed) == kAvx512Bf16) {
+  if (M > kPanelRowsAtOnce && avx512) {
     // Every weight chunk streams all the packed rows of x: at a prefill's thousands of rows they no
     // longer stay in cache, so the rows go in blocks (each block reads the weights again, from cache).
     for (int64_t m0 = 0; m0 < M; m0 += kPanelRowsAtOnce)
-      linear_into(x + m0 * ldx, ldx, std::min(kPanelRowsAtOnce, M - m0), w, out + m0 * ldo, ldo, accumulate);
+      linear_into(x + m0 * ldx, ldx, std::min(kPanelRowsAtOnce, M - m0), w, out + m0 * ldo, ldo, accumulate, bf16_x);
     return;
   }
-  if (M >= 16 && g_isa.load(std::memory_order_relaxed) == kAvx512Bf16) {
+  if (bf16_x) {
+    std::vector<float> sums(M * G);  // block sums of bf16(x), for Q4_1's m terms
+    block_sums_bf16(x, ldx, M, G, sums.data());
+    if (M > bf16_x_tile_rows(w.kind)) {
+      const int64_t P = (M + 15) / 16;
+      const std::unique_ptr<float[]> xf(new float[w.k * 16]);
+      const std::unique_ptr<uint16_t[]> pairs(new uint16_t[P * w.k * 16]);
+      std::vector<float> xs(P * G * 16, 0.0f);  // rows past M: 0
+      for (int64_t p = 0; p < P; ++p) {
+        pack_panel16(x, ldx, M, w.k, p, xf.get());
+        pairs_panel16(xf.get(), w.k, pairs.get() + p * w.k * 16);
+        for (int64_t r = 0; r < 16 && 16 * p + r < M; ++r)
+          for (int64_t g = 0; g < G; ++g) xs[(p * G + g) * 16 + r] = sums[(16 * p + r) * G + g];
+      }
+      parallel_chunks(chunks, [&](int64_t c) {
+        const int64_t n0 = c * kChunkRows, n1 = std::min(w.n, n0 + kChunkRows);
+        rows_pairs16_any(pairs.get(), xs.data(), M, w, n0, n1, out, ldo, accumulate);
+      });
+      return;
+    }
+    std::vector<uint16_t> xb(M * bf16_row_stride(w.kind, G, 1));
+    prepare_bf16(x, ldx, M, w.kind, w.k, xb.data(), 1);
+    parallel_chunks_ahead(
+        chunks, [&](int64_t c) { prefetch_rows(w, c * kChunkRows, std::min(w.n, (c + 1) * kChunkRows)); },
+        [&](int64_t c) {
+          const int64_t n0 = c * kChunkRows, n1 = std::min(w.n, n0 + kChunkRows);
+          rows_bf16(xb.data(), sums.data(), M, w, n0, n1, out, ldo, accumulate, 1);
+        });
+    return;
+  }
+  if (M >= 16 && avx512) {
     // The whole 16-row panels here; the rows past them (1-15) by this function again (reading W again).
     const int64_t M16 = M / 16 * 16, P = M16 / 16;
     const std::unique_ptr<float[]> panels(new float[P * w.k * 16]);
@@ -842,17 +1050,17 @@ void linear_into(const float* x, int64_t ldx, int64_t M, const QWeight& w, float
       const int64_t n0 = c * kChunkRows, n1 = std::min(w.n, n0 + kChunkRows);
       rows_panels16_any(xt, M16, w, n0, n1, out, ldo, accumulate);
     });
-    if (M16 < M) linear_into(x + M16 * ldx, ldx, M - M16, w, out + M16 * ldo, ldo, accumulate);
+    if (M16 < M) linear_into(x + M16 * ldx, ldx, M - M16, w, out + M16 * ldo, ldo, accumulate, false);
     return;
   }
   if (bf16) {
-    std::vector<uint16_t> xb(M * bf16_row_stride(w.kind, G));
-    prepare_bf16(x, ldx, M, w.kind, w.k, xb.data());
+    std::vector<uint16_t> xb(M * bf16_row_stride(w.kind, G, kExactTerms));
+    prepare_bf16(x, ldx, M, w.kind, w.k, xb.data(), kExactTerms);
     parallel_chunks_ahead(
         chunks, [&](int64_t c) { prefetch_rows(w, c * kChunkRows, std::min(w.n, (c + 1) * kChunkRows)); },
         [&](int64_t c) {
           const int64_t n0 = c * kChunkRows, n1 = std::min(w.n, n0 + kChunkRows);
-          rows_bf16(xb.data(), xsum.data(), M, w, n0, n1, out, ldo, accumulate);
+          rows_bf16(xb.data(), xsum.data(), M, w, n0, n1, out, ldo, accumulate, kExactTerms);
         });
     return;
   }
@@ -876,13 +1084,14 @@ void linear_into(const float* x, int64_t ldx, int64_t M, const QWeight& w, float
   });
 }
 
-at::Tensor linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d, const c10::optional<at::Tensor>& m) {
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d, const c10::optional<at::Tensor>& m,
+                  bool bf16_x) {
   const QWeight w = make_qweight(qs, d, m);
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) == w.k,
               "x must be float32 [M, ", w.k, "]");
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({x.size(0), w.n}, x.options());
-  linear_into(x.data_ptr<float>(), w.k, x.size(0), w, out.data_ptr<float>(), w.n, false);
+  linear_into(x.data_ptr<float>(), w.k, x.size(0), w, out.data_ptr<float>(), w.n, false, bf16_x);
   return out;
 }
 
@@ -1344,7 +1553,7 @@ QWeight layer_qweight(const std::vector<at::Tensor>& ws, int64_t base) {
 at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                          std::vector<at::Tensor> weights, std::vector<at::Tensor> kv, const at::Tensor& page_table,
                          const at::Tensor& ctx_len, const at::Tensor& visible, int64_t num_heads, double eps,
-                         const c10::optional<at::Tensor>& final_norm) {
+                         const c10::optional<at::Tensor>& final_norm, bool bf16_x) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat, "hidden must be float32 [B, E]");
   const int64_t B = hidden.size(0), E = hidden.size(1), L = kv.size();
   TORCH_CHECK(int64_t(weights.size()) == L * kWeightsPerLayer, "expected ", kWeightsPerLayer, " weights per layer");
@@ -1389,7 +1598,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
             visible.data_ptr<uint8_t>(), visible.size(1)};
 
     rms_norm(xp, weights[base].data_ptr<float>(), B, E, eps, h.data());
-    linear_into(h.data(), E, B, w_qkv, qkv.data(), QKV, false);
+    linear_into(h.data(), E, B, w_qkv, qkv.data(), QKV, false, bf16_x);
     for (int64_t b = 0; b < B; ++b) {
       float* row = qkv.data() + b * QKV;
       for (int64_t hd = 0; hd < H + KVH; ++hd) rope_head(row + hd * D, cs + b * D, sn + b * D, D);
@@ -1398,11 +1607,11 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
       std::copy(row + (H + KVH) * D, row + QKV, p.cache + p.slot_offset(b, t, 1));
     }
     attention(qkv.data(), QKV, B, H, p, attn.data());
-    linear_into(attn.data(), H * D, B, w_o, xp, E, true);
+    linear_into(attn.data(), H * D, B, w_o, xp, E, true, bf16_x);
     rms_norm(xp, weights[base + 7].data_ptr<float>(), B, E, eps, h.data());
-    linear_into(h.data(), E, B, w_gate_up, gate_up.data(), 2 * F, false);
+    linear_into(h.data(), E, B, w_gate_up, gate_up.data(), 2 * F, false, bf16_x);
     silu_mul(gate_up.data(), B, F, act.data());
-    linear_into(act.data(), F, B, w_down, xp, E, true);
+    linear_into(act.data(), F, B, w_down, xp, E, true, bf16_x);
   }
   return normed();
 }
@@ -1490,7 +1699,7 @@ at::Tensor mixed_layers(const at::Tensor& hidden, const at::Tensor& cos, const a
                         std::vector<at::Tensor> weights, std::vector<at::Tensor> kv, const at::Tensor& page_table,
                         const at::Tensor& ctx_len, const at::Tensor& visible, const at::Tensor& write_slots,
                         const at::Tensor& group_kv_index, const at::Tensor& group_mask, const at::Tensor& dead_rows,
-                        int64_t num_heads, double eps) {
+                        int64_t num_heads, double eps, bool bf16_x) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat, "hidden must be float32 [N, E]");
   const int64_t N = hidden.size(0), E = hidden.size(1), L = kv.size();
   TORCH_CHECK(L > 0 && int64_t(weights.size()) == L * kWeightsPerLayer, "expected ", kWeightsPerLayer,
@@ -1555,7 +1764,7 @@ at::Tensor mixed_layers(const at::Tensor& hidden, const at::Tensor& cos, const a
             visible.size(1)};
 
     rms_norm(xp, weights[base].data_ptr<float>(), N, E, eps, h.data());
-    linear_into(h.data(), E, N, w_qkv, qkv.data(), QKV, false);
+    linear_into(h.data(), E, N, w_qkv, qkv.data(), QKV, false, bf16_x);
     for (int64_t r = 0; r < N; ++r) {
       float* row = qkv.data() + r * QKV;
       for (int64_t hd = 0; hd < H + KVH; ++hd) rope_head(row + hd * D, cs + r * D, sn + r * D, D);
@@ -1572,11 +1781,11 @@ at::Tensor mixed_layers(const at::Tensor& hidden, const at::Tensor& cos, const a
       else attention_one(qkv.data(), QKV, H, p, task - group_tasks, attn.data());
     });
     for (int64_t i = 0; i < dead_rows.numel(); ++i) std::fill_n(attn.data() + dead[i] * H * D, H * D, 0.0f);
-    linear_into(attn.data(), H * D, N, w_o, xp, E, true);
+    linear_into(attn.data(), H * D, N, w_o, xp, E, true, bf16_x);
     rms_norm(xp, weights[base + 7].data_ptr<float>(), N, E, eps, h.data());
-    linear_into(h.data(), E, N, w_gate_up, gate_up.data(), 2 * F, false);
+    linear_into(h.data(), E, N, w_gate_up, gate_up.data(), 2 * F, false, bf16_x);
     silu_mul(gate_up.data(), N, F, act.data());
-    linear_into(act.data(), F, N, w_down, xp, E, true);
+    linear_into(act.data(), F, N, w_down, xp, E, true, bf16_x);
   }
   return x;
 }
@@ -1646,16 +1855,17 @@ std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& logits) {
 }
 
 TORCH_LIBRARY(l4m_cpu, lib) {
-  lib.def("linear(Tensor x, Tensor qs, Tensor d, Tensor? m) -> Tensor", &linear);
+  lib.def("linear(Tensor x, Tensor qs, Tensor d, Tensor? m, bool bf16_x=False) -> Tensor", &linear);
   lib.def("isa() -> str", &isa);
   lib.def("set_isa(str isa) -> str", &set_isa);
   lib.def("decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, Tensor[] kv, Tensor page_table, "
-          "Tensor ctx_len, Tensor visible, int num_heads, float eps, Tensor? final_norm=None) -> Tensor", &decode_layers);
+          "Tensor ctx_len, Tensor visible, int num_heads, float eps, Tensor? final_norm=None, bool bf16_x=False) -> Tensor",
+          &decode_layers);
   lib.def("decode_attention(Tensor q, Tensor kv, Tensor page_table, Tensor ctx_len, Tensor visible, "
           "int num_heads) -> Tensor", &decode_attention);
   lib.def("mixed_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, Tensor[] kv, Tensor page_table, "
           "Tensor ctx_len, Tensor visible, Tensor write_slots, Tensor group_kv_index, Tensor group_mask, "
-          "Tensor dead_rows, int num_heads, float eps) -> Tensor", &mixed_layers);
+          "Tensor dead_rows, int num_heads, float eps, bool bf16_x=False) -> Tensor", &mixed_layers);
   lib.def("group_attention(Tensor q, Tensor kv, Tensor group_kv_index, Tensor group_mask, int num_heads) -> Tensor",
           &group_attention_op);
   lib.def("greedy(Tensor logits) -> (Tensor, Tensor)", &greedy);

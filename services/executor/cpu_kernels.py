@@ -29,6 +29,15 @@ Five kernels, registered as `torch.ops.l4m_cpu.*` (beside `isa` / `set_isa`, bel
   well as rows so that 2 threads balance a single chunk (3 KV heads). A row whose mask hides every slot
   gets 0. In `mixed_layers` its tasks share one parallel region with the decode rows' attention.
 
+`linear`, `decode_layers` and `mixed_layers` take `bf16_x` (default False): x rounded to bf16 before the
+products with the blocks, the operator's opt-in (`EngineConfig.quantized_activations = "bfloat16"`, the
+executor's `--quantized-activations`), AVX-512 BF16 only (refused under avx2). Then every row count is
+bf16(x) times the blocks' exact values, summed in float32 per block of 32 and scaled by d (plus m times the
+block's sum of bf16(x)), as llama.cpp rounds x for its own 4-bit dot products: up to 4 rows of Q4_1 (8 of
+Q8_0) as one-term dot products of the few-row tiles, more rows as 16-row panels of bf16 pairs (one
+`vdpbf16ps` adds 2 products to each of 16 rows: 32 multiply-adds an instruction where the float32 panels do
+16), the weight rows' values and scales read 16 rows ahead.
+
 `linear` (and so the layer stacks) picks its instruction set at run time. On a CPU with AVX-512 BF16,
 up to 2 rows of x for Q4_1 and 8 for Q8_0 run as bf16 dot products (`vdpbf16ps`) of the blocks' exact
 bf16 values with x split into three bf16 terms (float32's product to its rounding, 1.2-1.9x the AVX2

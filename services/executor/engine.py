@@ -57,7 +57,13 @@ from l4m.executor.commands import (
     SwapIn,
     SwapOut,
 )
-from l4m.executor.config import MAX_AUTO_SWAP_BYTES, EngineConfig, resolve_max_quantized_rows, resolve_weights
+from l4m.executor.config import (
+    MAX_AUTO_SWAP_BYTES,
+    EngineConfig,
+    resolve_bf16_x,
+    resolve_max_quantized_rows,
+    resolve_weights,
+)
 from l4m.executor.continuation import (
     Continuation,
     plan_continuations,
@@ -104,9 +110,13 @@ class Engine:
             resolve_max_quantized_rows(config, torch.ops.l4m_cpu.isa()) if self.weights == "quantized" else 0
         )
         quantized = self.weights == "quantized"
+        # The blocks' products on x rounded to bf16 (the operator's opt-in, `quantized_activations`).
+        self.bf16_x = resolve_bf16_x(config, self.weights, torch.ops.l4m_cpu.isa() if quantized else "")
         # Where the blocks serve every batch this engine accepts, the linears keep no dense copy.
         self.dense_linears = not quantized or self.max_quantized_rows < config.max_batch_tokens
-        self.model = LlamaModel(loaded, self.dtype, self.device, quantized, self.max_quantized_rows, self.dense_linears)
+        self.model = LlamaModel(
+            loaded, self.dtype, self.device, quantized, self.max_quantized_rows, self.dense_linears, self.bf16_x
+        )
         # The model holds what it uses (the blocks on huge pages, the weights it multiplies with): neither
         # the loaded blocks nor the loaded float32 tensors are kept here.
         self.loaded = dataclasses.replace(loaded, quantized={}, tensors={})
@@ -476,6 +486,8 @@ class Engine:
                     "num_embed_slots_allocated": self.cache.num_embed_slots - self.cache.num_free_slots,
                     "device": str(self.device),
                     "weights": self.weights,
+                    # The products with the GGUF blocks: x as float32, or rounded to bf16 (the operator's flag)
+                    "quantized_activations": "bfloat16" if self.bf16_x else "float32",
                 }
                 if self.device.type == "cuda":
                     stats["device_memory_allocated_bytes"] = torch.cuda.memory_allocated(self.device)

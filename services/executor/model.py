@@ -66,9 +66,11 @@ class LlamaModel:
         quantized: bool = False,
         max_quantized_rows: int = 0,
         dense_linears: bool = True,
+        bf16_x: bool = False,
     ) -> None:
         self.config: ModelConfig = loaded.config
         self.dtype = dtype
+        self.bf16_x = bf16_x
         self.device = device
         t = loaded.tensors
 
@@ -79,10 +81,10 @@ class LlamaModel:
             blocks = [loaded.quantized.get(n) for n in names] if quantized else [None]
             packed = cat_rows(blocks) if all(b is not None for b in blocks) else None  # type: ignore[arg-type]
             if packed is not None and not dense_linears:
-                return Linear(None, packed, max_quantized_rows, bias(names))
+                return Linear(None, packed, max_quantized_rows, bias(names), bf16_x)
             if dense is None:
                 dense = torch.cat([w(n) for n in names]).contiguous() if len(names) > 1 else w(names[0])
-            return Linear(dense, packed, max_quantized_rows, bias(names))
+            return Linear(dense, packed, max_quantized_rows, bias(names), bf16_x)
 
         def bias(names: tuple[str, ...]) -> torch.Tensor | None:
             """The fused bias of `names` (zeros for parts without one), or None when none has one."""
@@ -176,6 +178,7 @@ class LlamaModel:
             cfg.num_heads,
             cfg.rms_norm_eps,
             self.final_norm,
+            self.bf16_x,
         )  # [B, hidden], after the final norm
         # One output per item, in order, is every row (rows of single-token items are unique and sorted).
         return out if output_rows.numel() == out.shape[0] else out[output_rows]
@@ -214,6 +217,7 @@ class LlamaModel:
             dead,
             cfg.num_heads,
             cfg.rms_norm_eps,
+            self.bf16_x,
         )  # [N, hidden] in kernel rows, before the final norm
         return F.rms_norm(out[kernel_row[output_rows]], (cfg.hidden_size,), self.final_norm, cfg.rms_norm_eps)
 

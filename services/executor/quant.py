@@ -94,6 +94,7 @@ class Linear:
         quantized: QuantizedTensor | None,
         max_quantized_rows: int,
         bias: torch.Tensor | None = None,
+        bf16_x: bool = False,
     ) -> None:
         if dense is None and quantized is None:
             raise ValueError("a Linear needs dense or quantized weights")
@@ -101,12 +102,13 @@ class Linear:
         self.quantized = quantized
         self.bias = bias  # [out], of the dense weight's dtype
         self.max_quantized_rows = max_quantized_rows if dense is not None else 1 << 62
+        self.bf16_x = bf16_x  # the blocks' products take x rounded to bf16 (EngineConfig.quantized_activations)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         q = self.quantized
         if q is None or x.shape[0] > self.max_quantized_rows:
             return F.linear(x, self.dense, self.bias)
-        y = torch.ops.l4m_cpu.linear(x, q.qs, q.d, q.m)
+        y = torch.ops.l4m_cpu.linear(x, q.qs, q.d, q.m, self.bf16_x)
         return y if self.bias is None else y + self.bias
 
 

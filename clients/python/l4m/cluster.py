@@ -80,6 +80,9 @@ class ClusterConfig:
     given_cluster_secret_file: Path | None = None
     num_kv_pages: int = 0  # each executor's KV pages (its --num-pages); 0: sized from free memory
     swap_space_pages: int | None = None  # each executor's host swap slots (--swap-space-pages); None: its default
+    # The CPU executors' precision of x in the products with the GGUF blocks (--quantized-activations):
+    # "float32" (their default) or "bfloat16" (faster, logits within the bf16 margin; AVX-512 BF16 only).
+    quantized_activations: str = "float32"
     # The models to serve, each `PATH` or `NAME=PATH` (NAME: what sessions and GetInfo call it; default: the
     # model's own name). Empty: the embedded default (SmolLM2-135M-Instruct). Every model gets one
     # executor per device; the first model is the default a session gets when it names none.
@@ -253,6 +256,8 @@ def executor_specs(config: ClusterConfig) -> list[ServiceSpec]:
             argv += ["--num-pages", str(config.num_kv_pages)]
         if config.swap_space_pages is not None:
             argv += ["--swap-space-pages", str(config.swap_space_pages)]
+        if config.quantized_activations != "float32" and device == "cpu":  # the CPU kernels' setting
+            argv += ["--quantized-activations", config.quantized_activations]
         name, _, path = model.rpartition("=")
         if path:
             argv += ["--model", path]

@@ -275,3 +275,21 @@ def test_the_gateways_prefix_cache_is_its_default_unless_the_cluster_sets_it(tmp
     assert cluster_config(parser.parse_args([])).gateway_prefix_cache_pages is None
     with pytest.raises(SystemExit, match="--gateway-prefix-cache-pages must be 0"):
         cluster_config(parser.parse_args(["--gateway-prefix-cache-pages", "-1"]))
+
+
+def test_x_in_bf16_reaches_the_cpu_executors_only_when_asked(tmp_path: Path) -> None:
+    """`l4m up --quantized-activations` is the operator's: it reaches the CPU executors' flags (a CUDA
+    executor has no 4-bit CPU kernels) and nothing else; float32 (the default) adds no flag."""
+    def argvs(**overrides: object) -> dict[str, tuple[str, ...]]:
+        return {s.name: s.argv for s in service_specs(_config(tmp_path, **overrides))}
+
+    assert not any("--quantized-activations" in argv for argv in argvs().values())
+    chosen = argvs(quantized_activations="bfloat16")
+    assert _flag(chosen["executor-0"], "--quantized-activations") == "bfloat16"  # the cpu one
+    assert [name for name, argv in chosen.items() if "--quantized-activations" in argv] == ["executor-0"]
+    parser = argparse.ArgumentParser()
+    add_cluster_arguments(parser)
+    assert cluster_config(parser.parse_args(["--quantized-activations", "bfloat16"])).quantized_activations == "bfloat16"
+    assert cluster_config(parser.parse_args([])).quantized_activations == "float32"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantized-activations", "int8"])

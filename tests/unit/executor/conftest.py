@@ -53,6 +53,7 @@ def make_engine(loaded: LoadedModel) -> Callable[..., Engine]:
         weights: str = "auto",
         max_quantized_rows: int = 128,
         decode_kernel: bool = True,
+        quantized_activations: str = "float32",
     ) -> Engine:
         if weights == "quantized" and not ON_CPU:
             pytest.skip(f"quantized weights are a CPU-only path (L4M_TEST_DEVICE={TEST_DEVICE})")
@@ -65,6 +66,7 @@ def make_engine(loaded: LoadedModel) -> Callable[..., Engine]:
             weights=weights,
             max_quantized_rows=max_quantized_rows,
             decode_kernel=decode_kernel,
+            quantized_activations=quantized_activations,
         )
         return Engine(loaded, config)
 

@@ -97,3 +97,27 @@ def test_an_unknown_cpu_isa_is_refused_before_anything_loads(monkeypatch, capsys
     assert exit_.value.code == 2
     assert "L4M_CPU_ISA must be one of auto, avx2, avx512_bf16, got 'avx512'" in capsys.readouterr().err
     assert parse_config(["--model", "m.gguf", "--device", "cuda:0"])[0].engine.device == "cuda:0"  # no CPU kernels
+
+
+def test_x_in_bf16_is_the_operators_flag_and_float32_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_config(["--model", "m.gguf"])[0].engine.quantized_activations == "float32"
+    chosen = parse_config(["--model", "m.gguf", "--quantized-activations", "bfloat16"])[0].engine
+    assert chosen.quantized_activations == "bfloat16"
+    with pytest.raises(SystemExit) as exit_:
+        parse_config(["--model", "m.gguf", "--quantized-activations", "int8"])
+    assert exit_.value.code == 2
+    assert "--quantized-activations: invalid choice: 'int8'" in capsys.readouterr().err
+
+
+def test_x_in_bf16_on_dense_weights_exits_with_its_reason_before_listening(tmp_path: Path, capsys) -> None:
+    """The model loads, the engine refuses the combination: exit status 2, the reason, no socket, no traceback."""
+    from l4m.executor.__main__ import main
+
+    socket = tmp_path / "executor.sock"
+    with pytest.raises(SystemExit) as exit_:
+        main(["--weights", "dequantized", "--quantized-activations", "bfloat16", "--listen", f"unix:{socket}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "l4m executor: quantized_activations=bfloat16 needs quantized weights" in err
+    assert "Traceback" not in err
+    assert not socket.exists()
