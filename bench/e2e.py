@@ -92,6 +92,7 @@ def stack_config(args: argparse.Namespace) -> ClusterConfig:
                          gateway_prefix_cache_pages=0,
                          scheduler_port=args.scheduler_port, metrics_port_base=args.metrics_port_base,
                          batching=args.batching, warm_pool_size=args.warm_pool_size,
+                         warm_pool_quiet_wait_s=getattr(args, "warm_pool_quiet_wait_s", None),
                          session_transport=args.session_transport, executor_transport=args.executor_transport,
                          devices=(getattr(args, "device", "cpu"),), echo_logs=False,
                          quantized_activations=getattr(args, "quantized_activations", "float32"))
@@ -667,6 +668,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warm-pool-size", type=int, default=None,
                         help="the spawner's warm sandboxes (default: the largest N); each l4m run starts once "
                         "the pool is full")
+    parser.add_argument("--warm-pool-quiet-wait-s", type=float, default=None,
+                        help="the most each round of the pool's refill waits for a CPU core to spare "
+                        "(`l4m up --warm-pool-quiet-wait-s`; default: the spawner's, refill at once)")
     parser.add_argument("--pool-timeout-s", type=float, default=600.0, help="how long to wait for a full pool")
     parser.add_argument("--long-prompt", type=int, default=0, metavar="TOKENS",
                         help="issue #21: a TOKENS-token prompt arriving beside N decoding streams, chunked and "

@@ -46,6 +46,13 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def non_negative_seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):  # NaN fails the comparison
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, 0 or more, not {text}")
+    return value
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -110,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.warm_pool_size,
         help="process sandboxes kept started ahead of demand, each serving one launch "
         "(about 50 MiB each, started on idle CPU only; 0: every launch starts cold)",
+    )
+    add(
+        "--warm-pool-quiet-wait-s",
+        type=non_negative_seconds,
+        default=defaults.warm_pool_quiet_wait_s,
+        help="the most each round of the warm pool's refill waits for the host to have a CPU core to spare "
+        "(read from /proc/stat), so that sandbox starts do not slow an executor decoding on this host's cores; "
+        "0: refill at once",
     )
     add("--wall-time-s", type=float, default=limits.wall_time_s, help="default wall time limit")
     add("--cpu-time-s", type=float, default=limits.cpu_time_s, help="default CPU time limit")
@@ -233,6 +248,7 @@ def parse_config(
         max_concurrent_upload_validations=args.max_concurrent_upload_validations,
         controller_runner=args.controller_runner,
         warm_pool_size=args.warm_pool_size,
+        warm_pool_quiet_wait_s=args.warm_pool_quiet_wait_s,
         controller_spans_endpoint=spans_endpoint,
         controller_spans_headers=spans_headers,
         api_keys_file=args.api_keys_file,

@@ -60,6 +60,10 @@ class SpawnerConfig:
     # Process sandboxes started ahead of demand, each serving one launch (see process_sandbox.py); about
     # 50 MiB of memory each while they wait, started on idle CPU only. 0: every launch starts cold.
     warm_pool_size: int = 2
+    # The most each round of the warm pool's refill waits for the host to have a CPU core to spare
+    # (spawner/host_load.py): so that sandbox starts do not take CPU from an executor that decodes on
+    # this host's cores. 0 (default): refill at once. The operator's flag (--warm-pool-quiet-wait-s).
+    warm_pool_quiet_wait_s: float = 0.0
     # The OTLP/gRPC endpoint controllers' spans are forwarded to through the runtime socket (the
     # spawner's own exporter endpoint); empty: controllers are not asked to export spans.
     controller_spans_endpoint: str = ""

@@ -68,6 +68,13 @@ class SpawnerMetrics:
         sandboxes.labels("starting").set_function(lambda: _field(stats(), "num_starting"))
         size = Gauge("l4m_spawner_warm_pool_size", "Warm sandboxes the pool keeps ready", registry=self.registry)
         size.set_function(lambda: _field(stats(), "size"))
+        waited = Gauge(
+            "l4m_spawner_warm_pool_quiet_wait_seconds",
+            "Seconds the pool's refills have waited, in all, for the host to have a CPU core to spare "
+            "(--warm-pool-quiet-wait-s)",
+            registry=self.registry,
+        )
+        waited.set_function(lambda: _field(stats(), "quiet_wait_s"))
 
     def launch_started(self) -> None:
         self.instances.labels("starting").inc()

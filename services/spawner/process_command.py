@@ -81,6 +81,9 @@ class ProcessSandboxConfig:
     cgroup_root: Path = Path("/sys/fs/cgroup")
     use_cgroups: bool = True
     warm_pool_size: int = 0  # sandboxes kept started ahead of demand; 0: every launch starts cold
+    # The most a round of the pool's refill waits for the host to have a core to spare (host_load.py);
+    # 0: refill at once.
+    warm_pool_quiet_wait_s: float = 0.0
     # Ceilings a warm sandbox starts under; a launch above one starts cold. tmp_bytes must match exactly
     # (the size of /tmp is fixed when the sandbox starts).
     warm_max_limits: Limits = field(default_factory=Limits)

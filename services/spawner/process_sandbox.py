@@ -52,6 +52,7 @@ from pathlib import Path
 from l4m.spawner import seccomp, zygote
 from l4m.spawner.cgroups import CgroupManager, InstanceCgroup
 from l4m.spawner.cpu_priority import StartClock, run_delays_ns, sandbox_tree, set_normal_priority
+from l4m.spawner.host_load import wait_for_idle_core
 from l4m.spawner.process_command import (
     UID_LOCK_DIR,
     ProcessSandboxConfig,
@@ -251,8 +252,10 @@ class ProcessSandbox(Sandbox):
         else:
             self._warm_dir = Path(tempfile.mkdtemp(prefix=f"l4m-warm-{self.config.spawner_id}-"))
             self._temp_warm_dirs.add(self._warm_dir)
+        quiet_wait_s = self.config.warm_pool_quiet_wait_s
         self._pool = WarmPool(
-            self.config.warm_pool_size, self._start_warm, self._destroy_warm, WarmSandbox.is_alive
+            self.config.warm_pool_size, self._start_warm, self._destroy_warm, WarmSandbox.is_alive,
+            wait_quiet=functools.partial(wait_for_idle_core, quiet_wait_s) if quiet_wait_s > 0 else None,
         )
         self._pool.open()
 

@@ -391,6 +391,7 @@ def make_sandbox(config: SpawnerConfig) -> Sandbox:
             ProcessSandboxConfig(
                 spawner_id=config.spawner_id,
                 warm_pool_size=config.warm_pool_size,
+                warm_pool_quiet_wait_s=config.warm_pool_quiet_wait_s,
                 warm_max_limits=dataclasses.replace(config.max_limits, tmp_bytes=tmp_bytes),
                 warm_socket_dir=config.socket_dir,
                 warm_modules=tuple(dict.fromkeys((*runner, *SDK_WARM_MODULES))),

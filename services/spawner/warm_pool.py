@@ -15,6 +15,9 @@ Invariants:
   the pool sets no deadline, and the backend's own (see process_sandbox.py) does not count time a
   start spent waiting for a CPU, since its starts run at idle priority and a busy machine may keep
   them waiting for as long as it stays busy;
+- with `wait_quiet` (the spawner's `--warm-pool-quiet-wait-s`), each round of starts first awaits it:
+  `host_load.wait_for_idle_core`, which returns once the host has a core to spare or its bound passed,
+  so a refill does not take CPU from the executor while it decodes (the time waited is counted);
 - an item that died while waiting is destroyed (found when taken, or by a sweep every
   `sweep_interval_s`) and replaced;
 - `close` stops the refilling (cancelling a start in flight, which must clean up after itself) and
@@ -46,6 +49,7 @@ class WarmPoolStats:
     num_started: int  # became ready, ever
     num_start_failures: int
     num_found_dead: int  # died while waiting in the pool
+    quiet_wait_s: float = 0.0  # seconds refills spent waiting for the host to have a core to spare
 
 
 class WarmPool(Generic[T]):
@@ -60,6 +64,7 @@ class WarmPool(Generic[T]):
         retry_delay_s: float = 0.5,
         max_retry_delay_s: float = 30.0,
         sweep_interval_s: float = 5.0,
+        wait_quiet: Callable[[], Awaitable[float]] | None = None,
     ) -> None:
         if size < 0:
             raise ValueError(f"a warm pool's size must be 0 or more, not {size}")
@@ -71,6 +76,8 @@ class WarmPool(Generic[T]):
         self._retry_delay_s = retry_delay_s
         self._max_retry_delay_s = max_retry_delay_s
         self._sweep_interval_s = sweep_interval_s
+        self._wait_quiet = wait_quiet  # awaited before each round of starts; returns the seconds waited
+        self._quiet_wait_s = 0.0
         self._ready: collections.deque[T] = collections.deque()
         self._wanted = asyncio.Event()  # set when the pool may be short of `size`
         self._grew = asyncio.Event()  # set when an item became ready
@@ -95,6 +102,7 @@ class WarmPool(Generic[T]):
             self._num_started,
             self._num_start_failures,
             self._num_found_dead,
+            self._quiet_wait_s,
         )
 
     def open(self) -> None:
@@ -166,6 +174,11 @@ class WarmPool(Generic[T]):
             if self._num_handing_over:
                 await self._no_hand_over.wait()
                 continue
+            if self._wait_quiet is not None:
+                self._quiet_wait_s += await self._wait_quiet()
+                if self._num_handing_over:  # a burst began meanwhile: serve it first
+                    continue
+                num_missing = self.size - len(self._ready)  # launches may have taken more meanwhile
             num_starts = min(num_missing, self._max_concurrent_starts)
             # return_exceptions: when cancelled, gather still waits for every start to clean up.
             starts = (self._start_into_pool() for _ in range(num_starts))

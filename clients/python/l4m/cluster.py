@@ -90,6 +90,9 @@ class ClusterConfig:
     batching: str = "adaptive"
     sandbox: str = "process"
     warm_pool_size: int | None = None  # process sandboxes started ahead of demand; None: the spawner's default
+    # The most a round of the warm pool's refill waits for a CPU core to spare (the spawner's
+    # --warm-pool-quiet-wait-s); None: the spawner's default (0, refill at once).
+    warm_pool_quiet_wait_s: float | None = None
     max_continuation_steps: int | None = None  # per forward_text (0: off); None: the scheduler's default
     # A forward_text longer than this is filled in chunks of this many tokens, each sharing a batch with other
     # streams' decode steps; None: the scheduler's default (half the executors' max_batch_tokens, at most 2048).
@@ -324,6 +327,8 @@ def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
     argv += ["--insecure-local"] if config.insecure_local else ["--api-keys-file", str(config.api_keys_file)]
     if config.warm_pool_size is not None:
         argv += ["--warm-pool-size", str(config.warm_pool_size)]
+    if config.warm_pool_quiet_wait_s is not None:
+        argv += ["--warm-pool-quiet-wait-s", str(config.warm_pool_quiet_wait_s)]
     specs.append(ServiceSpec("spawner", tuple(argv), config.spawner_address, config.metrics_port(0),
                              tls_ca=config.health_ca if config.tls_cert else None))
     return specs

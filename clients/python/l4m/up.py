@@ -38,6 +38,13 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _non_negative_seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):  # NaN fails the comparison
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, 0 or more, not {text}")
+    return value
+
+
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", type=Path, default=None, help="sockets, logs, programs (default /tmp/l4m-$USER)")
     parser.add_argument("--host", default="127.0.0.1", help="address the user-facing services listen on")
@@ -93,6 +100,12 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "--warm-pool-size", type=_non_negative_int, default=None,
         help="process sandboxes the spawner keeps started ahead of demand (default: the spawner's, 2); size it "
         "to the bursts of launches you expect (about 50 MiB each)",
+    )
+    parser.add_argument(
+        "--warm-pool-quiet-wait-s", type=_non_negative_seconds, default=None,
+        help="the most each round of the warm pool's refill waits for the host to have a CPU core to spare, so "
+        "that sandbox starts do not slow an executor decoding on this host's cores (default: the spawner's, 0: "
+        "refill at once); on a CPU-only host, say 30",
     )
     parser.add_argument(
         "--max-continuation-steps", type=_non_negative_int, default=None,
@@ -209,6 +222,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         batching=args.batching,
         sandbox=args.sandbox,
         warm_pool_size=args.warm_pool_size,
+        warm_pool_quiet_wait_s=args.warm_pool_quiet_wait_s,
         max_continuation_steps=args.max_continuation_steps,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         prefill_chunk_token_slots=args.prefill_chunk_token_slots,

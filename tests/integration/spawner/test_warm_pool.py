@@ -386,6 +386,46 @@ def test_a_launch_whose_promotion_fails_starts_cold(
     assert stats.num_taken == 1  # taken, refused, destroyed
 
 
+def test_a_quiet_wait_refill_waits_while_the_cores_are_busy_and_fills_once_they_are_not(
+    spawner_id: str, warm_socket_dir: Path, store: ProgramStore
+) -> None:
+    """`warm_pool_quiet_wait_s`: with every core busy (one busy loop per CPU) no warm start begins and the
+    wait is counted; once they stop, the pool fills, and a launch takes its sandbox."""
+    config = ProcessSandboxConfig(
+        spawner_id=f"{spawner_id}-quiet", uid_base=129_000, warm_pool_size=1, warm_socket_dir=warm_socket_dir,
+        warm_pool_quiet_wait_s=WAIT_S,
+    )
+    sandbox = ProcessSandbox(config)
+    hogs = [subprocess.Popen(["python3", "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+
+    async def go() -> tuple[object, object, float, Run]:
+        await sandbox.open()
+        try:
+            await asyncio.sleep(2.0)  # four samples of the host's CPU, every one busy
+            busy = sandbox.warm_pool_stats()
+            for hog in hogs:
+                hog.kill()
+            started = time.monotonic()
+            await asyncio.wait_for(sandbox.wait_warm_pool_full(), WAIT_S)
+            filled_after_s = time.monotonic() - started
+            filled = sandbox.warm_pool_stats()
+            return busy, filled, filled_after_s, await run_program(sandbox, store, "print('ok')\n")
+        finally:
+            await sandbox.close()
+
+    try:
+        busy, filled, filled_after_s, run = asyncio.run(go())
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+        sandbox.remove_cgroup_parents()
+    assert (busy.num_started, busy.num_starting) == (0, 0), busy  # waiting, not starting
+    assert filled_after_s < WAIT_S / 2  # the quiet host ended the wait, not its bound
+    assert filled.quiet_wait_s >= 2.0 and filled.num_started == 1, filled  # the busy seconds were counted
+    assert run.is_warm and run.stdout == "ok\n", run
+
+
 # -- through the spawner ---------------------------------------------------------------------------
 
 RUNTIME_HELLO = """

@@ -293,3 +293,18 @@ def test_x_in_bf16_reaches_the_cpu_executors_only_when_asked(tmp_path: Path) -> 
     assert cluster_config(parser.parse_args([])).quantized_activations == "float32"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantized-activations", "int8"])
+
+
+def test_the_refills_quiet_wait_reaches_the_spawner_only_when_set(tmp_path: Path) -> None:
+    def spawner_argv(**overrides: object) -> tuple[str, ...]:
+        return service_specs(_config(tmp_path, **overrides))[-1].argv
+
+    assert "--warm-pool-quiet-wait-s" not in spawner_argv()  # the spawner's own default (0)
+    assert _flag(spawner_argv(warm_pool_quiet_wait_s=30.0), "--warm-pool-quiet-wait-s") == "30.0"
+    parser = argparse.ArgumentParser()
+    add_cluster_arguments(parser)
+    assert cluster_config(parser.parse_args(["--warm-pool-quiet-wait-s", "20"])).warm_pool_quiet_wait_s == 20.0
+    assert cluster_config(parser.parse_args([])).warm_pool_quiet_wait_s is None
+    for value in ("-1", "nan"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--warm-pool-quiet-wait-s", value])

@@ -65,3 +65,29 @@ def test_a_zero_upload_limit_is_refused(tmp_path: Path, capsys: pytest.CaptureFi
     with pytest.raises(SystemExit):
         parse_config(["--state-dir", str(tmp_path), "--max-program-mib", "0"], environ={})
     assert "--max-program-mib" in capsys.readouterr().err
+
+
+def test_the_refills_quiet_wait_is_the_operators_flag_and_off_by_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Who may set it: whoever starts the spawner. No request of the user API names the warm pool."""
+    from l4m.v1 import spawner_pb2
+
+    default, _ = parse_config(["--state-dir", str(tmp_path)], environ={})
+    assert default.warm_pool_quiet_wait_s == 0.0
+    chosen, _ = parse_config(["--state-dir", str(tmp_path), "--warm-pool-quiet-wait-s", "30"], environ={})
+    assert chosen.warm_pool_quiet_wait_s == 30.0
+    for value in ("-1", "nan", "inf", "soon"):
+        with pytest.raises(SystemExit) as raised:
+            parse_config(["--state-dir", str(tmp_path), "--warm-pool-quiet-wait-s", value], environ={})
+        assert raised.value.code == 2
+        assert "--warm-pool-quiet-wait-s" in capsys.readouterr().err
+
+    def fields(messages) -> set[str]:  # type: ignore[no-untyped-def]
+        names: set[str] = set()
+        for message in messages:
+            names |= set(message.fields_by_name) | fields(message.nested_types)
+        return names
+
+    names = fields(spawner_pb2.DESCRIPTOR.message_types_by_name.values())
+    assert "instance_id" in names and not [n for n in names if "warm" in n or "quiet" in n]

@@ -23,8 +23,10 @@ def test_warm_pool_gauges_follow_the_pool() -> None:
     assert samples[("l4m_spawner_warm_sandboxes", (("state", "ready"),))] == 3
     assert samples[("l4m_spawner_warm_sandboxes", (("state", "starting"),))] == 2
     assert samples[("l4m_spawner_warm_pool_size", ())] == 16
-    stats[0] = WarmPoolStats(16, 16, 0, 5, 21, 0, 0)
+    assert samples[("l4m_spawner_warm_pool_quiet_wait_seconds", ())] == 0
+    stats[0] = WarmPoolStats(16, 16, 0, 5, 21, 0, 0, 12.5)
     assert _samples(metrics)[("l4m_spawner_warm_sandboxes", (("state", "ready"),))] == 16
+    assert _samples(metrics)[("l4m_spawner_warm_pool_quiet_wait_seconds", ())] == 12.5
 
 
 def test_without_a_pool_the_gauges_read_zero() -> None:
@@ -33,3 +35,4 @@ def test_without_a_pool_the_gauges_read_zero() -> None:
     samples = _samples(metrics)
     assert samples[("l4m_spawner_warm_sandboxes", (("state", "ready"),))] == 0
     assert samples[("l4m_spawner_warm_pool_size", ())] == 0
+    assert samples[("l4m_spawner_warm_pool_quiet_wait_seconds", ())] == 0

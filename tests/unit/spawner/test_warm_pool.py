@@ -307,3 +307,53 @@ def test_size_zero_never_starts_anything() -> None:
 def test_a_negative_size_is_refused() -> None:
     with pytest.raises(ValueError, match="0 or more"):
         make_pool(FakeBackend(), size=-1)
+
+
+@dataclass
+class FakeHost:
+    """A quiet gate the test opens: each round of the refill waits on it, and reports 0.25 s waited."""
+
+    quiet: asyncio.Event = field(default_factory=asyncio.Event)
+    num_waits: int = 0
+
+    async def wait(self) -> float:
+        self.num_waits += 1
+        await self.quiet.wait()
+        return 0.25
+
+
+def test_a_refill_waits_for_a_quiet_host_and_counts_the_wait() -> None:
+    async def go() -> None:
+        backend, host = FakeBackend(), FakeHost()
+        pool = WarmPool(2, backend.start, backend.destroy, lambda s: s.is_alive, wait_quiet=host.wait)
+        pool.open()
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert host.num_waits == 1 and backend.started == []  # nothing starts while the host is busy
+        host.quiet.set()
+        await pool.wait_full()
+        assert pool.stats().quiet_wait_s == 0.25  # one round of 2 starts (max_concurrent_starts)
+        host.quiet.clear()
+        assert pool.take() is not None
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert len(backend.started) == 2 and host.num_waits == 2  # the refill waits again
+        assert pool.take() is not None and pool.take() is None  # launches go on meanwhile (cold once empty)
+        host.quiet.set()
+        await pool.wait_full()
+        assert len(backend.started) == 4 and pool.stats().quiet_wait_s == 0.5
+        await pool.close()
+
+    run(go)
+
+
+def test_close_cancels_a_refill_waiting_for_a_quiet_host() -> None:
+    async def go() -> None:
+        backend, host = FakeBackend(), FakeHost()
+        pool = WarmPool(1, backend.start, backend.destroy, lambda s: s.is_alive, wait_quiet=host.wait)
+        pool.open()
+        await until(lambda: host.num_waits == 1)
+        await pool.close()
+        assert backend.started == [] and pool.stats().num_starting == 0
+
+    run(go)
