@@ -992,16 +992,6 @@ void linear_into(const float* x, int64_t ldx, int64_t M, const QWeight& w, float
   if (M == 0) return;
   const int64_t G = w.k / 32;
   const bool bf16 = M <= bf16_max_rows(w.kind) && avx512;
-  std::vector<float> xsum;  // block sums of x, for the fused Q4_1 tiles
-  if ((M <= 2 || bf16) && w.kind == kQ4_1) {
-    xsum.resize(M * G);
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t g = 0; g < G; ++g) {
-        const float* xs = x + i * ldx + g * 32;
-        xsum[i * G + g] = hsum(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xs), _mm256_loadu_ps(xs + 8)),
-                                             _mm256_add_ps(_mm256_loadu_ps(xs + 16), _mm256_loadu_ps(xs + 24))));
-      }
-  }
   const int64_t chunks = (w.n + kChunkRows - 1) / kChunkRows;
   if (M > kPanelRowsAtOnce && avx512) {
     // Every weight chunk streams all the packed rows of x: at a prefill's thousands of rows they no
@@ -1039,6 +1029,16 @@ void linear_into(const float* x, int64_t ldx, int64_t M, const QWeight& w, float
           rows_bf16(xb.data(), sums.data(), M, w, n0, n1, out, ldo, accumulate, 1);
         });
     return;
+  }
+  std::vector<float> xsum;  // block sums of x, for the fused Q4_1 tiles
+  if ((M <= 2 || bf16) && w.kind == kQ4_1) {
+    xsum.resize(M * G);
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t g = 0; g < G; ++g) {
+        const float* xs = x + i * ldx + g * 32;
+        xsum[i * G + g] = hsum(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xs), _mm256_loadu_ps(xs + 8)),
+                                             _mm256_add_ps(_mm256_loadu_ps(xs + 16), _mm256_loadu_ps(xs + 24))));
+      }
   }
   if (M >= 16 && avx512) {
     // The whole 16-row panels here; the rows past them (1-15) by this function again (reading W again).
