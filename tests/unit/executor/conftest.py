@@ -73,6 +73,15 @@ def make_engine(loaded: LoadedModel) -> Callable[..., Engine]:
     return make
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest) -> object:
+    """Runs the test on 1 and on 2 torch intra-op threads (the CPU kernels' parallel chunks)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 def engine_stats(engine: Engine) -> dict:
     return json.loads(engine.debug_query([DebugQuery("stats")])[0])
 

@@ -37,14 +37,6 @@ def avx512():
     torch.ops.l4m_cpu.set_isa(before)
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @needs_bf16
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("n, k", [(37, 96), (24, 160), (61, 1184)])  # tile and chunk tails; odd block counts

@@ -67,14 +67,6 @@ def dense(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Te
     return scale * values + m.double().repeat_interleave(32, dim=1)
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("n, k", [(37, 96), (24, 160), (61, 1184)])  # NR / chunk tails; K over 2 blocks
 def test_every_row_count_matches_the_dense_product(kind, n, k, threads, isa) -> None:
