@@ -17,7 +17,7 @@ from l4m.executor.config import EngineConfig, EngineConfigError, resolve_bf16_x
 from l4m.executor.quant import kernels_available
 from tests.unit.executor.conftest import LogitsRecorder, PageTables, cpu_only, engine_stats
 from tests.unit.executor.reference import reference_logits
-from tests.unit.executor.test_q4_gemm import dense, needs_bf16, random_blocks
+from tests.unit.executor.test_q4_gemm import before_a_guard_page, dense, needs_bf16, random_blocks
 
 pytestmark = [
     cpu_only,
@@ -71,6 +71,20 @@ def test_a_non_finite_row_spoils_only_its_own_outputs(kind, m, threads, avx512) 
     want = x[clean].bfloat16().double() @ dense(*w).T
     assert got[clean].isfinite().all()
     assert (got[clean].double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@needs_bf16
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_reading_ahead_and_masked_scale_loads_stop_at_the_weights_end(kind, threads, avx512) -> None:
+    """Both paths ask for weight rows ahead of use, and the panels load a row's float16 scales 16 at a time
+    with the lanes past its end masked off: past the last row those must stay prefetches and masked lanes,
+    which never fault. Each array here ends where an unreadable page starts."""
+    keep: list = []
+    w = tuple(None if t is None else before_a_guard_page(t, keep) for t in random_blocks(kind, 40, 576, seed=3))
+    for m in (1, 2, 5, 16, 33):
+        x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
+        want = x.bfloat16().double() @ dense(*w).T
+        assert (torch.ops.l4m_cpu.linear(x, *w, True).double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 def test_the_kernel_refuses_x_in_bf16_on_the_avx2_code() -> None:
