@@ -74,18 +74,18 @@ def resolve_max_quantized_rows(config: EngineConfig, isa: str) -> int:
 
 def resolve_bf16_x(config: EngineConfig, weights: str, isa: str) -> bool:
     """Whether the blocks' products take x rounded to bf16 (`config.quantized_activations`), for an
-    engine of weight mode `weights` whose kernels run `isa`; ValueError where that mode cannot run."""
+    engine of weight mode `weights` whose kernels run `isa`; EngineConfigError where it cannot run."""
     mode = config.quantized_activations
     if mode not in ACTIVATION_MODES:
         raise EngineConfigError(f"quantized_activations must be one of {ACTIVATION_MODES}, got {mode!r}")
     if mode == "float32":
         return False
     if weights != "quantized":
-        raise EngineConfigError("quantized_activations=bfloat16 needs quantized weights (a GGUF with Q4_1 / Q8_0 blocks, "
-                         f"device cpu, dtype float32); this engine's weights are {weights}")
+        raise EngineConfigError("quantized_activations=bfloat16 needs quantized weights (a GGUF with Q4_1 / Q8_0 "
+                                f"blocks, device cpu, dtype float32); this engine's weights are {weights}")
     if isa != "avx512_bf16":
-        raise EngineConfigError(f"quantized_activations=bfloat16 needs the CPU kernels' avx512_bf16 instruction set; "
-                         f"they run {isa} (L4M_CPU_ISA)")
+        raise EngineConfigError("quantized_activations=bfloat16 needs the CPU kernels' avx512_bf16 instruction "
+                                f"set; they run {isa} (L4M_CPU_ISA)")
     return True
 
 

@@ -1001,16 +1001,20 @@ void linear_into(const float* x, int64_t ldx, int64_t M, const QWeight& w, float
     return;
   }
   if (bf16_x) {
-    std::vector<float> sums(M * G);  // block sums of bf16(x), for Q4_1's m terms
-    block_sums_bf16(x, ldx, M, G, sums.data());
+    std::vector<float> sums;  // block sums of bf16(x), for Q4_1's m terms (Q8_0 has none)
+    if (w.kind == kQ4_1) {
+      sums.resize(M * G);
+      block_sums_bf16(x, ldx, M, G, sums.data());
+    }
     if (M > bf16_x_tile_rows(w.kind)) {
       const int64_t P = (M + 15) / 16;
       const std::unique_ptr<float[]> xf(new float[w.k * 16]);
       const std::unique_ptr<uint16_t[]> pairs(new uint16_t[P * w.k * 16]);
-      std::vector<float> xs(P * G * 16, 0.0f);  // rows past M: 0
+      std::vector<float> xs(P * G * 16, 0.0f);  // the sums per panel, block and row (rows past M, and Q8_0: 0)
       for (int64_t p = 0; p < P; ++p) {
         pack_panel16(x, ldx, M, w.k, p, xf.get());
         pairs_panel16(xf.get(), w.k, pairs.get() + p * w.k * 16);
+        if (sums.empty()) continue;
         for (int64_t r = 0; r < 16 && 16 * p + r < M; ++r)
           for (int64_t g = 0; g < G; ++g) xs[(p * G + g) * 16 + r] = sums[(16 * p + r) * G + g];
       }

@@ -105,13 +105,12 @@ class Engine:
         self.device = torch.device(config.device)
         self.dtype = _DTYPES[config.dtype]
         self.weights = resolve_weights(config, loaded)
-        # Calls of up to this many tokens multiply with the GGUF blocks (the rest with dense weights).
-        self.max_quantized_rows = (
-            resolve_max_quantized_rows(config, torch.ops.l4m_cpu.isa()) if self.weights == "quantized" else 0
-        )
         quantized = self.weights == "quantized"
+        isa = torch.ops.l4m_cpu.isa() if quantized else ""  # the CPU kernels' instruction set (loaded with the blocks)
+        # Calls of up to this many tokens multiply with the GGUF blocks (the rest with dense weights).
+        self.max_quantized_rows = resolve_max_quantized_rows(config, isa) if quantized else 0
         # The blocks' products on x rounded to bf16 (the operator's opt-in, `quantized_activations`).
-        self.bf16_x = resolve_bf16_x(config, self.weights, torch.ops.l4m_cpu.isa() if quantized else "")
+        self.bf16_x = resolve_bf16_x(config, self.weights, isa)
         # Where the blocks serve every batch this engine accepts, the linears keep no dense copy.
         self.dense_linears = not quantized or self.max_quantized_rows < config.max_batch_tokens
         self.model = LlamaModel(
