@@ -95,7 +95,8 @@ def stack_config(args: argparse.Namespace) -> ClusterConfig:
                          warm_pool_quiet_wait_s=getattr(args, "warm_pool_quiet_wait_s", None),
                          session_transport=args.session_transport, executor_transport=args.executor_transport,
                          devices=(getattr(args, "device", "cpu"),), echo_logs=False,
-                         quantized_activations=getattr(args, "quantized_activations", "float32"))
+                         quantized_activations=getattr(args, "quantized_activations", "float32"),
+                         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
 
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -401,7 +402,8 @@ def run_peer(engine: str, num_streams: int, args: argparse.Namespace) -> Timelin
                    "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens),
                    "--seed", str(args.seed), "--out", out.name]
         if engine == "l4m-executor":
-            command += ["--device", args.device, "--quantized-activations", args.quantized_activations]
+            command += ["--device", args.device, "--quantized-activations", args.quantized_activations,
+                        "--kv-cache-dtype", args.kv_cache_dtype]
         env = dict(os.environ, HF_HUB_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error")
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.peer_timeout_s)
         if done.returncode == peers.EXIT_UNAVAILABLE:
@@ -688,6 +690,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quantized-activations", default="float32", choices=["float32", "bfloat16"],
                         help="the executor's precision of x in the 4-bit products, for the stack and l4m-executor "
                         "alike (`l4m up --quantized-activations`; bfloat16 needs AVX-512 BF16)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float16"],
+                        help="the executor's KV cache element type, for the stack and l4m-executor alike "
+                        "(`l4m up --kv-cache-dtype`)")
     parser.add_argument("--out", default="bench/results/e2e.json")
     parser.add_argument("--plot", default="", help="write a tok/s vs N PNG here (e.g. docs/img/e2e.png)")
     args = parser.parse_args()
@@ -726,7 +731,8 @@ def main() -> None:
     else:
         print_table(results)
     print(f"load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after; {results['cpu']}"
-          + ("; x rounded to bf16 in the 4-bit products (l4m)" if args.quantized_activations == "bfloat16" else ""))
+          + ("; x rounded to bf16 in the 4-bit products (l4m)" if args.quantized_activations == "bfloat16" else "")
+          + ("; KV cache in float16 (l4m)" if args.kv_cache_dtype == "float16" else ""))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2, default=str))
     if args.plot and not args.long_prompt:

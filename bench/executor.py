@@ -5,6 +5,7 @@
 
 Engines: l4m-q4 (float32 compute on the GGUF's Q4_1/Q8_0 blocks, the CPU default), l4m-q4-xbf16 (the same
 with x rounded to bf16 in the blocks' products: `--quantized-activations bfloat16`, AVX-512 BF16 only),
+l4m-q4-kv16 (l4m-q4 with a float16 KV cache: `--kv-cache-dtype float16`), l4m-q4-xbf16-kv16 (both),
 l4m-fp32 (dense float32 weights), l4m-bf16, hf-fp32, hf-bf16, llama-cpp-f32, llama-cpp-f16 and llama-cpp-q4_1
 (llama-cpp-python's batched decode on F32 / F16 GGUF exports of the same weights and on the model's own
 Q4_1 file, see bench/peers.py; skipped with a note when llama-cpp-python is not installed:
@@ -41,6 +42,9 @@ L4M_ENGINES = {  # name -> (dtype, weights, decode kernel: single-token batches 
     "l4m-q4-torch": ("float32", "quantized", False),  # the same weights on the per-op torch path (A/B)
     # x rounded to bf16 in the products with the blocks (quantized_activations="bfloat16"; AVX-512 BF16)
     "l4m-q4-xbf16": ("float32", "quantized", True),
+    # K/V stored as float16 (kv_cache_dtype="float16"), alone and with x in bf16
+    "l4m-q4-kv16": ("float32", "quantized", True),
+    "l4m-q4-xbf16-kv16": ("float32", "quantized", True),
     "l4m-fp32": ("float32", "dequantized", False),
     "l4m-bf16": ("bfloat16", "dequantized", False),
     # On CUDA l4m-fp32 / l4m-bf16 decode through CUDA graphs; these keep the per-op path (A/B).
@@ -70,7 +74,8 @@ def bench_l4m(
         num_pages=batch * pages_per_seq + 1,
         num_embed_slots=0,
         weights=weights,
-        quantized_activations="bfloat16" if name.endswith("-xbf16") else "float32",
+        quantized_activations="bfloat16" if "-xbf16" in name else "float32",
+        kv_cache_dtype="float16" if name.endswith("-kv16") else "auto",
         decode_kernel=decode_kernel,
         decode_graphs=not name.endswith("-eager"),
         graph_max_batch=max(64, batch),

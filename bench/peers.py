@@ -173,10 +173,10 @@ def own_rss() -> RssSampler:
 
 
 def run_l4m_executor(prompts: list[list[int]], new_tokens: int, weights: str = "auto", device: str = "cpu",
-                     quantized_activations: str = "float32") -> Timeline:
+                     quantized_activations: str = "float32", kv_cache_dtype: str = "auto") -> Timeline:
     """Greedy decode, one forward_text per token; on a GPU in bfloat16 (the executor service's default
-    there) with its decode graphs captured first, else in float32 (with `quantized_activations` as the
-    executor's flag of that name)."""
+    there) with its decode graphs captured first, else in float32 (with `quantized_activations` and
+    `kv_cache_dtype` as the executor's flags of those names)."""
     from l4m.executor.commands import Allocate, ForwardText, ResourceKind, SamplerKind, SamplerSpec
     from l4m.executor.engine import Engine, EngineConfig
     from l4m.executor.weights import default_model_path, load_model
@@ -188,7 +188,8 @@ def run_l4m_executor(prompts: list[list[int]], new_tokens: int, weights: str = "
     # On a GPU the decode graphs are captured before the clock starts, as the executor service does.
     config = EngineConfig(device=device, dtype=dtype, page_size=page_size,
                           num_pages=num_streams * pages_per_stream, num_embed_slots=0, weights=weights,
-                          capture_graphs_at_start=device != "cpu", quantized_activations=quantized_activations)
+                          capture_graphs_at_start=device != "cpu", quantized_activations=quantized_activations,
+                          kv_cache_dtype=kv_cache_dtype)
     engine = Engine(load_model(default_model_path()), config)
     engine.allocate([Allocate(ResourceKind.KV_PAGE, tuple(range(num_streams * pages_per_stream)))])
 
@@ -218,7 +219,7 @@ def run_l4m_executor(prompts: list[list[int]], new_tokens: int, weights: str = "
             pending = [item(s, [ids[-1]], position) for s, ids in enumerate(token_ids)]
     return Timeline("l4m-executor", token_ids, times, rss.peak_bytes,
                     {"weights": engine.weights, "device": device, "dtype": dtype,
-                     "quantized_activations": quantized_activations})
+                     "quantized_activations": quantized_activations, "kv_cache_dtype": kv_cache_dtype})
 
 
 def _chunks_within(items: list, max_tokens: int) -> Iterator[list]:  # type: ignore[type-arg]
@@ -396,11 +397,13 @@ def run_llama_cpp(prompts: list[list[int]], new_tokens: int, precision: str, thr
 
 
 def run_engine(engine: str, prompts: list[list[int]], new_tokens: int, threads: int = 0,
-               device: str = "cpu", quantized_activations: str = "float32") -> Timeline:
+               device: str = "cpu", quantized_activations: str = "float32", kv_cache_dtype: str = "auto") -> Timeline:
     """One run of `engine` (a name from ENGINES); raises PeerUnavailable when its package is missing.
-    `device` and `quantized_activations` are the l4m executor's alone (the other peers run on the CPU)."""
+    `device`, `quantized_activations` and `kv_cache_dtype` are the l4m executor's alone (the other peers run on
+    the CPU)."""
     if engine == "l4m-executor":
-        return run_l4m_executor(prompts, new_tokens, device=device, quantized_activations=quantized_activations)
+        return run_l4m_executor(prompts, new_tokens, device=device, quantized_activations=quantized_activations,
+                                kv_cache_dtype=kv_cache_dtype)
     if engine in ("hf-fp32", "hf-bf16"):
         try:
             import transformers  # noqa: F401
@@ -423,6 +426,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="l4m-executor's device (cuda:0: bfloat16)")
     parser.add_argument("--quantized-activations", default="float32", choices=["float32", "bfloat16"],
                         help="l4m-executor's precision of x in the 4-bit products (the executor's flag)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float16"],
+                        help="l4m-executor's KV cache element type (the executor's flag)")
     parser.add_argument("--out", default="", help="write the timeline here as JSON (default: stdout)")
     args = parser.parse_args()
     if args.device != "cpu" and args.engine != "l4m-executor":
@@ -436,7 +441,7 @@ def main() -> None:
     prompts = make_prompts(args.streams, args.prompt_tokens, args.seed)
     try:
         timeline = run_engine(args.engine, prompts, args.new_tokens, args.threads, args.device,
-                              args.quantized_activations)
+                              args.quantized_activations, args.kv_cache_dtype)
     except PeerUnavailable as error:
         print(f"peers.py: {args.engine} unavailable: {error}", file=sys.stderr)
         sys.exit(EXIT_UNAVAILABLE)

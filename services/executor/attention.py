@@ -237,7 +237,7 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, plan: AttentionPlan, d
     """q `[N, H, D]` (new tokens, RoPE applied; their K/V already written) -> `[N, H * D]`, group by group.
 
     `decode_kernel`: the single-token group of a mixed batch takes `torch.ops.l4m_cpu.decode_attention`
-    (the caller vouches for a float32 CPU cache, head_dim 64 or 128, the kernels loaded). A batch of
+    (the caller vouches for a float32 or float16 CPU cache, head_dim 64 or 128, the kernels loaded). A batch of
     decode steps alone stays on torch ops here: the kernel path for it is `decode_layers`, whole."""
     num_tokens, num_heads, head_dim = q.shape
     if len(plan.groups) == 1 and plan.group_rows[0] is None:
@@ -270,6 +270,7 @@ def _padded_attention(q: torch.Tensor, cache: torch.Tensor, group: PaddedGroup) 
     flat = cache.view(-1, num_kv_heads, head_dim)
     ctx = flat.index_select(0, group.kv_index.view(-1)).view(*group.kv_index.shape, num_kv_heads, head_dim)
     # ctx: [B, 2, Tkv, KVH, D]; index_select is ~4x faster than advanced indexing for this gather
+    ctx = ctx.to(q.dtype)  # a float16 cache (EngineConfig.kv_cache_dtype) attends in the compute dtype
     k = ctx[:, 0].transpose(1, 2)  # [B, KVH, Tkv, D]
     v = ctx[:, 1].transpose(1, 2)
     if group.scatter_index is None:
@@ -289,8 +290,9 @@ def _decode_attention(q: torch.Tensor, cache: torch.Tensor, plan: DecodePlan) ->
     slots = torch.arange(page_size, device=q.device)
     k_rows = (plan.page_table[:, :, None] * (2 * page_size) + slots).reshape(batch, -1)  # [B, Tkv]
     flat = cache.view(-1, num_kv_heads, head_dim)
-    k = flat.index_select(0, k_rows.view(-1)).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    k = flat.index_select(0, k_rows.view(-1)).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
     v = flat.index_select(0, (k_rows + page_size).view(-1)).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    v = v.to(q.dtype)
     width = k_rows.shape[1]
     visible = plan.visible.bool() & (torch.arange(width, device=q.device)[None, :] < plan.ctx_len[:, None])
     has_any = visible.any(-1)  # [B]; softmax over nothing is NaN: such items see everything, output 0

@@ -17,6 +17,7 @@ class EngineConfigError(ValueError):
 
 WEIGHT_MODES = ("auto", "dequantized", "quantized")
 ACTIVATION_MODES = ("float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float16")
 MAX_AUTO_SWAP_BYTES = 1 << 30  # the automatic swap space's host memory at most (untouched slots cost none on CPU)
 
 
@@ -43,6 +44,12 @@ class EngineConfig:
     # bits per block for Q4_1): 1.4-1.5x faster linears at 4-64 rows (docs/benchmarks.md); needs quantized
     # weights and the kernels' avx512_bf16 instruction set. The operator's choice (executor flag).
     quantized_activations: str = "float32"
+    # The KV cache's element type. "auto": the engine's `dtype` (the default, what the tests hold to the
+    # reference). "float16": K and V rounded to float16 as they are written (values beyond +-65504 clamped),
+    # read back as float32 by the attention, as llama.cpp keeps its cache (F16 by default): half the bytes a
+    # decode step's attention reads and twice the tokens in the same memory; CPU and dtype float32 only.
+    # The operator's choice (executor flag).
+    kv_cache_dtype: str = "auto"
     # With quantized weights, run batches of single-token items (decode steps) through the whole layer
     # stack in one C++ call (`cpu_kernels.decode_layers`); False keeps them on the torch path.
     decode_kernel: bool = True
@@ -87,6 +94,20 @@ def resolve_bf16_x(config: EngineConfig, weights: str, isa: str) -> bool:
         raise EngineConfigError("quantized_activations=bfloat16 needs the CPU kernels' avx512_bf16 instruction "
                                 f"set; they run {isa} (L4M_CPU_ISA)")
     return True
+
+
+def resolve_kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for an engine of `dtype` (`config.kv_cache_dtype`); EngineConfigError
+    where it cannot run."""
+    mode = config.kv_cache_dtype
+    if mode not in KV_CACHE_DTYPES:
+        raise EngineConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {mode!r}")
+    if mode == "auto":
+        return dtype
+    if torch.device(config.device).type != "cpu" or dtype != torch.float32:
+        raise EngineConfigError(f"kv_cache_dtype=float16 is implemented for device cpu with dtype float32; this "
+                                f"engine's are {config.device} and {config.dtype} (there the cache is the dtype's)")
+    return torch.float16
 
 
 def resolve_weights(config: EngineConfig, loaded: LoadedModel) -> str:

@@ -46,6 +46,41 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+// The KV cache's elements: float32, or float16 (the operator's opt-in, EngineConfig.kv_cache_dtype),
+// read as float32 either way. uint16_t stands for float16's bits.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// One slot's K or V row (n values) into the cache. float16 rounds to nearest even, a value beyond its finite
+// range is clamped to +-65504 (as the torch path writes it), NaN stays NaN.
+inline void store_kv(const float* src, int64_t n, float* dst) { std::copy(src, src + n, dst); }
+inline void store_kv(const float* src, int64_t n, uint16_t* dst) {
+  const __m256 hi = _mm256_set1_ps(65504.0f), lo = _mm256_set1_ps(-65504.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {  // min/max return their second operand where one is NaN: the NaN passes
+    const __m256 x = _mm256_max_ps(lo, _mm256_min_ps(hi, _mm256_loadu_ps(src + i)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+  for (; i < n; ++i) {
+    const float x = std::isnan(src[i]) ? src[i] : std::clamp(src[i], -65504.0f, 65504.0f);
+    dst[i] = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+  }
+}
+
+inline void store_kv(const float* src, int64_t n, void* cache, bool half, int64_t offset) {
+  if (half) store_kv(src, n, static_cast<uint16_t*>(cache) + offset);
+  else store_kv(src, n, static_cast<float*>(cache) + offset);
+}
+
+// A layer's KV cache tensor: float32 or float16 (TORCH_CHECK otherwise); true for float16.
+bool kv_is_half(const at::Tensor& kv) {
+  TORCH_CHECK(kv.scalar_type() == at::kFloat || kv.scalar_type() == at::kHalf,
+              "kv: a cache of float32 or float16, got ", kv.scalar_type());
+  return kv.scalar_type() == at::kHalf;
+}
+
 // Runs f(chunk) for chunk in [0, n) on torch's intra-op threads, dynamically balanced.
 template <typename F>
 void parallel_chunks(int64_t n, const F& f) {
@@ -1121,21 +1156,23 @@ void rope_head(float* x, const float* cos, const float* sin, int64_t D) {
 }
 
 struct Pages {
-  float* cache;  // [P, 2, S, KVH, D]
+  void* cache;  // [P, 2, S, KVH, D] of float32, or of float16 where `half`
+  bool half;
   int64_t S, KVH, D;
   const int64_t* table;  // [B, max_pages]
   int64_t max_pages;
   const int64_t* ctx_len;  // [B] tokens of the item, the new one included
   const uint8_t* visible;  // [B, width]: slot t of the item may be attended
   int64_t width;
-  int64_t slot_offset(int64_t b, int64_t t, int kv) const {  // float offset of K (0) / V (1) of slot t
+  int64_t slot_offset(int64_t b, int64_t t, int kv) const {  // element offset of K (0) / V (1) of slot t
     const int64_t page = table[b * max_pages + t / S];
     return ((page * 2 + kv) * S + t % S) * KVH * D;
   }
 };
 
-template <int D>
+template <int D, typename T>
 void attention_task(const float* qkv, int64_t ld_qkv, int64_t H, const Pages& p, int64_t b, int64_t kh, float* out) {
+  const T* cache = static_cast<const T*>(p.cache);
   const int64_t group = H / p.KVH, n = p.ctx_len[b];
   thread_local std::vector<int64_t> offsets;
   thread_local std::vector<float> scores;
@@ -1160,15 +1197,15 @@ void attention_task(const float* qkv, int64_t ld_qkv, int64_t H, const Pages& p,
     for (int64_t i0 = 0; i0 < count; i0 += 8) {
       if (g == 0)  // the first head reads K and V from memory: fetch 16 slots ahead (strided rows)
         for (int64_t t = i0 == 0 ? 0 : i0 + 16; t < std::min(i0 + 24, count); ++t)
-          for (int c = 0; c < D; c += 16) {
-            _mm_prefetch(reinterpret_cast<const char*>(p.cache + offsets[t] + c), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(p.cache + offsets[t] + v_shift + c), _MM_HINT_T0);
+          for (int c = 0; c < D; c += 64 / int(sizeof(T))) {  // a cache line at a time
+            _mm_prefetch(reinterpret_cast<const char*>(cache + offsets[t] + c), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(cache + offsets[t] + v_shift + c), _MM_HINT_T0);
           }
       __m256 acc[8];
       for (int t = 0; t < 8; ++t) {
-        const float* k = p.cache + offsets[std::min(i0 + t, count - 1)];  // past the end: a repeat, unused
-        __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
-        for (int c = 1; c < D / 8; ++c) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k + 8 * c), a);
+        const T* k = cache + offsets[std::min(i0 + t, count - 1)];  // past the end: a repeat, unused
+        __m256 a = _mm256_mul_ps(qv[0], load8(k));
+        for (int c = 1; c < D / 8; ++c) a = _mm256_fmadd_ps(qv[c], load8(k + 8 * c), a);
         acc[t] = a;
       }
       const __m256 s = _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale));
@@ -1202,9 +1239,9 @@ void attention_task(const float* qkv, int64_t ld_qkv, int64_t H, const Pages& p,
     __m256 acc[D / 8];
     for (int c = 0; c < D / 8; ++c) acc[c] = _mm256_setzero_ps();
     for (int64_t j = 0; j < count; ++j) {
-      const float* v = p.cache + offsets[j] + v_shift;
+      const T* v = cache + offsets[j] + v_shift;
       const __m256 w = _mm256_set1_ps(scores[j]);
-      for (int c = 0; c < D / 8; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+      for (int c = 0; c < D / 8; ++c) acc[c] = _mm256_fmadd_ps(w, load8(v + 8 * c), acc[c]);
     }
     const __m256 inv = _mm256_set1_ps(1.0f / sum);
     for (int c = 0; c < D / 8; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], inv));
@@ -1214,9 +1251,11 @@ void attention_task(const float* qkv, int64_t ld_qkv, int64_t H, const Pages& p,
 // Task b * KVH + kh of attention(): item b's heads that share KV head kh.
 void attention_one(const float* qkv, int64_t ld_qkv, int64_t H, const Pages& p, int64_t task, float* out) {
   const int64_t b = task / p.KVH, kh = task % p.KVH;
-  switch (p.D) {
-    case 64: attention_task<64>(qkv, ld_qkv, H, p, b, kh, out); break;
-    case 128: attention_task<128>(qkv, ld_qkv, H, p, b, kh, out); break;
+  switch (p.D * 2 + p.half) {
+    case 128: attention_task<64, float>(qkv, ld_qkv, H, p, b, kh, out); break;
+    case 129: attention_task<64, uint16_t>(qkv, ld_qkv, H, p, b, kh, out); break;
+    case 256: attention_task<128, float>(qkv, ld_qkv, H, p, b, kh, out); break;
+    case 257: attention_task<128, uint16_t>(qkv, ld_qkv, H, p, b, kh, out); break;
     default: TORCH_CHECK(false, "decode_layers supports head_dim 64 or 128, got ", p.D);
   }
 }
@@ -1245,7 +1284,8 @@ constexpr int64_t kGroupTasksPerThread = 8;
 struct GroupAttention {
   const float* q;  // row r = b * Tq + t of the group: head h at q + r * ld_q + h * D (RoPE applied)
   int64_t ld_q;
-  const float* cache;  // a layer's cache, rows of KVH * D floats ([pages * 2 * S] rows)
+  const void* cache;  // a layer's cache, rows of KVH * D values ([pages * 2 * S] rows), float16 where `half`
+  bool half;
   int64_t KVH, D, H;
   const int64_t* kv_index;  // [Bc, 2, Tkv] rows of each slot's K (0) and V (1)
   const float* mask;        // [Bc, Tq, Tkv] additive: 0 = attend, -inf = hidden
@@ -1311,21 +1351,21 @@ void score_rows(const float* qp, const float* kt, int64_t vectors, float* sc) {
 }
 
 // o[r][c0 .. c0 + 32) += sum_j p[r][j] V[j][c0 .. c0 + 32) for MR rows over n slots.
-template <int D, int MR>
-inline void pv_tile(const float* p, const float* const* v_rows, int64_t n, float* o, int64_t c0) {
+template <int D, int MR, typename T>
+inline void pv_tile(const float* p, const T* const* v_rows, int64_t n, float* o, int64_t c0) {
   __m256 acc[MR][4];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_loadu_ps(o + r * D + c0 + 8 * c);
   for (int64_t j = 0; j < n; ++j) {
-    const float* v = v_rows[j] + c0;
+    const T* v = v_rows[j] + c0;
     __m256 pr[MR];
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) pr[r] = _mm256_broadcast_ss(p + r * kGroupBk + j);
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
-      const __m256 vv = _mm256_loadu_ps(v + 8 * c);
+      const __m256 vv = load8(v + 8 * c);
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) acc[r][c] = _mm256_fmadd_ps(pr[r], vv, acc[r][c]);
     }
@@ -1336,9 +1376,9 @@ inline void pv_tile(const float* p, const float* const* v_rows, int64_t n, float
     for (int c = 0; c < 4; ++c) _mm256_storeu_ps(o + r * D + c0 + 8 * c, acc[r][c]);
 }
 
-template <int D, int MR>
-void pv_rows(const float* p, const float* const* v_rows, int64_t n, float* o) {
-  for (int64_t c0 = 0; c0 < D; c0 += 32) pv_tile<D, MR>(p, v_rows, n, o, c0);
+template <int D, int MR, typename T>
+void pv_rows(const float* p, const T* const* v_rows, int64_t n, float* o) {
+  for (int64_t c0 = 0; c0 < D; c0 += 32) pv_tile<D, MR, T>(p, v_rows, n, o, c0);
 }
 
 // One row's block of scores: the mask added (slots past n hidden), the running max and sum updated, the
@@ -1383,16 +1423,17 @@ void softmax_row(float* s, const float* mask_row, int64_t n, float& m_run, float
   m_run = m_new;
 }
 
-template <int D>
-inline void prefetch_row(const float* row) {
-  for (int c = 0; c < D; c += 16) _mm_prefetch(reinterpret_cast<const char*>(row + c), _MM_HINT_T0);
+template <int D, typename T>
+inline void prefetch_row(const T* row) {
+  for (int c = 0; c < D; c += 64 / int(sizeof(T))) _mm_prefetch(reinterpret_cast<const char*>(row + c), _MM_HINT_T0);
 }
 
 // One task: item b, KV head kh, tokens t0 .. t0 + nt, slots s0 .. s1. Its rows (i = (t - t0) * group + g
 // for head kh * group + g) leave their unnormalized output, running max and sum in o, m_run, l_run.
-template <int D>
+template <int D, typename T>
 void group_attention_span(const GroupAttention& a, int64_t b, int64_t kh, int64_t t0, int64_t nt, int64_t s0,
                           int64_t s1, float* o, float* m_run, float* l_run) {
+  const T* cache = static_cast<const T*>(a.cache);
   const int64_t group = a.H / a.KVH, M = nt * group, row = a.KVH * D;
   thread_local std::vector<float> qp, kt, sc;
   qp.resize(M * D);
@@ -1411,7 +1452,7 @@ void group_attention_span(const GroupAttention& a, int64_t b, int64_t kh, int64_
   const int64_t* k_index = a.kv_index + b * 2 * a.Tkv;
   const int64_t* v_index = k_index + a.Tkv;
   const float* mask = a.mask + (b * a.Tq + t0) * a.Tkv;
-  const float* v_rows[kGroupBk];
+  const T* v_rows[kGroupBk];
   for (int64_t j0 = s0; j0 < s1; j0 += kGroupBk) {
     const int64_t n = std::min(kGroupBk, s1 - j0), vectors = (n + 7) / 8;
     bool seen = false;  // a block every row's mask hides costs nothing (the causal tail, hidden pages)
@@ -1425,27 +1466,27 @@ void group_attention_span(const GroupAttention& a, int64_t b, int64_t kh, int64_
     // The rows come from memory (a layer's K/V is read once per step; one thread measured 1.07 ms
     // per layer against 0.81 on a warm cache): ask now for this block's V rows, used after the scores,
     // and the next block's K rows (1.02 ms).
-    for (int64_t j = 0; j < n; ++j) prefetch_row<D>(a.cache + v_index[j0 + j] * row + kh * D);
+    for (int64_t j = 0; j < n; ++j) prefetch_row<D>(cache + v_index[j0 + j] * row + kh * D);
     for (int64_t j = j0 + kGroupBk; j < std::min(s1, j0 + 2 * kGroupBk); ++j)
-      prefetch_row<D>(a.cache + k_index[j] * row + kh * D);
+      prefetch_row<D>(cache + k_index[j] * row + kh * D);
     for (int64_t v = 0; v < vectors; ++v)  // kt[d][j] = K[j][d], 8 slots x 8 dims at a time
       for (int64_t d8 = 0; d8 < D; d8 += 8) {
         __m256 r[8];
         for (int k = 0; k < 8; ++k) {
           const int64_t j = 8 * v + k;
-          r[k] = j < n ? _mm256_loadu_ps(a.cache + k_index[j0 + j] * row + kh * D + d8) : _mm256_setzero_ps();
+          r[k] = j < n ? load8(cache + k_index[j0 + j] * row + kh * D + d8) : _mm256_setzero_ps();
         }
         transpose8(r);
         for (int c = 0; c < 8; ++c) _mm256_storeu_ps(kt.data() + (d8 + c) * kGroupBk + 8 * v, r[c]);
       }
-    for (int64_t j = 0; j < n; ++j) v_rows[j] = a.cache + v_index[j0 + j] * row + kh * D;
+    for (int64_t j = 0; j < n; ++j) v_rows[j] = cache + v_index[j0 + j] * row + kh * D;
     int64_t i = 0;
     for (; i + 6 <= M; i += 6) score_rows<D, 6>(qp.data() + i * D, kt.data(), vectors, sc.data() + i * kGroupBk);
     for (; i < M; ++i) score_rows<D, 1>(qp.data() + i * D, kt.data(), vectors, sc.data() + i * kGroupBk);
     for (i = 0; i < M; ++i)
       softmax_row<D>(sc.data() + i * kGroupBk, mask + (i / group) * a.Tkv + j0, n, m_run[i], l_run[i], o + i * D);
-    for (i = 0; i + 3 <= M; i += 3) pv_rows<D, 3>(sc.data() + i * kGroupBk, v_rows, n, o + i * D);
-    for (; i < M; ++i) pv_rows<D, 1>(sc.data() + i * kGroupBk, v_rows, n, o + i * D);
+    for (i = 0; i + 3 <= M; i += 3) pv_rows<D, 3, T>(sc.data() + i * kGroupBk, v_rows, n, o + i * D);
+    for (; i < M; ++i) pv_rows<D, 1, T>(sc.data() + i * kGroupBk, v_rows, n, o + i * D);
   }
 }
 
@@ -1501,18 +1542,18 @@ class GroupRun {
   int64_t num_tasks() const { return heads_ * split_.spans; }
 
   void run(int64_t task) {
-    if (a_.D == 64) run_d<64>(task);
-    else run_d<128>(task);
+    if (a_.D == 64) a_.half ? run_d<64, uint16_t>(task) : run_d<64, float>(task);
+    else a_.half ? run_d<128, uint16_t>(task) : run_d<128, float>(task);
   }
 
  private:
-  template <int D>
+  template <int D, typename T>
   void run_d(int64_t task) {
     const int64_t s = task % split_.spans, h = task / split_.spans, rb = h % split_.row_blocks;
     const int64_t kh = h / split_.row_blocks % a_.KVH, b = h / (split_.row_blocks * a_.KVH);
     const int64_t t0 = rb * split_.tokens_per_block, nt = std::min(split_.tokens_per_block, a_.Tq - t0);
     float* p = parts_ + task * part_;
-    group_attention_span<D>(a_, b, kh, t0, nt, s * split_.span, std::min(a_.Tkv, (s + 1) * split_.span), p,
+    group_attention_span<D, T>(a_, b, kh, t0, nt, s * split_.span, std::min(a_.Tkv, (s + 1) * split_.span), p,
                             p + rows_cap_ * D, p + rows_cap_ * D + rows_cap_);
     // acq_rel: the last span sees every other span's part.
     if (remaining_[h].fetch_sub(1, std::memory_order_acq_rel) == 1)
@@ -1577,6 +1618,10 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
   };
   if (L == 0 || B == 0) return normed();
   const int64_t S = kv[0].size(2), KVH = kv[0].size(3), D = kv[0].size(4), H = num_heads;
+  const bool half = kv_is_half(kv[0]);
+  for (const at::Tensor& layer : kv)  // checked before any layer writes the cache
+    TORCH_CHECK(layer.dim() == 5 && layer.is_contiguous() && layer.scalar_type() == kv[0].scalar_type() &&
+                layer.sizes() == kv[0].sizes(), "kv caches must be contiguous float32 or float16 alike");
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == B && cos.size(1) == D && cos.is_contiguous() &&
               sin.is_contiguous(), "cos/sin: contiguous [B, head_dim]");
   TORCH_CHECK(H % KVH == 0 && D <= 512, "bad head layout");
@@ -1589,8 +1634,6 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
   std::vector<float> h(B * E), qkv(B * QKV), attn(B * H * D), gate_up, act;
   for (int64_t l = 0; l < L; ++l) {
     const int64_t base = l * kWeightsPerLayer;
-    TORCH_CHECK(kv[l].is_contiguous() && kv[l].scalar_type() == at::kFloat && kv[l].size(2) == S &&
-                kv[l].size(3) == KVH && kv[l].size(4) == D, "kv caches must be contiguous float32 alike");
     const QWeight w_qkv = layer_qweight(weights, base + 1), w_o = layer_qweight(weights, base + 4);
     const QWeight w_gate_up = layer_qweight(weights, base + 8), w_down = layer_qweight(weights, base + 11);
     TORCH_CHECK(w_qkv.n == QKV && w_qkv.k == E && w_o.n == E && w_o.k == H * D && w_gate_up.k == E &&
@@ -1598,7 +1641,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
     const int64_t F = w_down.k;
     gate_up.resize(B * 2 * F);
     act.resize(B * F);
-    Pages p{kv[l].data_ptr<float>(), S, KVH, D, page_table.data_ptr<int64_t>(), page_table.size(1), ctx,
+    Pages p{kv[l].data_ptr(), half, S, KVH, D, page_table.data_ptr<int64_t>(), page_table.size(1), ctx,
             visible.data_ptr<uint8_t>(), visible.size(1)};
 
     rms_norm(xp, weights[base].data_ptr<float>(), B, E, eps, h.data());
@@ -1607,8 +1650,8 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
       float* row = qkv.data() + b * QKV;
       for (int64_t hd = 0; hd < H + KVH; ++hd) rope_head(row + hd * D, cs + b * D, sn + b * D, D);
       const int64_t t = ctx[b] - 1;
-      std::copy(row + H * D, row + (H + KVH) * D, p.cache + p.slot_offset(b, t, 0));
-      std::copy(row + (H + KVH) * D, row + QKV, p.cache + p.slot_offset(b, t, 1));
+      store_kv(row + H * D, KVH * D, p.cache, half, p.slot_offset(b, t, 0));
+      store_kv(row + (H + KVH) * D, KVH * D, p.cache, half, p.slot_offset(b, t, 1));
     }
     attention(qkv.data(), QKV, B, H, p, attn.data());
     linear_into(attn.data(), H * D, B, w_o, xp, E, true, bf16_x);
@@ -1636,8 +1679,8 @@ void check_pages(const int64_t* ctx, const int64_t* table, int64_t B, int64_t ta
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& page_table,
                             const at::Tensor& ctx_len, const at::Tensor& visible, int64_t num_heads) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous float32 [B, H * D]");
-  TORCH_CHECK(kv.dim() == 5 && kv.scalar_type() == at::kFloat && kv.is_contiguous(),
-              "kv: a layer's contiguous float32 cache [pages, 2, S, KVH, D]");
+  const bool half = kv_is_half(kv);
+  TORCH_CHECK(kv.dim() == 5 && kv.is_contiguous(), "kv: a layer's contiguous cache [pages, 2, S, KVH, D]");
   const int64_t B = q.size(0), S = kv.size(2), KVH = kv.size(3), D = kv.size(4), H = num_heads;
   TORCH_CHECK(H > 0 && H % KVH == 0 && q.size(1) == H * D, "q's width must be num_heads * head_dim");
   TORCH_CHECK(page_table.scalar_type() == at::kLong && page_table.dim() == 2 && page_table.size(0) == B &&
@@ -1651,7 +1694,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
   check_pages(ctx, table, B, page_table.size(1), width, S, kv.size(0));
   at::Tensor out = at::empty({B, H * D}, q.options());
   if (B == 0) return out;
-  Pages p{kv.data_ptr<float>(), S, KVH, D, table, page_table.size(1), ctx, visible.data_ptr<uint8_t>(),
+  Pages p{kv.data_ptr(), half, S, KVH, D, table, page_table.size(1), ctx, visible.data_ptr<uint8_t>(),
           visible.size(1)};
   attention(q.data_ptr<float>(), H * D, B, H, p, out.data_ptr<float>());
   return out;
@@ -1669,8 +1712,8 @@ void check_rows(const at::Tensor& kv_index, int64_t num_rows) {
 at::Tensor group_attention_op(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& group_kv_index,
                               const at::Tensor& group_mask, int64_t num_heads) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous float32 [Bc * Tq, H * D]");
-  TORCH_CHECK(kv.dim() == 5 && kv.scalar_type() == at::kFloat && kv.is_contiguous(),
-              "kv: a layer's contiguous float32 cache [pages, 2, S, KVH, D]");
+  const bool half = kv_is_half(kv);
+  TORCH_CHECK(kv.dim() == 5 && kv.is_contiguous(), "kv: a layer's contiguous cache [pages, 2, S, KVH, D]");
   const int64_t S = kv.size(2), KVH = kv.size(3), D = kv.size(4), H = num_heads;
   TORCH_CHECK(H > 0 && H % KVH == 0 && q.size(1) == H * D, "q's width must be num_heads * head_dim");
   TORCH_CHECK(group_mask.dim() == 4 && group_mask.scalar_type() == at::kFloat && group_mask.size(1) == 1,
@@ -1685,7 +1728,7 @@ at::Tensor group_attention_op(const at::Tensor& q, const at::Tensor& kv, const a
   check_rows(kv_rows, kv.size(0) * 2 * S);
   at::Tensor out = at::empty({Bc * Tq, H * D}, q.options());
   std::vector<float> parts;
-  group_attention(GroupAttention{q.data_ptr<float>(), H * D, kv.data_ptr<float>(), KVH, D, H,
+  group_attention(GroupAttention{q.data_ptr<float>(), H * D, kv.data_ptr(), half, KVH, D, H,
                                  kv_rows.data_ptr<int64_t>(), mask.data_ptr<float>(), Bc, Tq, Tkv,
                                  out.data_ptr<float>(), H * D}, parts);
   return out;
@@ -1727,9 +1770,10 @@ at::Tensor mixed_layers(const at::Tensor& hidden, const at::Tensor& cos, const a
               "write_slots: contiguous int64 [N]");
   TORCH_CHECK(dead_rows.scalar_type() == at::kLong && dead_rows.dim() == 1 && dead_rows.is_contiguous(),
               "dead_rows: contiguous int64 [n]");
+  const bool half = kv_is_half(kv[0]);
   for (const at::Tensor& layer : kv)
-    TORCH_CHECK(layer.dim() == 5 && layer.is_contiguous() && layer.scalar_type() == at::kFloat &&
-                layer.sizes() == kv[0].sizes(), "kv caches must be contiguous float32 alike [pages, 2, S, KVH, D]");
+    TORCH_CHECK(layer.dim() == 5 && layer.is_contiguous() && layer.scalar_type() == kv[0].scalar_type() &&
+                layer.sizes() == kv[0].sizes(), "kv caches must be contiguous float32 or float16 alike [pages, 2, S, KVH, D]");
   const int64_t P = kv[0].size(0), S = kv[0].size(2), KVH = kv[0].size(3), D = kv[0].size(4), H = num_heads;
   TORCH_CHECK(H > 0 && H % KVH == 0 && D <= 512, "bad head layout");
   TORCH_CHECK(D == 64 || D == 128, "mixed_layers supports head_dim 64 or 128, got ", D);
@@ -1764,7 +1808,7 @@ at::Tensor mixed_layers(const at::Tensor& hidden, const at::Tensor& cos, const a
     const int64_t F = w_down.k;
     gate_up.resize(N * 2 * F);
     act.resize(N * F);
-    Pages p{kv[l].data_ptr<float>(), S, KVH, D, table, page_table.size(1), ctx, visible.data_ptr<uint8_t>(),
+    Pages p{kv[l].data_ptr(), half, S, KVH, D, table, page_table.size(1), ctx, visible.data_ptr<uint8_t>(),
             visible.size(1)};
 
     rms_norm(xp, weights[base].data_ptr<float>(), N, E, eps, h.data());
@@ -1772,12 +1816,12 @@ at::Tensor mixed_layers(const at::Tensor& hidden, const at::Tensor& cos, const a
     for (int64_t r = 0; r < N; ++r) {
       float* row = qkv.data() + r * QKV;
       for (int64_t hd = 0; hd < H + KVH; ++hd) rope_head(row + hd * D, cs + r * D, sn + r * D, D);
-      float* k_slot = p.cache + ((slots[r] / S * 2) * S + slots[r] % S) * KVH * D;
-      std::copy(row + H * D, row + (H + KVH) * D, k_slot);
-      std::copy(row + (H + KVH) * D, row + QKV, k_slot + S * KVH * D);
+      const int64_t k_slot = ((slots[r] / S * 2) * S + slots[r] % S) * KVH * D;
+      store_kv(row + H * D, KVH * D, p.cache, half, k_slot);
+      store_kv(row + (H + KVH) * D, KVH * D, p.cache, half, k_slot + S * KVH * D);
     }
     // The group's spans first (the long tasks), then the decode rows' (item, KV head) tasks.
-    GroupRun group(GroupAttention{qkv.data() + B * QKV, QKV, p.cache, KVH, D, H, kv_index, mask, Bc, Tq, Tkv,
+    GroupRun group(GroupAttention{qkv.data() + B * QKV, QKV, p.cache, half, KVH, D, H, kv_index, mask, Bc, Tq, Tkv,
                                   attn.data() + B * H * D, H * D}, group_parts);
     const int64_t group_tasks = group.num_tasks();
     parallel_chunks(group_tasks + B * KVH, [&](int64_t task) {

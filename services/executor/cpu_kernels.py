@@ -38,6 +38,12 @@ Q8_0) as one-term dot products of the few-row tiles, more rows as 16-row panels 
 `vdpbf16ps` adds 2 products to each of 16 rows: 32 multiply-adds an instruction where the float32 panels do
 16), the weight rows' values and scales read 16 rows ahead.
 
+The KV cache the attention reads (`decode_layers`, `decode_attention`, `mixed_layers`, `group_attention`) is
+float32, or float16 (the operator's opt-in, `EngineConfig.kv_cache_dtype = "float16"`, the executor's
+`--kv-cache-dtype`): then each K/V row is read with F16C conversions into the same float32 arithmetic, so the
+result is the float32 kernel's over the widened values, and the layer stacks store new K/V rounded to nearest,
+clamped to +-65504 (NaN kept), as the torch path writes them.
+
 `linear` (and so the layer stacks) picks its instruction set at run time. On a CPU with AVX-512 BF16,
 up to 2 rows of x for Q4_1 and 8 for Q8_0 run as bf16 dot products (`vdpbf16ps`) of the blocks' exact
 bf16 values with x split into three bf16 terms (float32's product to its rounding, 1.2-1.9x the AVX2

@@ -61,6 +61,7 @@ from l4m.executor.config import (
     MAX_AUTO_SWAP_BYTES,
     EngineConfig,
     resolve_bf16_x,
+    resolve_kv_cache_dtype,
     resolve_max_quantized_rows,
     resolve_weights,
 )
@@ -104,6 +105,8 @@ class Engine:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = _DTYPES[config.dtype]
+        # K/V as the dtype, or float16 (the operator's opt-in, `kv_cache_dtype`); checked before the weights load.
+        self.kv_dtype = resolve_kv_cache_dtype(config, self.dtype)
         self.weights = resolve_weights(config, loaded)
         quantized = self.weights == "quantized"
         isa = torch.ops.l4m_cpu.isa() if quantized else ""  # the CPU kernels' instruction set (loaded with the blocks)
@@ -124,7 +127,8 @@ class Engine:
         cfg = loaded.config
         self.graphs_off_reason = None if static_ops else self._graphs_off_reason(config, cfg)
         num_pages = config.num_pages
-        per_page = KvCache.bytes_per_page(cfg.num_layers, config.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        per_page = KvCache.bytes_per_page(cfg.num_layers, config.page_size, cfg.num_kv_heads, cfg.head_dim,
+                                          self.kv_dtype)
         if num_pages == 0:
             num_pages = max(
                 1,
@@ -145,6 +149,7 @@ class Engine:
             scratch_pages=0 if self.graphs_off_reason else 1,
             num_swap_slots=(min(num_pages, MAX_AUTO_SWAP_BYTES // per_page) if config.swap_space_pages == -1
                             else config.swap_space_pages),
+            kv_dtype=self.kv_dtype,
         )
         self.static_decoder = (
             None
@@ -487,6 +492,8 @@ class Engine:
                     "weights": self.weights,
                     # The products with the GGUF blocks: x as float32, or rounded to bf16 (the operator's flag)
                     "quantized_activations": "bfloat16" if self.bf16_x else "float32",
+                    # The KV cache's element type: the dtype's, or float16 (the operator's flag)
+                    "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
                 }
                 if self.device.type == "cuda":
                     stats["device_memory_allocated_bytes"] = torch.cuda.memory_allocated(self.device)

@@ -2,7 +2,9 @@
 
 Invariants:
 - `layers[l]` is `[num_pages, 2, page_size, num_kv_heads, head_dim]` (K at index 0, V at 1), one tensor
-  per layer so that writes never touch a shared base tensor (better for torch.compile).
+  per layer so that writes never touch a shared base tensor (better for torch.compile). Its element type is
+  `kv_dtype`: the model's dtype, or float16 on a float32 CPU engine (`EngineConfig.kv_cache_dtype`, half the
+  bytes per page); the swap area has the same, the embedding slots keep the dtype.
 - `page_visible[p, s]` is ANDed into every attention that reads slot `s` of page `p` (the new tokens'
   own slots included). It is reset to visible when the page is allocated and changed only by
   `mask_kv_page` (and copied along by `copy_slots`).
@@ -63,13 +65,17 @@ class KvCache:
         device: torch.device,
         scratch_pages: int = 0,
         num_swap_slots: int = 0,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
+        """K/V (pages and swap slots) of `kv_dtype` (default `dtype`), embeddings of `dtype`."""
+        kv_dtype = kv_dtype or dtype
+        self.kv_dtype = kv_dtype
         self.num_pages = num_pages
         self.num_scratch_pages = scratch_pages
         self.page_size = page_size
         self.num_embed_slots = num_embed_slots
         shape = (num_pages + scratch_pages, 2, page_size, num_kv_heads, head_dim)
-        self.layers = [zeroed(shape, dtype, device) for _ in range(num_layers)]
+        self.layers = [zeroed(shape, kv_dtype, device) for _ in range(num_layers)]
         self.page_visible = torch.ones((num_pages + scratch_pages, page_size), dtype=torch.bool, device=device)
         self.embeds = torch.zeros(
             (num_embed_slots, hidden_size), dtype=dtype, device=device
@@ -78,7 +84,7 @@ class KvCache:
         self.num_swap_slots = num_swap_slots
         pin = device.type == "cuda"
         swap_shape = (num_swap_slots, 2, page_size, num_kv_heads, head_dim)
-        self.swap_layers = [torch.empty(swap_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
+        self.swap_layers = [torch.empty(swap_shape, dtype=kv_dtype, pin_memory=pin) for _ in range(num_layers)]
         self.swap_visible = torch.empty((num_swap_slots, page_size), dtype=torch.bool, pin_memory=pin)
         self.is_page_allocated = np.zeros(num_pages, dtype=bool)
         self.is_slot_allocated = np.zeros(num_embed_slots, dtype=bool)

@@ -41,6 +41,17 @@ class LayerWeights:
     down: Linear  # [hidden, ffn]
 
 
+FLOAT16_MAX = 65504.0
+
+
+def _kv_values(kv: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """New K/V as a cache of `cache_dtype` stores them: a float16 cache clamps to its finite range first (as
+    the CPU kernels write it), so a large value is rounded to +-65504, never to inf; NaN stays NaN."""
+    if cache_dtype == torch.float16 and kv.dtype != torch.float16:
+        return kv.clamp(-FLOAT16_MAX, FLOAT16_MAX).to(cache_dtype)
+    return kv
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -254,7 +265,7 @@ class LlamaModel:
             k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            kv[plan.write_pages, :, plan.write_offsets] = torch.stack((k, v.view_as(k)), dim=1)
+            kv[plan.write_pages, :, plan.write_offsets] = _kv_values(torch.stack((k, v.view_as(k)), dim=1), kv.dtype)
             attn = paged_attention(q, kv, plan, self._decode_attention_kernel)  # [N, H * D]
             hidden = hidden + layer.o(attn).float()
             for rows in row_blocks:  # in place: `hidden` is this layer's own sum

@@ -83,6 +83,9 @@ class ClusterConfig:
     # The CPU executors' precision of x in the products with the GGUF blocks (--quantized-activations):
     # "float32" (their default) or "bfloat16" (faster, logits within the bf16 margin; AVX-512 BF16 only).
     quantized_activations: str = "float32"
+    # The CPU executors' KV cache element type (--kv-cache-dtype): "auto" (their dtype's) or "float16" (half
+    # the bytes per token; logits within float16's rounding of K and V).
+    kv_cache_dtype: str = "auto"
     # The models to serve, each `PATH` or `NAME=PATH` (NAME: what sessions and GetInfo call it; default: the
     # model's own name). Empty: the embedded default (SmolLM2-135M-Instruct). Every model gets one
     # executor per device; the first model is the default a session gets when it names none.
@@ -261,6 +264,8 @@ def executor_specs(config: ClusterConfig) -> list[ServiceSpec]:
             argv += ["--swap-space-pages", str(config.swap_space_pages)]
         if config.quantized_activations != "float32" and device == "cpu":  # the CPU kernels' setting
             argv += ["--quantized-activations", config.quantized_activations]
+        if config.kv_cache_dtype != "auto" and device == "cpu":  # the CPU executors' setting
+            argv += ["--kv-cache-dtype", config.kv_cache_dtype]
         name, _, path = model.rpartition("=")
         if path:
             argv += ["--model", path]

@@ -69,6 +69,10 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the CPU executors' precision of x in the products with the GGUF's 4-bit blocks: float32 "
                         "(default, float32's products) or bfloat16 (x rounded to bf16: 1.4-1.5x faster linears at "
                         "4-64 tokens, logits within the bf16 margin; needs AVX-512 BF16, refused at start without)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float16"],
+                        help="the CPU executors' KV cache: auto (default, their dtype's: float32) or float16 (K and V "
+                        "rounded to float16 as llama.cpp keeps them: twice the tokens in the same memory, faster decode "
+                        "at many streams, logits within float16's rounding; needs --dtype float32)")
     hosts = parser.add_argument_group("several hosts (docs/operations.md, Joining hosts)")
     hosts.add_argument("--role", default="all", choices=list(ROLES),
                        help="all: every service here (default); control: scheduler, spawner and gateway, with "
@@ -218,6 +222,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         num_kv_pages=args.num_pages,
         swap_space_pages=args.swap_space_pages,
         quantized_activations=args.quantized_activations,
+        kv_cache_dtype=args.kv_cache_dtype,
         models=tuple(args.model),
         batching=args.batching,
         sandbox=args.sandbox,

@@ -180,12 +180,14 @@ def test_executor_bench_measures_each_engine(tmp_path: Path, decode: str) -> Non
 
     out = tmp_path / "executor.json"
     done = run_bench("executor.py", "--batches", "2", "--prompt-tokens", "8", "--new-tokens", "4", "--decode", decode,
-                     "--engines", "l4m-q4,l4m-q4-xbf16,l4m-fp32", "--threads", "1", "--out", str(out), timeout_s=180)
+                     "--engines", "l4m-q4,l4m-q4-xbf16,l4m-q4-kv16,l4m-fp32", "--threads", "1", "--out", str(out),
+                     timeout_s=180)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     # x in bf16 runs where the CPU has AVX-512 BF16; elsewhere the bench says why it skips it
     xbf16 = [("l4m-q4-xbf16", 2)] if has_avx512_bf16() else []
-    assert [(row["engine"], row["batch"]) for row in rows] == [("l4m-q4", 2), *xbf16, ("l4m-fp32", 2)]
+    assert [(row["engine"], row["batch"]) for row in rows] == [("l4m-q4", 2), *xbf16, ("l4m-q4-kv16", 2),
+                                                              ("l4m-fp32", 2)]
     if not xbf16:
         assert "needs the CPU kernels' avx512_bf16 instruction set" in done.stdout + done.stderr
     for row in rows:

@@ -295,6 +295,24 @@ def test_x_in_bf16_reaches_the_cpu_executors_only_when_asked(tmp_path: Path) -> 
         parser.parse_args(["--quantized-activations", "int8"])
 
 
+def test_a_float16_kv_cache_reaches_the_cpu_executors_only_when_asked(tmp_path: Path) -> None:
+    """`l4m up --kv-cache-dtype` is the operator's: it reaches the CPU executors' flags (a CUDA executor keeps
+    its cache in its dtype) and nothing else; auto (the default) adds no flag."""
+    def argvs(**overrides: object) -> dict[str, tuple[str, ...]]:
+        return {s.name: s.argv for s in service_specs(_config(tmp_path, **overrides))}
+
+    assert not any("--kv-cache-dtype" in argv for argv in argvs().values())
+    chosen = argvs(kv_cache_dtype="float16")
+    assert _flag(chosen["executor-0"], "--kv-cache-dtype") == "float16"  # the cpu one
+    assert [name for name, argv in chosen.items() if "--kv-cache-dtype" in argv] == ["executor-0"]
+    parser = argparse.ArgumentParser()
+    add_cluster_arguments(parser)
+    assert cluster_config(parser.parse_args(["--kv-cache-dtype", "float16"])).kv_cache_dtype == "float16"
+    assert cluster_config(parser.parse_args([])).kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype", "fp8"])
+
+
 def test_the_refills_quiet_wait_reaches_the_spawner_only_when_set(tmp_path: Path) -> None:
     def spawner_argv(**overrides: object) -> tuple[str, ...]:
         return service_specs(_config(tmp_path, **overrides))[-1].argv

@@ -54,6 +54,7 @@ def make_engine(loaded: LoadedModel) -> Callable[..., Engine]:
         max_quantized_rows: int = 128,
         decode_kernel: bool = True,
         quantized_activations: str = "float32",
+        kv_cache_dtype: str = "auto",
     ) -> Engine:
         if weights == "quantized" and not ON_CPU:
             pytest.skip(f"quantized weights are a CPU-only path (L4M_TEST_DEVICE={TEST_DEVICE})")
@@ -67,6 +68,7 @@ def make_engine(loaded: LoadedModel) -> Callable[..., Engine]:
             max_quantized_rows=max_quantized_rows,
             decode_kernel=decode_kernel,
             quantized_activations=quantized_activations,
+            kv_cache_dtype=kv_cache_dtype,
         )
         return Engine(loaded, config)
 

@@ -121,3 +121,25 @@ def test_x_in_bf16_on_dense_weights_exits_with_its_reason_before_listening(tmp_p
     assert "l4m executor: quantized_activations=bfloat16 needs quantized weights" in err
     assert "Traceback" not in err
     assert not socket.exists()
+
+
+def test_a_float16_kv_cache_is_the_operators_flag_and_off_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_config(["--model", "m.gguf"])[0].engine.kv_cache_dtype == "auto"
+    assert parse_config(["--model", "m.gguf", "--kv-cache-dtype", "float16"])[0].engine.kv_cache_dtype == "float16"
+    with pytest.raises(SystemExit) as exit_:
+        parse_config(["--model", "m.gguf", "--kv-cache-dtype", "fp8"])
+    assert exit_.value.code == 2
+    assert "--kv-cache-dtype: invalid choice: 'fp8'" in capsys.readouterr().err
+
+
+def test_a_float16_kv_cache_in_bfloat16_exits_with_its_reason_before_listening(tmp_path: Path, capsys) -> None:
+    from l4m.executor.__main__ import main
+
+    socket = tmp_path / "executor.sock"
+    with pytest.raises(SystemExit) as exit_:
+        main(["--dtype", "bfloat16", "--kv-cache-dtype", "float16", "--listen", f"unix:{socket}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "l4m executor: kv_cache_dtype=float16 is implemented for device cpu with dtype float32" in err
+    assert "Traceback" not in err
+    assert not socket.exists()
