@@ -27,7 +27,9 @@ Definitions (every stream's request at t = 0):
 For l4m the JSON also holds the scheduler's forward_text batch sizes, the executor's and scheduler's
 mean times per batch, and the CPU seconds each part of the stack used during the run ("bench": this
 process, i.e. the user client, log pumps and sampler). --repeats R runs every (N, engine) R times,
-interleaved, and reports the run of median tok/s (every run's tok/s in the JSON). Writes JSON (--out) and, with --plot, a PNG.
+interleaved, and reports the run of median tok/s (every run's tok/s in the JSON); a stack engine's ratio to
+the executor alone is also given repeat by repeat (`pair_ratios`: each run against the executor alone's run
+of the same repeat, so that a slow minute of the host hits both sides). Writes JSON (--out) and, with --plot, a PNG.
 
 --long-prompt TOKENS (issue #21, chunked prefill): the l4m stack only. N streams decode stepwise (one
 round trip, so one batch, per token: every gap between two tokens is a decode step); once every stream
@@ -47,6 +49,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -464,7 +467,7 @@ async def sweep(args: argparse.Namespace) -> dict[str, object]:
     config = stack_config(args)
     has_stack = any(engine in STACK_ENGINES or engine == GATEWAY_ENGINE for engine in engines)
     cluster = Cluster(config, say=lambda line: print(line, flush=True)) if has_stack else None
-    results: dict[str, object] = {"rows": [], "token_checks": {}, "ratios": {}}
+    results: dict[str, object] = {"rows": [], "token_checks": {}, "ratios": {}, "pair_ratios": {}}
     try:
         if cluster is not None:
             await cluster.start()
@@ -506,6 +509,11 @@ async def sweep(args: argparse.Namespace) -> dict[str, object]:
                     if engine in timelines and "l4m-executor" in timelines:
                         ratio = summarize(timelines[engine])["tok_s"] / summarize(timelines["l4m-executor"])["tok_s"]
                         results["ratios"].setdefault(engine, {})[num_streams] = ratio
+                        # Each repeat's run against the executor alone's run of the same repeat: the host's
+                        # phases (it moves ~20 % from minute to minute) hit both alike.
+                        alone = [summarize(run[0])["tok_s"] for run in runs["l4m-executor"]]
+                        results["pair_ratios"].setdefault(engine, {})[num_streams] = [
+                            summarize(run[0])["tok_s"] / tok_s for run, tok_s in zip(runs[engine], alone, strict=False)]
                 if GATEWAY_ENGINE in timelines and "l4m" in timelines:  # issue #22: within 5 % of `l4m run`
                     ratio = summarize(timelines[GATEWAY_ENGINE])["tok_s"] / summarize(timelines["l4m"])["tok_s"]
                     results["ratios"].setdefault("l4m-gateway/l4m", {})[num_streams] = ratio
@@ -570,7 +578,10 @@ def print_table(results: dict[str, object]) -> None:
     for engine, ratios in results["ratios"].items():
         for n, ratio in ratios.items():
             what = engine if "/" in engine else f"{engine} (full stack) / executor alone"
-            print(f"{what} at N={n}: {100 * ratio:.0f} %")
+            pairs = sorted(results.get("pair_ratios", {}).get(engine, {}).get(n, []))
+            by_pair = (f"; repeat by repeat {100 * statistics.median(pairs):.0f} % median "
+                       f"({', '.join(f'{100 * p:.0f}' for p in pairs)} %)" if len(pairs) > 1 else "")
+            print(f"{what} at N={n}: {100 * ratio:.0f} % (runs of median tok/s){by_pair}")
     for r in results["rows"]:
         if r["engine"] in STACK_ENGINES:
             print(f"{r['engine']} N={r['n']}: TTFT from controller start p50 {r['ttft_controller_p50_ms']:.0f} ms; "

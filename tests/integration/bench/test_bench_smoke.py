@@ -51,6 +51,9 @@ def test_e2e_full_stack_and_executor_alone(tmp_path: Path) -> None:
         assert results["token_checks"]["2"][engine] == {"prompt0_matching_prefix": 4, "num_streams_identical": 2,
                                                        "num_streams": 2}
         assert results["ratios"][engine]["2"] > 0
+        # one repeat: one pair, the stack's run against the executor alone's of the same repeat
+        (pair,) = results["pair_ratios"][engine]["2"]
+        assert pair == pytest.approx(rows[engine]["tok_s"] / rows["l4m-executor"]["tok_s"])
     # One round trip per token: 4 commands per stream. With continuation: the prompt pass (the first
     # token comes alone), then the other three tokens in one command.
     assert rows["l4m-stepwise"]["num_forward_text_commands"] == 2 * 4
