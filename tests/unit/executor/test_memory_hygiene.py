@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 import torch
 
 from l4m.executor.commands import (
@@ -23,12 +24,14 @@ from l4m.executor.commands import (
 from l4m.executor.engine import Engine
 from l4m.executor.kv_cache import KvCache
 
-from .conftest import LogitsRecorder, smaps_fields
+from .conftest import LogitsRecorder, cpu_only, smaps_fields
 
 PAGE_SIZE = 4
 NUM_PAGES = 8  # 26 unwritten slots + 1 new token = 27 slots = 7 pages
 SECRET = "The vault code is 4 8 1 5 1 6 2 3 4 2. Remember it: the vault code is"
 DIST = SamplerSpec(SamplerKind.DISTRIBUTION, distribution_top_k=20)
+# The cache as the dtype keeps it, and as float16 (the operator's --kv-cache-dtype, CPU only): zeroed alike.
+KV_CACHE_DTYPES = pytest.mark.parametrize("kv_cache_dtype", ["auto", pytest.param("float16", marks=cpu_only)])
 
 
 def _pages() -> tuple[int, ...]:
@@ -56,8 +59,10 @@ def _attacker_reads_slot_26(engine: Engine, token: int) -> torch.Tensor:
     return recorder.calls[-1]
 
 
-def test_reallocated_pages_are_zero(make_engine: Callable[..., Engine], prompts: list[list[int]]) -> None:
-    engine = make_engine(page_size=PAGE_SIZE, num_pages=NUM_PAGES)
+@KV_CACHE_DTYPES
+def test_reallocated_pages_are_zero(make_engine: Callable[..., Engine], prompts: list[list[int]],
+                                    kv_cache_dtype: str) -> None:
+    engine = make_engine(page_size=PAGE_SIZE, num_pages=NUM_PAGES, kv_cache_dtype=kv_cache_dtype)
     _victim_writes_secret(engine, prompts[0])
     engine.allocate([Allocate(ResourceKind.KV_PAGE, _pages())])
     for layer in engine.cache.layers:
@@ -65,26 +70,30 @@ def test_reallocated_pages_are_zero(make_engine: Callable[..., Engine], prompts:
     assert bool(engine.cache.page_visible[list(_pages())].all())
 
 
+@KV_CACHE_DTYPES
 def test_attention_over_unwritten_slots_sees_a_never_used_cache(
-    make_engine: Callable[..., Engine], loaded, prompts: list[list[int]]
+    make_engine: Callable[..., Engine], loaded, prompts: list[list[int]], kv_cache_dtype: str
 ) -> None:
     secret_ids = loaded.tokenizer.tokenizer.encode(SECRET).ids
     token = prompts[1][0]
-    fresh = _attacker_reads_slot_26(make_engine(page_size=PAGE_SIZE, num_pages=NUM_PAGES), token)
-    reused_engine = make_engine(page_size=PAGE_SIZE, num_pages=NUM_PAGES)
+    fresh_engine = make_engine(page_size=PAGE_SIZE, num_pages=NUM_PAGES, kv_cache_dtype=kv_cache_dtype)
+    fresh = _attacker_reads_slot_26(fresh_engine, token)
+    reused_engine = make_engine(page_size=PAGE_SIZE, num_pages=NUM_PAGES, kv_cache_dtype=kv_cache_dtype)
     _victim_writes_secret(reused_engine, secret_ids)
     reused = _attacker_reads_slot_26(reused_engine, token)
     torch.testing.assert_close(reused, fresh, rtol=0, atol=0)
 
 
+@KV_CACHE_DTYPES
 def test_the_attack_without_zeroing_would_leak(
-    make_engine: Callable[..., Engine], loaded, prompts: list[list[int]]
+    make_engine: Callable[..., Engine], loaded, prompts: list[list[int]], kv_cache_dtype: str
 ) -> None:
     """Guards the test above: with the old flag-only allocation the victim's KV changes the logits."""
     secret_ids = loaded.tokenizer.tokenizer.encode(SECRET).ids
     token = prompts[1][0]
-    fresh = _attacker_reads_slot_26(make_engine(page_size=PAGE_SIZE, num_pages=NUM_PAGES), token)
-    engine = make_engine(page_size=PAGE_SIZE, num_pages=NUM_PAGES)
+    fresh_engine = make_engine(page_size=PAGE_SIZE, num_pages=NUM_PAGES, kv_cache_dtype=kv_cache_dtype)
+    fresh = _attacker_reads_slot_26(fresh_engine, token)
+    engine = make_engine(page_size=PAGE_SIZE, num_pages=NUM_PAGES, kv_cache_dtype=kv_cache_dtype)
     _victim_writes_secret(engine, secret_ids)
     engine.cache.is_page_allocated[list(_pages())] = True  # flags only, as before the fix
     recorder = LogitsRecorder(engine)
