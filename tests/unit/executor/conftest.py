@@ -75,6 +75,15 @@ def make_engine(loaded: LoadedModel) -> Callable[..., Engine]:
     return make
 
 
+@pytest.fixture
+def avx512() -> object:
+    """Runs the test with the CPU kernels on their avx512_bf16 code (mark it needs_bf16), whatever L4M_CPU_ISA chose."""
+    before = torch.ops.l4m_cpu.isa()
+    torch.ops.l4m_cpu.set_isa("avx512_bf16")
+    yield
+    torch.ops.l4m_cpu.set_isa(before)
+
+
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
 def threads(request: pytest.FixtureRequest) -> object:
     """Runs the test on 1 and on 2 torch intra-op threads (the CPU kernels' parallel chunks)."""

@@ -15,8 +15,8 @@ import torch
 
 from l4m.executor.config import EngineConfig, EngineConfigError, resolve_bf16_x
 from l4m.executor.quant import kernels_available
-from tests.unit.executor.conftest import LogitsRecorder, PageTables, cpu_only, engine_stats
-from tests.unit.executor.reference import reference_logits
+from tests.unit.executor.conftest import cpu_only, engine_stats
+from tests.unit.executor.margins import RecordedRun, margin_rule_failures
 from tests.unit.executor.test_q4_gemm import before_a_guard_page, dense, needs_bf16, random_blocks
 
 pytestmark = [
@@ -27,14 +27,6 @@ pytestmark = [
 # The tiles (1-8 rows), the panels (5-512: one, two and odd numbers of 16-row panels, short last ones),
 # and past 512 rows the blocks of rows (600: one block and a tail of 88).
 ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 24, 31, 32, 33, 48, 63, 64, 65, 600]
-
-
-@pytest.fixture
-def avx512():
-    before = torch.ops.l4m_cpu.isa()
-    torch.ops.l4m_cpu.set_isa("avx512_bf16")
-    yield
-    torch.ops.l4m_cpu.set_isa(before)
 
 
 @needs_bf16
@@ -144,48 +136,19 @@ def test_greedy_keeps_the_float32_argmax_wherever_its_margin_is_clear(make_engin
     their first step (the mixed kernel), then one stream alone (the one-term tiles)."""
     engine = make_engine(weights="quantized", quantized_activations="bfloat16", page_size=16, max_quantized_rows=0)
     assert engine.bf16_x and engine_stats(engine)["quantized_activations"] == "bfloat16"
-    tables = PageTables(engine)
-    recorder = LogitsRecorder(engine)
+    run = RecordedRun(engine)
     names = [f"p{i}" for i in range(5)]
-    tokens: dict[str, list[int]] = {}
-    logits: dict[str, list[torch.Tensor]] = {}
 
-    def run(items: list[tuple[str, list[int]]]) -> None:
-        before = len(recorder.calls)
-        results = engine.forward_text([tables.item(name, feed) for name, feed in items])
-        rows = torch.cat(recorder.calls[before:])
-        at = 0
-        for (name, feed), result in zip(items, results, strict=True):
-            logits.setdefault(name, []).append(rows[at : at + len(feed)])
-            tokens.setdefault(name, []).append(result.outputs[-1].token_id)
-            at += len(feed)
-
-    run([(name, prompts[i]) for i, name in enumerate(names)])
+    run.run([(name, prompts[i]) for i, name in enumerate(names)])
     stats = engine_stats(engine)
-    run([(name, tokens[name][-1:]) for name in names] + [("p5", prompts[5])])
+    run.run([(name, run.last(name)) for name in names] + [("p5", prompts[5])])
     assert engine_stats(engine)["num_mixed_kernel_batches"] == stats["num_mixed_kernel_batches"] + 1
     for _ in range(14):
-        run([(name, tokens[name][-1:]) for name in [*names, "p5"]])
+        run.run([(name, run.last(name)) for name in [*names, "p5"]])
     for _ in range(16):
-        run([("p0", tokens["p0"][-1:])])
+        run.run([("p0", run.last("p0"))])
     assert engine_stats(engine)["num_decode_kernel_batches"] >= stats["num_decode_kernel_batches"] + 30
-
-    failures = []
-    for i, name in enumerate([*names, "p5"]):
-        prompt, got_tokens = prompts[i], tokens[name]
-        ref = reference_logits(loaded, prompt + got_tokens[:-1])
-        got = torch.cat(logits[name])  # the prompt's rows, then one per step
-        assert got.shape == ref.shape
-        max_diff = float((got - ref).abs().max())
-        top2 = ref[len(prompt) - 1 :].topk(2, dim=-1).values
-        margins = (top2[:, 0] - top2[:, 1]).tolist()
-        ref_tokens = ref[len(prompt) - 1 :].argmax(-1).tolist()
-        flips = [(s, round(m, 3)) for s, (a, b, m) in enumerate(zip(got_tokens, ref_tokens, margins, strict=True))
-                 if a != b]
-        print(f"x in bf16, prompt {i} ({len(got_tokens)} steps): max |Δlogit| {max_diff:.3f}; "
-              f"steps where it differs from the float32 argmax (step, float32 margin): {flips}")
-        if any(m >= X_BF16_MARGIN for _, m in flips) or max_diff >= X_BF16_MAX_DIFF:
-            failures.append(i)
+    failures = margin_rule_failures(run, loaded, prompts, [*names, "p5"], X_BF16_MARGIN, X_BF16_MAX_DIFF, "x in bf16")
     assert not failures, f"x in bf16 outside its bounds on prompts {failures}"
 
 

@@ -18,9 +18,11 @@ from l4m.executor.config import EngineConfig, EngineConfigError, resolve_kv_cach
 from l4m.executor.kv_cache import KvCache
 from l4m.executor.model import FLOAT16_MAX, _kv_values
 from l4m.executor.quant import kernels_available
-from tests.unit.executor.conftest import LogitsRecorder, PageTables, cpu_only, engine_stats
-from tests.unit.executor.reference import reference_logits
+from tests.unit.executor.conftest import PageTables, cpu_only, engine_stats
+from tests.unit.executor.margins import RecordedRun, margin_rule_failures
+from tests.unit.executor.test_bf16_activations import X_BF16_MARGIN, X_BF16_MAX_DIFF
 from tests.unit.executor.test_group_attention_kernel import _group_case
+from tests.unit.executor.test_q4_gemm import needs_bf16
 
 pytestmark = [
     cpu_only,
@@ -149,52 +151,41 @@ def test_greedy_keeps_the_float32_argmax_wherever_its_margin_is_clear(make_engin
     widen the cache), three prompts."""
     engine = make_engine(weights=weights, page_size=16, max_quantized_rows=0, kv_cache_dtype="float16")
     assert engine_stats(engine)["kv_cache_dtype"] == "float16"
-    tables = PageTables(engine)
-    recorder = LogitsRecorder(engine)
+    run = RecordedRun(engine)
     quantized = weights == "quantized"
     names = [f"p{i}" for i in range(5 if quantized else 2)]
     last = f"p{len(names)}"
-    tokens: dict[str, list[int]] = {}
-    logits: dict[str, list[torch.Tensor]] = {}
 
-    def run(items: list[tuple[str, list[int]]]) -> None:
-        before = len(recorder.calls)
-        results = engine.forward_text([tables.item(name, feed) for name, feed in items])
-        rows = torch.cat(recorder.calls[before:])
-        at = 0
-        for (name, feed), result in zip(items, results, strict=True):
-            logits.setdefault(name, []).append(rows[at : at + len(feed)])
-            tokens.setdefault(name, []).append(result.outputs[-1].token_id)
-            at += len(feed)
-
-    run([(name, prompts[i]) for i, name in enumerate(names)])
+    run.run([(name, prompts[i]) for i, name in enumerate(names)])
     stats = engine_stats(engine)
-    run([(name, tokens[name][-1:]) for name in names] + [(last, prompts[len(names)])])
+    run.run([(name, run.last(name)) for name in names] + [(last, prompts[len(names)])])
     for _ in range(14 if quantized else 6):
-        run([(name, tokens[name][-1:]) for name in [*names, last]])
+        run.run([(name, run.last(name)) for name in [*names, last]])
     for _ in range(16 if quantized else 4):
-        run([("p0", tokens["p0"][-1:])])
+        run.run([("p0", run.last("p0"))])
     if quantized:
         assert engine_stats(engine)["num_mixed_kernel_batches"] == stats["num_mixed_kernel_batches"] + 1
         assert engine_stats(engine)["num_decode_kernel_batches"] >= stats["num_decode_kernel_batches"] + 30
-
-    failures = []
-    for i, name in enumerate([*names, last]):
-        prompt, got_tokens = prompts[i], tokens[name]
-        ref = reference_logits(loaded, prompt + got_tokens[:-1])
-        got = torch.cat(logits[name])  # the prompt's rows, then one per step
-        assert got.shape == ref.shape
-        max_diff = float((got - ref).abs().max())
-        top2 = ref[len(prompt) - 1 :].topk(2, dim=-1).values
-        margins = (top2[:, 0] - top2[:, 1]).tolist()
-        ref_tokens = ref[len(prompt) - 1 :].argmax(-1).tolist()
-        flips = [(s, round(m, 3)) for s, (a, b, m) in enumerate(zip(got_tokens, ref_tokens, margins, strict=True))
-                 if a != b]
-        print(f"float16 KV ({weights}), prompt {i} ({len(got_tokens)} steps): max |Δlogit| {max_diff:.4f}; "
-              f"steps where it differs from the float32 argmax (step, float32 margin): {flips}")
-        if any(m >= KV16_MARGIN for _, m in flips) or max_diff >= KV16_MAX_DIFF:
-            failures.append(i)
+    failures = margin_rule_failures(run, loaded, prompts, [*names, last], KV16_MARGIN, KV16_MAX_DIFF,
+                                    f"float16 KV ({weights})")
     assert not failures, f"a float16 KV cache outside its bounds on prompts {failures}"
+
+
+@needs_bf16
+def test_with_x_in_bf16_too_the_logits_keep_x_in_bf16s_bounds(make_engine, loaded, prompts, avx512) -> None:
+    """Both opt-ins at once (the benchmarks' fastest engine): the roundings add up within x in bf16's own
+    bounds, which are 10x the float16 cache's."""
+    engine = make_engine(weights="quantized", page_size=16, max_quantized_rows=0, kv_cache_dtype="float16",
+                         quantized_activations="bfloat16")
+    assert engine.bf16_x and engine.cache.layers[0].dtype == torch.float16
+    run = RecordedRun(engine)
+    names = ["p0", "p1", "p2"]
+    run.run([(name, prompts[i]) for i, name in enumerate(names)])
+    for _ in range(12):
+        run.run([(name, run.last(name)) for name in names])
+    failures = margin_rule_failures(run, loaded, prompts, names, X_BF16_MARGIN, X_BF16_MAX_DIFF,
+                                    "float16 KV and x in bf16")
+    assert not failures, f"both opt-ins outside x in bf16's bounds on prompts {failures}"
 
 
 def test_a_page_holds_half_the_bytes_so_the_same_memory_holds_twice_the_pages(loaded, monkeypatch) -> None:
