@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
@@ -19,12 +20,15 @@ from l4m.executor.commands import (
     SamplerSpec,
     SampleTopK,
 )
-from tests.unit.executor.conftest import LogitsRecorder, PageTables
+from tests.unit.executor.conftest import LogitsRecorder, PageTables, cpu_only
 from tests.unit.executor.reference import reference_logits
 
 
-def test_copy_kv_page_moves_a_prefix(make_engine, loaded, prompts) -> None:
-    engine = make_engine(page_size=4)
+# The cache as the dtype keeps it, and as float16 (the operator's --kv-cache-dtype, CPU only; its logits are held
+# to 0.1 of the reference, test_kv_cache_float16.py): a copy moves K/V bit for bit either way.
+@pytest.mark.parametrize(("kv_cache_dtype", "tolerance"), [("auto", 1e-3), pytest.param("float16", 0.1, marks=cpu_only)])
+def test_copy_kv_page_moves_a_prefix(make_engine, loaded, prompts, kv_cache_dtype, tolerance) -> None:
+    engine = make_engine(page_size=4, kv_cache_dtype=kv_cache_dtype)
     tables = PageTables(engine)
     prompt = prompts[2][:11]
     engine.forward_text([tables.item("src", prompt[:10], outputs=())])  # pages hold 4 + 4 + 2
@@ -44,8 +48,8 @@ def test_copy_kv_page_moves_a_prefix(make_engine, loaded, prompts) -> None:
 
     engine.forward_text([ForwardText((100, 101, 102), 3, (prompt[10],), (10,), (), (0,), (SamplerSpec(),))])
     expected = reference_logits(loaded, prompt)[-1]
-    assert float((recorder.calls[0][0] - expected).abs().max()) <= 1e-3
-    assert float((recorder.calls[1][0] - expected).abs().max()) <= 1e-3
+    assert float((recorder.calls[0][0] - expected).abs().max()) <= tolerance
+    assert torch.equal(recorder.calls[1][0], recorder.calls[0][0])  # the copied pages read as the source's
 
 
 def test_embed_forward_sample_top_k_agrees_with_forward_text(make_engine, prompts) -> None:
