@@ -277,40 +277,31 @@ def test_the_gateways_prefix_cache_is_its_default_unless_the_cluster_sets_it(tmp
         cluster_config(parser.parse_args(["--gateway-prefix-cache-pages", "-1"]))
 
 
-def test_x_in_bf16_reaches_the_cpu_executors_only_when_asked(tmp_path: Path) -> None:
-    """`l4m up --quantized-activations` is the operator's: it reaches the CPU executors' flags (a CUDA
-    executor has no 4-bit CPU kernels) and nothing else; float32 (the default) adds no flag."""
+@pytest.mark.parametrize(
+    ("flag", "field", "default", "chosen", "bad"),
+    [("--quantized-activations", "quantized_activations", "float32", "bfloat16", "int8"),
+     ("--kv-cache-dtype", "kv_cache_dtype", "auto", "float16", "fp8")],
+    ids=["x-in-bf16", "float16-kv-cache"],
+)
+def test_a_precision_opt_in_reaches_the_cpu_executors_only_when_asked(
+    tmp_path: Path, flag: str, field: str, default: str, chosen: str, bad: str
+) -> None:
+    """`l4m up --quantized-activations` and `--kv-cache-dtype` are the operator's: they reach the CPU executors'
+    flags (a CUDA executor has no 4-bit CPU kernels and keeps its cache in its dtype) and nothing else; the
+    default adds no flag."""
     def argvs(**overrides: object) -> dict[str, tuple[str, ...]]:
         return {s.name: s.argv for s in service_specs(_config(tmp_path, **overrides))}
 
-    assert not any("--quantized-activations" in argv for argv in argvs().values())
-    chosen = argvs(quantized_activations="bfloat16")
-    assert _flag(chosen["executor-0"], "--quantized-activations") == "bfloat16"  # the cpu one
-    assert [name for name, argv in chosen.items() if "--quantized-activations" in argv] == ["executor-0"]
+    assert not any(flag in argv for argv in argvs().values())
+    picked = argvs(**{field: chosen})
+    assert _flag(picked["executor-0"], flag) == chosen  # the cpu one
+    assert [name for name, argv in picked.items() if flag in argv] == ["executor-0"]
     parser = argparse.ArgumentParser()
     add_cluster_arguments(parser)
-    assert cluster_config(parser.parse_args(["--quantized-activations", "bfloat16"])).quantized_activations == "bfloat16"
-    assert cluster_config(parser.parse_args([])).quantized_activations == "float32"
+    assert getattr(cluster_config(parser.parse_args([flag, chosen])), field) == chosen
+    assert getattr(cluster_config(parser.parse_args([])), field) == default
     with pytest.raises(SystemExit):
-        parser.parse_args(["--quantized-activations", "int8"])
-
-
-def test_a_float16_kv_cache_reaches_the_cpu_executors_only_when_asked(tmp_path: Path) -> None:
-    """`l4m up --kv-cache-dtype` is the operator's: it reaches the CPU executors' flags (a CUDA executor keeps
-    its cache in its dtype) and nothing else; auto (the default) adds no flag."""
-    def argvs(**overrides: object) -> dict[str, tuple[str, ...]]:
-        return {s.name: s.argv for s in service_specs(_config(tmp_path, **overrides))}
-
-    assert not any("--kv-cache-dtype" in argv for argv in argvs().values())
-    chosen = argvs(kv_cache_dtype="float16")
-    assert _flag(chosen["executor-0"], "--kv-cache-dtype") == "float16"  # the cpu one
-    assert [name for name, argv in chosen.items() if "--kv-cache-dtype" in argv] == ["executor-0"]
-    parser = argparse.ArgumentParser()
-    add_cluster_arguments(parser)
-    assert cluster_config(parser.parse_args(["--kv-cache-dtype", "float16"])).kv_cache_dtype == "float16"
-    assert cluster_config(parser.parse_args([])).kv_cache_dtype == "auto"
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--kv-cache-dtype", "fp8"])
+        parser.parse_args([flag, bad])
 
 
 def test_the_refills_quiet_wait_reaches_the_spawner_only_when_set(tmp_path: Path) -> None:

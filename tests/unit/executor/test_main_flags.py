@@ -99,47 +99,46 @@ def test_an_unknown_cpu_isa_is_refused_before_anything_loads(monkeypatch, capsys
     assert parse_config(["--model", "m.gguf", "--device", "cuda:0"])[0].engine.device == "cuda:0"  # no CPU kernels
 
 
-def test_x_in_bf16_is_the_operators_flag_and_float32_by_default(capsys: pytest.CaptureFixture[str]) -> None:
-    assert parse_config(["--model", "m.gguf"])[0].engine.quantized_activations == "float32"
-    chosen = parse_config(["--model", "m.gguf", "--quantized-activations", "bfloat16"])[0].engine
-    assert chosen.quantized_activations == "bfloat16"
+# The operator's precision opt-ins: (flag, EngineConfig field, default, the opt-in, a value it refuses).
+PRECISION_FLAGS = pytest.mark.parametrize(
+    ("flag", "field", "default", "chosen", "bad"),
+    [("--quantized-activations", "quantized_activations", "float32", "bfloat16", "int8"),
+     ("--kv-cache-dtype", "kv_cache_dtype", "auto", "float16", "fp8")],
+    ids=["x-in-bf16", "float16-kv-cache"],
+)
+
+
+@PRECISION_FLAGS
+def test_a_precision_opt_in_is_the_operators_flag_and_off_by_default(
+    capsys: pytest.CaptureFixture[str], flag: str, field: str, default: str, chosen: str, bad: str
+) -> None:
+    assert getattr(parse_config(["--model", "m.gguf"])[0].engine, field) == default
+    assert getattr(parse_config(["--model", "m.gguf", flag, chosen])[0].engine, field) == chosen
     with pytest.raises(SystemExit) as exit_:
-        parse_config(["--model", "m.gguf", "--quantized-activations", "int8"])
+        parse_config(["--model", "m.gguf", flag, bad])
     assert exit_.value.code == 2
-    assert "--quantized-activations: invalid choice: 'int8'" in capsys.readouterr().err
+    assert f"{flag}: invalid choice: '{bad}'" in capsys.readouterr().err
 
 
-def test_x_in_bf16_on_dense_weights_exits_with_its_reason_before_listening(tmp_path: Path, capsys) -> None:
-    """The model loads, the engine refuses the combination: exit status 2, the reason, no socket, no traceback."""
+@pytest.mark.parametrize(
+    ("argv", "reason"),
+    [(["--weights", "dequantized", "--quantized-activations", "bfloat16"],
+      "l4m executor: quantized_activations=bfloat16 needs quantized weights"),
+     (["--dtype", "bfloat16", "--kv-cache-dtype", "float16"],
+      "l4m executor: kv_cache_dtype=float16 is implemented for device cpu with dtype float32")],
+    ids=["x-in-bf16-on-dense-weights", "float16-kv-cache-in-bfloat16"],
+)
+def test_a_precision_opt_in_that_cannot_run_exits_with_its_reason_before_listening(
+    tmp_path: Path, capsys, argv: list[str], reason: str
+) -> None:
+    """The engine refuses the combination: exit status 2, the reason, no socket, no traceback."""
     from l4m.executor.__main__ import main
 
     socket = tmp_path / "executor.sock"
     with pytest.raises(SystemExit) as exit_:
-        main(["--weights", "dequantized", "--quantized-activations", "bfloat16", "--listen", f"unix:{socket}"])
+        main([*argv, "--listen", f"unix:{socket}"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert "l4m executor: quantized_activations=bfloat16 needs quantized weights" in err
-    assert "Traceback" not in err
-    assert not socket.exists()
-
-
-def test_a_float16_kv_cache_is_the_operators_flag_and_off_by_default(capsys: pytest.CaptureFixture[str]) -> None:
-    assert parse_config(["--model", "m.gguf"])[0].engine.kv_cache_dtype == "auto"
-    assert parse_config(["--model", "m.gguf", "--kv-cache-dtype", "float16"])[0].engine.kv_cache_dtype == "float16"
-    with pytest.raises(SystemExit) as exit_:
-        parse_config(["--model", "m.gguf", "--kv-cache-dtype", "fp8"])
-    assert exit_.value.code == 2
-    assert "--kv-cache-dtype: invalid choice: 'fp8'" in capsys.readouterr().err
-
-
-def test_a_float16_kv_cache_in_bfloat16_exits_with_its_reason_before_listening(tmp_path: Path, capsys) -> None:
-    from l4m.executor.__main__ import main
-
-    socket = tmp_path / "executor.sock"
-    with pytest.raises(SystemExit) as exit_:
-        main(["--dtype", "bfloat16", "--kv-cache-dtype", "float16", "--listen", f"unix:{socket}"])
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert "l4m executor: kv_cache_dtype=float16 is implemented for device cpu with dtype float32" in err
+    assert reason in err
     assert "Traceback" not in err
     assert not socket.exists()
