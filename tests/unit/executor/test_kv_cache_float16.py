@@ -244,3 +244,18 @@ def test_only_the_operator_sets_it_no_command_or_batch_names_it(make_engine) -> 
                            *executor_pb2.DESCRIPTOR.message_types_by_name.values()])
     assert "kv_page_ids" in fields  # the walk reads the protocol's fields
     assert not [f for f in fields if "kv_cache" in f or "float16" in f or "kv_dtype" in f]
+
+
+def test_the_kernels_refuse_a_cache_of_another_type_or_layers_that_differ() -> None:
+    """Only the engine calls the ops, with caches it built; a bfloat16 cache, or layers of two types, is refused
+    with the reason before anything is written."""
+    q = torch.zeros(1, 9 * 64)
+    table, ctx, visible = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), torch.ones(1, 16, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="kv: a cache of float32 or float16, got BFloat16"):
+        torch.ops.l4m_cpu.decode_attention(q, torch.zeros(1, 2, 16, 3, 64, dtype=torch.bfloat16), table, ctx, visible, 9)
+    float16, float32 = torch.zeros(1, 2, 16, 3, 64, dtype=torch.float16), torch.zeros(1, 2, 16, 3, 64)
+    weights = [torch.zeros(1)] * 28  # never read: the caches are checked first
+    with pytest.raises(RuntimeError, match="kv caches must be contiguous float32 or float16 alike"):
+        torch.ops.l4m_cpu.decode_layers(torch.zeros(1, 576), torch.zeros(1, 64), torch.zeros(1, 64), weights,
+                                        [float16, float32], table, ctx, visible, 9, 1e-5, None, False)
+    assert not float16.any() and not float32.any()
