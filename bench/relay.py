@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -31,7 +32,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from e2e import _cpu_s_and_rss  # noqa: E402 (bench/e2e.py, beside this file)
 
 from l4m.client import Client  # noqa: E402
 from l4m.cluster import Cluster, ClusterConfig  # noqa: E402
@@ -73,9 +73,19 @@ async def relay(client: Client, program: str, num_messages: int, num_bytes: int,
     return {"received": received, "controller_cpu_s": report["cpu_s"]}
 
 
+def threads_cpu_s(pid: int) -> float:
+    """CPU seconds of a process's live threads, to the nanosecond (/proc/PID/task/*/schedstat): its stat's
+    utime + stime count whole 10 ms ticks, and two launches may cost the spawner less than one."""
+    total_ns = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):  # a thread that just ended
+            total_ns += int((task / "schedstat").read_text().split()[0])
+    return total_ns / 1e9
+
+
 async def measure(client: Client, program: str, pid: int, num_streams: int, num_messages: int,
                   num_bytes: int, batch_events: bool) -> dict[str, float]:
-    spawner_before, own_before = _cpu_s_and_rss(pid)[0], time.process_time()
+    spawner_before, own_before = threads_cpu_s(pid), time.process_time()
     started = time.perf_counter()
     results = await asyncio.gather(*(relay(client, program, num_messages, num_bytes, batch_events)
                                      for _ in range(num_streams)))
@@ -83,7 +93,7 @@ async def measure(client: Client, program: str, pid: int, num_streams: int, num_
     total = max(sum(r["received"] for r in results), 1)  # (a launch with no messages: per launch)
     return {
         "streams": num_streams, "messages": total, "messages_per_s": total / elapsed,
-        "spawner_cpu_us_per_message": (_cpu_s_and_rss(pid)[0] - spawner_before) / total * 1e6,
+        "spawner_cpu_us_per_message": (threads_cpu_s(pid) - spawner_before) / total * 1e6,
         "controller_cpu_us_per_message": sum(r["controller_cpu_s"] for r in results) / total * 1e6,
         "user_cpu_us_per_message": (time.process_time() - own_before) / total * 1e6,
     }
