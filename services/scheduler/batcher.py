@@ -62,7 +62,7 @@ class Command:
     costs a batch: tokens, distribution entries, and request and reply bytes at their worst case."""
 
     __slots__ = ("stream", "request_id", "kind", "item", "arrived_at", "num_tokens", "num_entries",
-                 "request_bytes", "reply_bytes", "has_reply", "span", "chunk")
+                 "request_bytes", "reply_bytes", "has_reply", "span", "chunk", "is_first_forward")
 
     def __init__(self, stream: Stream, request_id: int, kind: str, item: Any, arrived_at: float, num_tokens: int, *,
                  is_executor_kind: bool, reply_cost: tuple[int, int] | None = None) -> None:
@@ -82,6 +82,9 @@ class Command:
         # A chunk of a long forward_text (prefill.py): it moves into its batch queue alone, so that the
         # stream's next chunk joins a later batch, and nothing of the stream overtakes it.
         self.chunk: Any = None
+        # The first forward-kind command of an instance that was launched recently (`Batcher.launched`):
+        # the adaptive strategy may hold a batch of these for the launches still to come.
+        self.is_first_forward = False
 
 
 class Stream:
@@ -147,7 +150,7 @@ class BatchQueue:
     """Queued items of one kind for one executor, one deque per priority level."""
 
     __slots__ = ("kind", "target", "levels", "num_items", "is_forward", "max_batch_tokens", "bounds", "awaited",
-                 "hold_until")
+                 "hold_until", "num_first_forwards", "launched")
 
     def __init__(self, kind: str, target: FireTarget, max_batch_tokens: int, bounds: BatchBounds | None = None, *,
                  is_forward: bool) -> None:
@@ -162,10 +165,16 @@ class BatchQueue:
         # item yet, and until when the next fire may wait for them.
         self.awaited: dict[Stream, None] = {}
         self.hold_until = 0.0
+        # Queued items that are their instance's first forward (`Command.is_first_forward`), and the
+        # batcher's instances launched but not yet heard from (`Batcher.launched`, shared by its queues).
+        self.num_first_forwards = 0
+        self.launched: dict[Any, float] = {}
 
     def push(self, command: Command, level: int) -> None:
         self.levels[level].append(command)
         self.num_items += 1
+        if command.is_first_forward:
+            self.num_first_forwards += 1
         if self.awaited:
             self.awaited.pop(command.stream, None)
 
@@ -197,7 +206,12 @@ class BatchQueue:
 
     def _count_out(self, taken: list[Command]) -> list[Command]:
         self.num_items -= len(taken)
+        if self.num_first_forwards:
+            self.num_first_forwards -= sum(command.is_first_forward for command in taken)
         return taken
+
+    def _recount_first_forwards(self) -> None:
+        self.num_first_forwards = sum(command.is_first_forward for level in self.levels for command in level)
 
     def remove_stream(self, stream: Stream) -> list[Command]:
         """Take the stream's queued items out, in order (they go back to its pending: `Batcher.put_back`)."""
@@ -209,6 +223,7 @@ class BatchQueue:
                 level.clear()
                 level.extend(kept)
         self.num_items -= len(taken)
+        self._recount_first_forwards()
         return taken
 
     def remove_instance(self, instance: Any) -> None:
@@ -218,6 +233,7 @@ class BatchQueue:
                 self.num_items -= len(level) - len(kept)
                 level.clear()
                 level.extend(kept)
+        self._recount_first_forwards()
 
 
 # ---- strategies: how many items of a queue to fire now (0 = wait) ----
@@ -282,6 +298,9 @@ class KOrT:
 # carries continuation (nine decode steps) returns 64 streams' worth of tokens at once, and 64 controllers
 # on two cores need ~100 ms to answer; a shorter bound splits them into alternating groups again.
 DEFAULT_MAX_HOLD_S = 0.250
+# The launch hold's bound: how long an idle executor's first forwards wait for the instances launched
+# beside them, from the oldest one's arrival (and how long after its registration an instance is waited for).
+DEFAULT_LAUNCH_HOLD_S = 0.150
 
 
 class Adaptive:
@@ -297,12 +316,26 @@ class Adaptive:
     execution time), whichever comes first. A lone stream that answers at once is never held; a stream
     that ended is no longer awaited; one that went silent delays the others by the bound at most, once.
     `max_hold_s` = 0 turns the wait off.
+
+    The same for a burst of launches (`launch_hold_s`): when an idle executor's queue holds nothing but
+    first forwards (each the first of an instance launched within `launch_hold_s`) and instances launched
+    within `launch_hold_s` have not sent theirs yet, the queue waits for them, at most `launch_hold_s`
+    from its oldest item's arrival. Without it the first prompt of a burst runs alone and the others
+    queue behind it: on a CPU, on the one core the launches leave it. A queue holding any other item (a
+    stream that is decoding) never waits for launches. `launch_hold_s` = 0 turns this wait off.
     """
 
-    def __init__(self, max_hold_s: float = DEFAULT_MAX_HOLD_S, hold_fraction: float = 0.5) -> None:
+    def __init__(self, max_hold_s: float = DEFAULT_MAX_HOLD_S, hold_fraction: float = 0.5,
+                 launch_hold_s: float = DEFAULT_LAUNCH_HOLD_S) -> None:
         self.max_hold_s = max_hold_s
         self.hold_fraction = hold_fraction
-        self.name = "adaptive" if max_hold_s == DEFAULT_MAX_HOLD_S else f"adaptive:{max_hold_s * 1000:g}"
+        self.launch_hold_s = launch_hold_s
+        if launch_hold_s != DEFAULT_LAUNCH_HOLD_S:
+            self.name = f"adaptive:{max_hold_s * 1000:g}:{launch_hold_s * 1000:g}"
+        elif max_hold_s != DEFAULT_MAX_HOLD_S:
+            self.name = f"adaptive:{max_hold_s * 1000:g}"
+        else:
+            self.name = "adaptive"
 
     def take(self, queue: BatchQueue, now: float) -> int:
         if queue.target.num_forward_in_flight:
@@ -311,11 +344,20 @@ class Adaptive:
             if now < queue.hold_until:
                 return 0
             queue.awaited.clear()
+        if queue.launched and queue.num_first_forwards == queue.num_items:
+            expire_launches(queue.launched, now, self.launch_hold_s)
+            if queue.launched and now < queue.oldest_arrival() + self.launch_hold_s:
+                return 0
         return queue.num_items
 
     def deadline(self, queue: BatchQueue) -> float | None:
-        if queue.awaited and queue.target.num_forward_in_flight == 0:
+        if queue.target.num_forward_in_flight:
+            return None
+        if queue.awaited:
             return queue.hold_until
+        if queue.launched and queue.num_first_forwards == queue.num_items:
+            # Look again when the oldest launch stops being waited for, or the bound ends the wait.
+            return min(next(iter(queue.launched.values())), queue.oldest_arrival()) + self.launch_hold_s
         return None
 
     def returned(self, queue: BatchQueue, streams: list[Stream], now: float, duration_s: float) -> None:
@@ -328,19 +370,30 @@ class Adaptive:
         queue.hold_until = now + hold
 
 
+def expire_launches(launched: dict[Any, float], now: float, hold_s: float) -> None:
+    """Forget the launches (instance -> registration time, oldest first) older than `hold_s`."""
+    while launched:
+        instance, at = next(iter(launched.items()))
+        if at + hold_s > now:
+            return
+        del launched[instance]
+
+
 Strategy = Eager | TOnly | KOnly | KOrT | Adaptive
 EAGER = Eager()
 
 
 def parse_strategy(spec: str) -> Strategy:
-    """"adaptive" | "adaptive:<max_hold_ms>" | "t-only:<t_ms>" | "k-only:<k>" | "k-or-t:<k>:<t_ms>";
-    ValueError when malformed."""
+    """"adaptive" | "adaptive:<max_hold_ms>[:<launch_hold_ms>]" | "t-only:<t_ms>" | "k-only:<k>" |
+    "k-or-t:<k>:<t_ms>"; ValueError when malformed."""
     name, *args = spec.split(":")
     try:
         if name == "adaptive" and not args:
             return Adaptive()
         if name == "adaptive" and len(args) == 1 and float(args[0]) >= 0:
             return Adaptive(float(args[0]) / 1000)
+        if name == "adaptive" and len(args) == 2 and float(args[0]) >= 0 and float(args[1]) >= 0:
+            return Adaptive(float(args[0]) / 1000, launch_hold_s=float(args[1]) / 1000)
         if name == "eager" and not args:
             return Eager()
         if name == "t-only" and len(args) == 1:
@@ -354,8 +407,8 @@ def parse_strategy(spec: str) -> Strategy:
     except ValueError:
         pass
     raise ValueError(
-        f"bad batching strategy {spec!r}; use adaptive, adaptive:<max_hold_ms>, t-only:<t_ms>, k-only:<k> "
-        "or k-or-t:<k>:<t_ms>"
+        f"bad batching strategy {spec!r}; use adaptive, adaptive:<max_hold_ms>, adaptive:<max_hold_ms>:"
+        "<launch_hold_ms>, t-only:<t_ms>, k-only:<k> or k-or-t:<k>:<t_ms>"
     )
 
 
@@ -372,13 +425,25 @@ class Batcher:
         self.forward_strategy: Strategy = forward_strategy
         self.queues: list[BatchQueue] = []
         self._ready: tuple[dict[Stream, None], ...] = tuple({} for _ in range(NUM_LEVELS))
+        # Instances launched recently that have not sent a forward yet -> when they were registered, oldest
+        # first: what the adaptive strategy's launch hold waits for (kept only while it has one).
+        self.launched: dict[Any, float] = {}
 
     @property
     def num_queued(self) -> int:
         return sum(q.num_items for q in self.queues)
 
     def add_queues(self, queues: list[BatchQueue]) -> None:
+        for queue in queues:
+            queue.launched = self.launched
         self.queues.extend(queues)
+
+    def instance_launched(self, instance: Any, now: float) -> None:
+        """An instance was registered: its first forward may be waited for (`Adaptive.launch_hold_s`)."""
+        hold_s = getattr(self.forward_strategy, "launch_hold_s", 0.0)
+        if hold_s > 0:
+            expire_launches(self.launched, now, hold_s)
+            self.launched[instance] = now
 
     def remove_queues(self, queues: list[BatchQueue]) -> None:
         self.queues = [q for q in self.queues if q not in queues]
@@ -412,6 +477,7 @@ class Batcher:
         """Forget a stream's pending commands (its instance ended); queued items are removed by
         `remove_instance` on the queues. No queue waits for it any more."""
         stream.pending.clear()
+        self.launched.pop(stream.instance, None)
         for queue in self.queues:
             if queue.awaited:
                 queue.awaited.pop(stream, None)
@@ -445,6 +511,8 @@ class Batcher:
                     pending.popleft()
                 continue
             kind, level, num_moved = command.kind, stream.level, 0
+            if self.launched and queue.is_forward and self.launched.pop(stream.instance, None) is not None:
+                command.is_first_forward = True
             while pending and pending[0].kind == kind:
                 moved = pending.popleft()
                 queue.push(moved, level)

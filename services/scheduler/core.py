@@ -209,6 +209,7 @@ class Scheduler:
         instance = self.instances.register(instance_id, token, max_tokens, launched_at_unix_ms,
                                            user=user, is_admin=is_admin, parent=parent)
         self.quotas.add_instance(instance.user, user_max_tokens_per_minute)
+        self.batcher.instance_launched(instance, self.clock())
         return instance
 
     def register_anonymous(self) -> Instance:

@@ -50,10 +50,16 @@ class ListSink:
         return [e for e in self.events if e.WhichOneof("event") == event]
 
 
+# The adaptive strategy without its launch hold: these tests register their instances up front and then
+# send from one at a time, and `settle` does not wait out timers. The launch hold has tests of its own
+# (test_scheduler_batcher.py with a fake clock, test_scheduler_core.py with the default strategy).
+TEST_BATCHING = "adaptive:250:0"
+
+
 class Harness:
     """A started `Scheduler` over `num_executors` simulated executors."""
 
-    def __init__(self, batching: str = "adaptive", num_executors: int = 1, tracer: SchedulerTracer | None = None,
+    def __init__(self, batching: str = TEST_BATCHING, num_executors: int = 1, tracer: SchedulerTracer | None = None,
                  config: dict[str, object] | None = None, clock: Callable[[], float] = time.monotonic,
                  executor_configs: list[dict[str, object]] | None = None, **sim: object) -> None:
         """`executor_configs`: per executor, overrides of the simulated config (a model name, a vocabulary)."""

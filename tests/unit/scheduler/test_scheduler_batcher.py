@@ -224,6 +224,9 @@ def test_dropped_stream_and_removed_instance_leave_the_queues() -> None:
         ("adaptive:50", "adaptive:50"),
         ("adaptive:0", "adaptive:0"),
         ("adaptive:7.5", "adaptive:7.5"),
+        ("adaptive:250:150", "adaptive"),
+        ("adaptive:250:0", "adaptive:250:0"),
+        ("adaptive:100:40", "adaptive:100:40"),
         ("t-only:5", "t-only:5"),
         ("k-only:8", "k-only:8"),
         ("k-or-t:8:2.5", "k-or-t:8:2.5"),
@@ -233,7 +236,7 @@ def test_parse_strategy(spec: str, name: str) -> None:
     assert parse_strategy(spec).name == name
 
 
-@pytest.mark.parametrize("spec", ["", "fast", "k-only:0", "k-only:x", "t-only", "t-only:-1", "k-or-t:1", "adaptive:-1", "adaptive:x", "adaptive:1:2"])
+@pytest.mark.parametrize("spec", ["", "fast", "k-only:0", "k-only:x", "t-only", "t-only:-1", "k-or-t:1", "adaptive:-1", "adaptive:x", "adaptive:1:2:3", "adaptive:1:-2", "adaptive:1:x"])
 def test_parse_strategy_rejects_malformed_specs(spec: str) -> None:
     with pytest.raises(ValueError, match="bad batching strategy"):
         parse_strategy(spec)
@@ -389,6 +392,112 @@ def test_adaptive_0_fires_at_once_as_before() -> None:
     rig.now = 0.100
     rig.answer()
     assert rig.batch_sizes() == [1, 1]
+
+
+# ---- the launch hold: a burst of launches shares its first batch ----
+
+
+def launch_rig(launch_hold_s: float = 0.100) -> DecodeRig:
+    return DecodeRig(Adaptive(max_hold_s=0.050, hold_fraction=0.5, launch_hold_s=launch_hold_s))
+
+
+def launch(rig: DecodeRig, count: int) -> list[Stream]:
+    """`count` instances registered now (the scheduler calls `instance_launched` at RegisterInstance)."""
+    streams = [rig.stream() for _ in range(count)]
+    for s in streams:
+        rig.batcher.instance_launched(s.instance, rig.now)
+    return streams
+
+
+def test_a_burst_of_launches_fires_its_first_forwards_as_one_batch() -> None:
+    rig = launch_rig()
+    streams = launch(rig, 3)
+    for request, at in enumerate((0.010, 0.030, 0.050)):
+        rig.now = at
+        rig.submit(streams[request], "forward_text", request, num_tokens=100)
+        rig.step()
+        if request < 2:
+            assert rig.fired == [], f"{2 - request} launched instance(s) have not sent their first forward"
+            assert rig.batcher.next_deadline() == pytest.approx(0.100)  # the oldest launch stops being waited for
+    assert rig.fired_ids() == [[0, 1, 2]], "the last launch's forward arrived: all three fire, before the bound"
+    assert not rig.batcher.launched and rig.batcher.next_deadline() is None
+
+
+def test_a_silent_launch_delays_the_first_forwards_by_the_bound_once() -> None:
+    rig = launch_rig()
+    talker, _silent = launch(rig, 2)
+    rig.now = 0.020
+    rig.submit(talker, "forward_text", 0)
+    rig.step()
+    rig.now = 0.099
+    rig.step()
+    assert rig.fired == []
+    rig.now = 0.100  # `_silent` was registered 100 ms ago: no longer waited for
+    rig.step()
+    assert rig.fired_ids() == [[0]] and not rig.batcher.launched
+    rig.executor.num_forward_in_flight = 0
+    rig.submit(talker, "forward_text", 1)
+    rig.step()
+    assert rig.fired_ids() == [[0], [1]], "its next forward is not a first one: it fires at once"
+
+
+def test_launches_that_keep_coming_hold_a_queue_at_most_the_bound_from_its_oldest_item() -> None:
+    rig = launch_rig()
+    first, _silent = launch(rig, 2)
+    rig.now = 0.020
+    rig.submit(first, "forward_text", 0)
+    rig.step()
+    for at in (0.030, 0.060, 0.090):  # a new launch every 30 ms, none of which sends anything
+        rig.now = at
+        launch(rig, 1)
+        rig.step()
+    assert rig.batcher.next_deadline() == pytest.approx(0.100)  # `_silent` stops being waited for
+    rig.now = 0.100
+    rig.step()
+    assert rig.fired == [], "three launches are still pending"
+    assert rig.batcher.next_deadline() == pytest.approx(0.120)  # the item's own bound comes first
+    rig.now = rig.batcher.next_deadline()
+    rig.step()
+    assert rig.fired_ids() == [[0]], "100 ms after it arrived, with three launches still pending"
+
+
+def test_a_decoding_stream_never_waits_for_launches() -> None:
+    rig = launch_rig()
+    decoding = rig.stream()  # running before the burst: never registered as a launch here
+    newcomer, _silent = launch(rig, 2)
+    rig.submit(decoding, "forward_text", 0)
+    rig.step()
+    assert rig.fired_ids() == [[0]], "a queue with a decoding stream's item fires at once"
+    rig.now = 0.010
+    rig.answer()
+    rig.submit(newcomer, "forward_text", 1)
+    rig.submit(decoding, "forward_text", 2)
+    rig.step()
+    assert rig.fired_ids() == [[0], [1, 2]], "a first forward beside a decode step does not wait either"
+
+
+def test_a_launch_older_than_the_bound_or_ended_is_not_waited_for() -> None:
+    rig = launch_rig()
+    old, ended = launch(rig, 2)[0], None
+    rig.now = 0.150
+    talker, ended = launch(rig, 2)
+    rig.batcher.drop_stream(ended)  # its instance ended before sending anything
+    rig.submit(talker, "forward_text", 0)
+    rig.step()
+    assert rig.fired_ids() == [[0]]
+    assert old.instance not in rig.batcher.launched and not rig.batcher.launched
+
+
+@pytest.mark.parametrize("strategy", [Adaptive(launch_hold_s=0.0), TOnly(0.0), Eager()], ids=lambda s: s.name)
+def test_without_a_launch_hold_no_launch_is_kept_or_waited_for(strategy: object) -> None:
+    rig = Rig(strategy)
+    streams = [rig.stream() for _ in range(2)]
+    for s in streams:
+        rig.batcher.instance_launched(s.instance, rig.now)
+    assert not rig.batcher.launched
+    rig.submit(streams[0], "forward_text", 0)
+    rig.step()
+    assert rig.fired_ids() == [[0]]
 
 
 def test_priorities_still_order_a_regrouped_batch() -> None:

@@ -359,6 +359,36 @@ async def test_output_less_forward_batches_count_as_in_flight_under_adaptive(har
     assert executor.num_forward_in_flight == 0 and not executor.inflight
 
 
+async def test_a_burst_of_launches_shares_its_first_batch_under_the_default_strategy(harness_factory) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    h = harness_factory(batching="adaptive")  # the scheduler's default, its launch hold included
+    burst = [h.open() for _ in range(3)]  # registered together, as a burst of launches is
+    for inst, _ in burst:
+        h.send(inst, rq.allocate([0]))
+    await h.settle()
+
+    def forward_batches() -> int:
+        return h.scheduler.metrics.counts()["batches"].get("forward_text", 0)
+
+    first, _ = burst[0]
+    h.send(first, rq.forward_text([0], 1, [5], outputs=[0], request_id=1))
+    await h.settle()
+    assert forward_batches() == 0, "the idle executor waits for the burst's other first forwards"
+    for inst, _ in burst[1:]:
+        h.send(inst, rq.forward_text([0], 1, [5], outputs=[0], request_id=1))
+    await h.settle()
+    assert forward_batches() == 1 and all(sink.of("forward_text") for _, sink in burst), "one batch of three"
+
+    talker, talker_sink = h.open()
+    h.open()  # launched, and silent
+    h.send(talker, rq.allocate([0]), rq.forward_text([0], 1, [5], outputs=[0], request_id=1))
+    await h.settle()
+    assert forward_batches() == 1
+    await asyncio.sleep(0.25)  # past the bound (150 ms): the silent launch is no longer waited for
+    assert forward_batches() == 2 and talker_sink.of("forward_text") and talker_sink.trap is None
+
+
 async def test_reply_and_executor_round_trip_latencies_are_exported(harness_factory) -> None:  # type: ignore[no-untyped-def]
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families

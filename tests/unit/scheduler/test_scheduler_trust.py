@@ -39,7 +39,7 @@ async def _bystander_still_works(h, instance, sink) -> None:  # type: ignore[no-
 # ---- cluster-wide knobs ----
 
 async def test_batching_switch_needs_an_admin_instance(harness_factory) -> None:  # type: ignore[no-untyped-def]
-    h = harness_factory()
+    h = harness_factory(batching="adaptive")
     bystander, bystander_sink = h.open("bystander")
     user, sink = h.open("user")
     h.send(user, rq.allocate([1]), rq.debug_query("ping"), rq.debug_query("batching"),
@@ -54,6 +54,13 @@ async def test_batching_switch_needs_an_admin_instance(harness_factory) -> None:
     h.send(admin, rq.debug_query("batching:k-or-t:2:1"))
     await h.settle()
     assert admin_sink.trap is None and h.scheduler.batcher.forward_strategy.name == "k-or-t:2:1"
+    # The launch hold is part of the same knob: a tenant may not turn it off (or up), an admin may.
+    tenant, tenant_sink = h.open("tenant")
+    h.send(tenant, rq.debug_query("batching:adaptive:250:0", request_id=4))
+    h.send(admin, rq.debug_query("batching:adaptive:250:20"))
+    await h.settle()
+    assert tenant_sink.trap.kind == TRAP.TRAP_KIND_PERMISSION_DENIED and tenant_sink.trap.offending_request_id == 4  # type: ignore[union-attr]
+    assert admin_sink.trap is None and h.scheduler.batcher.forward_strategy.name == "adaptive:250:20"
 
 
 # ---- export ownership and visibility ----

@@ -395,7 +395,8 @@ export interface SetStreamPriorityCommand {
 /**
  * Introspection and live tuning. Replied with `debug_query`. Queries:
  *   "ping" -> "pong"; "stats" -> JSON counters; "batching" -> the current strategy;
- *   "batching:adaptive" | "batching:t-only:<t_ms>" | "batching:k-only:<k>" | "batching:k-or-t:<k>:<t_ms>"
+ *   "batching:adaptive" | "batching:adaptive:<max_hold_ms>[:<launch_hold_ms>]" | "batching:t-only:<t_ms>" |
+ *   "batching:k-only:<k>" | "batching:k-or-t:<k>:<t_ms>"
  *   switch the forward batching strategy for everyone: only an admin instance may (others trap with
  *   TRAP_KIND_PERMISSION_DENIED).
  */
