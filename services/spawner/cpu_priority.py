@@ -49,21 +49,30 @@ def parent_pids() -> dict[int, int]:
 def descendants(root_pid: int) -> list[int]:
     """Every process under `root_pid` (not itself), from /proc/<pid>/task/<tid>/children: no scan of the
     host's whole process table, so cheap enough to poll. Empty on kernels built without
-    CONFIG_PROC_CHILDREN, which lack those files: `sandbox_tree` works everywhere."""
+    CONFIG_PROC_CHILDREN, which lack those files: `sandbox_tree` works everywhere. (Raw reads of string
+    paths: with Path objects and text reads a walk cost ~3x the CPU.)"""
     found, frontier = [], [root_pid]
     while frontier:
-        pid = frontier.pop()
+        tasks_dir = f"/proc/{frontier.pop()}/task"
         try:
-            tasks = os.listdir(PROC / str(pid) / "task")
+            tasks = os.listdir(tasks_dir)
         except OSError:
             continue
         for tid in tasks:
             try:
-                children = [int(child) for child in (PROC / str(pid) / "task" / tid / "children").read_text().split()]
+                fd = os.open(f"{tasks_dir}/{tid}/children", os.O_RDONLY)
             except OSError:
                 continue
-            found += children
-            frontier += children
+            try:
+                data = os.read(fd, 1 << 16)
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+            if data:
+                children = [int(child) for child in data.split()]
+                found += children
+                frontier += children
     return found
 
 
