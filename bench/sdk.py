@@ -15,6 +15,13 @@ plane's. The modes, interleaved, each over gRPC and over framed sessions (`frame
 
     flock -x /tmp/l4m-bench.lock taskset -c 0,1 .venv/bin/python bench/sdk.py
     .venv/bin/python bench/sdk.py --modes stepwise,json-schema --transports framed --tokens 1000
+
+Beside a real executor the control plane runs in other conditions: its processes sleep through each
+forward pass and wake for each token, and on a CPU the executor streams its weights through the caches
+meanwhile. `--forward-latency-ms` makes the simulated executor take that long per forward batch, and
+`--thrash-mib` runs a process beside the measured ones that reads a buffer of that many MiB over and over
+(on the last CPU this process may use), so that the caches hold little of the control plane's memory
+when it wakes (docs/benchmarks.md, "Round 8").
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -126,6 +134,20 @@ def write_tokenizer(state: Path) -> Path:
     return path
 
 
+THRASHER = """
+import os, sys
+os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
+buffer = bytearray(int(sys.argv[1]) << 20)
+while True:
+    buffer.count(1)  # reads all of it: what the caches held of anyone else is gone
+"""
+
+
+def start_thrasher(mib: int) -> subprocess.Popen[bytes]:
+    """A process that reads `mib` MiB over and over until terminated, as an executor streams its weights."""
+    return subprocess.Popen([sys.executable, "-c", THRASHER, str(mib)])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=2000)
@@ -135,19 +157,30 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES), help=f"some of {', '.join(MODES)} (comma-separated)")
     parser.add_argument("--executor-transport", default="framed", choices=["framed", "grpc"],
                         help="how the scheduler sends batches to the simulated executor")
+    parser.add_argument("--forward-latency-ms", type=float, default=0.0,
+                        help="the simulated executor's time per forward batch (default: it answers at once)")
+    parser.add_argument("--thrash-mib", type=int, default=0,
+                        help="a process beside the measured ones reads a buffer of this many MiB over and over")
     args = parser.parse_args()
+    if args.forward_latency_ms < 0 or args.thrash_mib < 0:
+        parser.error("--forward-latency-ms and --thrash-mib must be at least 0")
     modes = args.modes.split(",")
     if unknown := sorted(set(modes) - set(MODES)):
         parser.error(f"unknown mode(s) {', '.join(unknown)}; the modes are {', '.join(MODES)}")
     state = Path(tempfile.mkdtemp(prefix="l4m-sdk-bench-"))
     framed_socket = str(state / "scheduler.frames.sock")
-    simulated = ["--tokenizer-json", str(write_tokenizer(state)), "--vocab-size", "49152"]
+    simulated = ["--tokenizer-json", str(write_tokenizer(state)), "--vocab-size", "49152",
+                 "--forward-latency-ms", str(args.forward_latency_ms)]
     processes = start_processes(framed_socket, args.executor_transport, simulated)
+    if args.thrash_mib:
+        processes.processes.append(start_thrasher(args.thrash_mib))
     addresses = {"grpc": processes.address, "framed": f"framed:{framed_socket}"}
     addresses = {name: addresses[name] for name in args.transports.split(",")}
     scheduler_pid = processes.processes[1].pid
     print(f"SDK decode loop against scheduler + simulated executor processes (batches over "
-          f"{args.executor_transport}), cpus={len(os.sched_getaffinity(0))}; CPU ms per generated token")
+          f"{args.executor_transport}), cpus={len(os.sched_getaffinity(0))}; CPU ms per generated token"
+          + (f"; forward batches of {args.forward_latency_ms:g} ms" if args.forward_latency_ms else "")
+          + (f"; a {args.thrash_mib} MiB cache thrasher beside it" if args.thrash_mib else ""))
     print(f"{'mode':<14} {'transport':<9} {'tokens':>7} {'ms wall/token':>13} {'SDK CPU':>16} {'llguidance CPU':>16} "
           f"{'scheduler CPU':>22}")
     rows: list[dict[str, object]] = []
@@ -157,9 +190,12 @@ def main() -> None:
     finally:
         for process in processes.processes:
             process.terminate()
+        for process in processes.processes:
+            process.wait(timeout=30)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"rows": rows}, indent=1))
+        args.out.write_text(json.dumps({"rows": rows, "forward_latency_ms": args.forward_latency_ms,
+                                        "thrash_mib": args.thrash_mib}, indent=1))
 
 
 if __name__ == "__main__":

@@ -227,6 +227,24 @@ def test_sdk_bench_measures_every_mode_on_both_transports(tmp_path: Path) -> Non
     assert sum(row["scheduler_cpu_ms_per_token"] for (mode, _), row in rows.items() if mode != "continuation") > 0
 
 
+def test_sdk_bench_runs_beside_a_slow_executor_and_a_cache_thrasher(tmp_path: Path) -> None:
+    """bench/sdk.py --forward-latency-ms --thrash-mib: the loop sleeps through each forward batch while a
+    process streams a buffer beside it, and the run says so; the thrasher ends with the bench."""
+    out = tmp_path / "sdk.json"
+    done = run_bench("sdk.py", "--tokens", "50", "--repeats", "1", "--modes", "stepwise", "--transports", "framed",
+                     "--forward-latency-ms", "2", "--thrash-mib", "16", "--out", str(out), timeout_s=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "forward batches of 2 ms; a 16 MiB cache thrasher beside it" in done.stdout
+    result = json.loads(out.read_text())
+    assert result["forward_latency_ms"] == 2 and result["thrash_mib"] == 16
+    (row,) = result["rows"]
+    assert row["tokens"] == 50 and row["sdk_cpu_ms_per_token"] > 0
+    assert row["wall_ms_per_token"] >= 2, "every token waited for a forward batch of 2 ms"
+    thrashers = subprocess.run(["pgrep", "-f", "buffer.count"], capture_output=True, text=True).stdout.split()
+    assert not thrashers, f"the thrasher outlived the bench: {thrashers}"
+    assert run_bench("sdk.py", "--thrash-mib", "-1").returncode == 2
+
+
 def test_chunk_slots_fit_recovers_the_cost_model_and_sizes_the_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     """bench/chunk_slots.py's fit, on extra times made from the scheduler's own cost model."""
     monkeypatch.syspath_prepend(str(REPO / "bench"))
