@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import sys
@@ -35,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from l4m.client import Client  # noqa: E402
 from l4m.cluster import Cluster, ClusterConfig  # noqa: E402
-from l4m.spawner.cpu_priority import descendants  # noqa: E402
+from l4m.spawner.cpu_priority import descendants, thread_schedstat_ns  # noqa: E402
 from l4m.v1 import spawner_pb2  # noqa: E402
 
 CONTROLLER = Path(__file__).parent / "controllers" / "relay.py"
@@ -74,13 +73,9 @@ async def relay(client: Client, program: str, num_messages: int, num_bytes: int,
 
 
 def threads_cpu_s(pid: int) -> float:
-    """CPU seconds of a process's live threads, to the nanosecond (/proc/PID/task/*/schedstat): its stat's
+    """CPU seconds of a process's live threads, to the nanosecond (their /proc schedstat): its stat's
     utime + stime count whole 10 ms ticks, and two launches may cost the spawner less than one."""
-    total_ns = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError, ValueError, IndexError):  # a thread that just ended
-            total_ns += int((task / "schedstat").read_text().split()[0])
-    return total_ns / 1e9
+    return sum(thread_schedstat_ns([pid], 0).values()) / 1e9
 
 
 async def measure(client: Client, program: str, pid: int, num_streams: int, num_messages: int,

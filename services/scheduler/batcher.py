@@ -344,7 +344,7 @@ class Adaptive:
             if now < queue.hold_until:
                 return 0
             queue.awaited.clear()
-        if queue.launched and queue.num_first_forwards == queue.num_items:
+        if _holds_first_forwards_only(queue):
             expire_launches(queue.launched, now, self.launch_hold_s)
             if queue.launched and now < queue.oldest_arrival() + self.launch_hold_s:
                 return 0
@@ -355,7 +355,7 @@ class Adaptive:
             return None
         if queue.awaited:
             return queue.hold_until
-        if queue.launched and queue.num_first_forwards == queue.num_items:
+        if _holds_first_forwards_only(queue):
             # Look again when the oldest launch stops being waited for, or the bound ends the wait.
             return min(next(iter(queue.launched.values())), queue.oldest_arrival()) + self.launch_hold_s
         return None
@@ -368,6 +368,11 @@ class Adaptive:
         queued = queue.streams() if queue.num_items else set()
         queue.awaited = {s: None for s in streams if s not in queued and s.instance.is_alive}
         queue.hold_until = now + hold
+
+
+def _holds_first_forwards_only(queue: BatchQueue) -> bool:
+    """Launches are pending and every queued item is its instance's first forward: the launch hold applies."""
+    return bool(queue.launched) and queue.num_first_forwards == queue.num_items
 
 
 def expire_launches(launched: dict[Any, float], now: float, hold_s: float) -> None:

@@ -130,15 +130,20 @@ def set_normal_priority(list_pids: Callable[[], set[int]], nice: int) -> set[int
     raise SandboxError("the warm sandbox kept starting threads while it was being handed a launch")
 
 
-def run_delays_ns(pids: Iterable[int]) -> dict[int, int]:
-    """tid -> nanoseconds it has spent runnable but waiting for a CPU (schedstat's second field; empty
-    on kernels without CONFIG_SCHED_INFO)."""
-    delays: dict[int, int] = {}
+def thread_schedstat_ns(pids: Iterable[int], field: int) -> dict[int, int]:
+    """tid -> one field of each live thread's /proc schedstat, in nanoseconds: 0, the time it ran; 1, the
+    time it spent runnable but waiting for a CPU. Empty on kernels without CONFIG_SCHED_INFO."""
+    values: dict[int, int] = {}
     for pid in pids:
         for tid in thread_ids(pid):
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                delays[tid] = int((PROC / str(pid) / "task" / str(tid) / "schedstat").read_text().split()[1])
-    return delays
+            with contextlib.suppress(OSError, IndexError, ValueError):  # a thread that just ended
+                values[tid] = int((PROC / str(pid) / "task" / str(tid) / "schedstat").read_text().split()[field])
+    return values
+
+
+def run_delays_ns(pids: Iterable[int]) -> dict[int, int]:
+    """tid -> nanoseconds it has spent runnable but waiting for a CPU."""
+    return thread_schedstat_ns(pids, 1)
 
 
 class StartClock:
