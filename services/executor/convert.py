@@ -9,7 +9,8 @@ worst-case reply bytes). The scheduler checks the same bounds first; these are t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from l4m.executor import commands as c
 from l4m.executor.errors import ExecutorError, InvalidCommand
@@ -48,10 +49,16 @@ def runs_from_pb(brle: common_pb2.Brle, field: str, index: int) -> tuple[int, ..
 
 
 def sampler_from_pb(spec: common_pb2.SamplerSpec, index: int) -> c.SamplerSpec:
+    # A decode loop sends the same sampler at every step: one converted before is taken from `_SAMPLERS` by its
+    # bytes (equal bytes parse to equal fields), unless it carries per-token data (a mask, a logit bias).
+    key = None if spec.HasField("vocabulary_mask") or spec.logit_bias_token_ids or spec.logit_bias_values \
+        else spec.SerializeToString()
+    if key is not None and (converted := _SAMPLERS.get(key)) is not None:
+        return converted
     if spec.kind not in _SAMPLER_KINDS:
         raise InvalidCommand(f"item {index}: sampler kind {spec.kind} is unspecified or unknown", index)
     mask = runs_from_pb(spec.vocabulary_mask, "vocabulary_mask", index) if spec.HasField("vocabulary_mask") else ()
-    return c.SamplerSpec(
+    converted = c.SamplerSpec(
         kind=_SAMPLER_KINDS[spec.kind],
         temperature=spec.temperature,
         top_k=spec.top_k,
@@ -64,21 +71,61 @@ def sampler_from_pb(spec: common_pb2.SamplerSpec, index: int) -> c.SamplerSpec:
         logit_bias_values=tuple(spec.logit_bias_values),
         top_logprobs=spec.top_logprobs,
     )
+    if key is not None:
+        if len(_SAMPLERS) >= _MAX_SAMPLERS:  # a client sending a new sampler every time costs a bounded dict
+            _SAMPLERS.clear()
+        _SAMPLERS[key] = converted
+    return converted
+
+
+# Samplers converted before, by their serialized bytes (frozen: one object serves every batch that sends them).
+# Conversion only: the engine checks every batch's samplers against its rules whether converted now or before.
+_SAMPLERS: dict[bytes, c.SamplerSpec] = {}
+_MAX_SAMPLERS = 1024
+_NO_STOP_TOKENS: frozenset[int] = frozenset()
 
 
 def _forward_text_from_pb(item: common_pb2.ForwardTextItem, index: int) -> c.ForwardText:
+    masks, stop_token_ids = item.attention_masks, item.continuation_stop_token_ids
     return c.ForwardText(
-        kv_page_ids=tuple(item.kv_page_ids),
-        kv_last_page_length=item.kv_last_page_length,
-        token_ids=tuple(item.token_ids),
-        position_ids=tuple(item.position_ids),
-        attention_mask=tuple(runs_from_pb(row, f"attention_masks[{i}]", index)
-                             for i, row in enumerate(item.attention_masks)),
-        output_indices=tuple(item.output_indices),
-        samplers=tuple(sampler_from_pb(s, index) for s in item.samplers),
-        num_continuation_steps=item.num_continuation_steps,
-        continuation_stop_token_ids=frozenset(item.continuation_stop_token_ids),
+        tuple(item.kv_page_ids),
+        item.kv_last_page_length,
+        tuple(item.token_ids),
+        tuple(item.position_ids),
+        tuple(runs_from_pb(row, f"attention_masks[{i}]", index) for i, row in enumerate(masks)) if masks else (),
+        tuple(item.output_indices),
+        tuple([sampler_from_pb(s, index) for s in item.samplers]),
+        item.num_continuation_steps,
+        frozenset(stop_token_ids) if stop_token_ids else _NO_STOP_TOKENS,
     )
+
+
+_CONVERTERS: dict[str, Callable[[Any, int], c.Command]] = {
+    "allocate": lambda it, i: c.Allocate(_resource_kind(it.kind, i), tuple(it.ids)),
+    "deallocate": lambda it, i: c.Deallocate(_resource_kind(it.kind, i), tuple(it.ids)),
+    "embed_text": lambda it, i: c.EmbedText(tuple(it.embed_slot_ids), tuple(it.token_ids), tuple(it.position_ids)),
+    "forward": lambda it, i: c.Forward(
+        tuple(it.kv_page_ids),
+        it.kv_last_page_length,
+        tuple(it.input_embed_slot_ids),
+        tuple(it.output_indices),
+        tuple(it.output_embed_slot_ids),
+    ),
+    "forward_text": _forward_text_from_pb,
+    "sample_top_k": lambda it, i: c.SampleTopK(it.embed_slot_id, it.k),
+    "copy_kv_page": lambda it, i: c.CopyKvPage(
+        it.source_kv_page_id,
+        it.destination_kv_page_id,
+        it.source_offset_tokens,
+        it.destination_offset_tokens,
+        it.length_tokens,
+    ),
+    "mask_kv_page": lambda it, i: c.MaskKvPage(it.kv_page_id, runs_from_pb(it.visibility, "visibility", i)),
+    "embed_image": lambda it, i: c.EmbedImage(tuple(it.embed_slot_ids), it.image_bytes, it.position_offset),
+    "debug_query": lambda it, i: c.DebugQuery(it),
+    "swap_out": lambda it, i: c.SwapOut(tuple(it.kv_page_ids), tuple(it.swap_slot_ids)),
+    "swap_in": lambda it, i: c.SwapIn(tuple(it.kv_page_ids), tuple(it.swap_slot_ids)),
+}
 
 
 def batch_from_pb(request: executor_pb2.ExecuteRequest) -> list[c.Command]:
@@ -87,38 +134,9 @@ def batch_from_pb(request: executor_pb2.ExecuteRequest) -> list[c.Command]:
     if kind is None:
         raise InvalidCommand("the request carries no batch")
     items = getattr(request, kind).queries if kind == "debug_query" else getattr(request, kind).items
-    converters = {
-        "allocate": lambda it, i: c.Allocate(_resource_kind(it.kind, i), tuple(it.ids)),
-        "deallocate": lambda it, i: c.Deallocate(_resource_kind(it.kind, i), tuple(it.ids)),
-        "embed_text": lambda it, i: c.EmbedText(
-            tuple(it.embed_slot_ids), tuple(it.token_ids), tuple(it.position_ids)
-        ),
-        "forward": lambda it, i: c.Forward(
-            tuple(it.kv_page_ids),
-            it.kv_last_page_length,
-            tuple(it.input_embed_slot_ids),
-            tuple(it.output_indices),
-            tuple(it.output_embed_slot_ids),
-        ),
-        "forward_text": _forward_text_from_pb,
-        "sample_top_k": lambda it, i: c.SampleTopK(it.embed_slot_id, it.k),
-        "copy_kv_page": lambda it, i: c.CopyKvPage(
-            it.source_kv_page_id,
-            it.destination_kv_page_id,
-            it.source_offset_tokens,
-            it.destination_offset_tokens,
-            it.length_tokens,
-        ),
-        "mask_kv_page": lambda it, i: c.MaskKvPage(it.kv_page_id, runs_from_pb(it.visibility, "visibility", i)),
-        "embed_image": lambda it, i: c.EmbedImage(
-            tuple(it.embed_slot_ids), it.image_bytes, it.position_offset
-        ),
-        "debug_query": lambda it, i: c.DebugQuery(it),
-        "swap_out": lambda it, i: c.SwapOut(tuple(it.kv_page_ids), tuple(it.swap_slot_ids)),
-        "swap_in": lambda it, i: c.SwapIn(tuple(it.kv_page_ids), tuple(it.swap_slot_ids)),
-    }
     check_reply_bounds(kind, items)
-    return [converters[kind](item, i) for i, item in enumerate(items)]
+    convert = _CONVERTERS[kind]
+    return [convert(item, i) for i, item in enumerate(items)]
 
 
 def check_reply_bounds(kind: str, items: Sequence[object]) -> None:
@@ -148,13 +166,21 @@ def check_reply_bounds(kind: str, items: Sequence[object]) -> None:
                              f"less the envelope ({MAX_BATCH_REPLY_BYTES})")
 
 
-def output_to_pb(result: c.SamplerResult) -> common_pb2.OutputResult:
-    if isinstance(result, c.Distribution):
-        return common_pb2.OutputResult(distribution=distribution_to_pb(result))
-    return common_pb2.OutputResult(
-        token=common_pb2.SampledToken(token_id=result.token_id, logprob=result.logprob,
-                                      top_token_ids=result.top_token_ids, top_logprobs=result.top_logprobs)
-    )
+def outputs_to_pb(results: Sequence[c.SamplerResult], outputs: Any) -> None:
+    """Each result appended to `outputs` (a repeated OutputResult field), in place: filling messages the
+    reply already holds costs a quarter of building them apart and copying them in."""
+    for result in results:
+        if isinstance(result, c.Distribution):
+            distribution = outputs.add().distribution
+            distribution.token_ids.extend(result.token_ids)
+            distribution.probabilities.extend(result.probs)
+            continue
+        token = outputs.add().token
+        token.token_id = result.token_id
+        token.logprob = result.logprob
+        if result.top_token_ids:
+            token.top_token_ids.extend(result.top_token_ids)
+            token.top_logprobs.extend(result.top_logprobs)
 
 
 def distribution_to_pb(result: c.Distribution) -> common_pb2.Distribution:
@@ -172,8 +198,9 @@ def reply_to_pb(
     first = batch[0]
     reply = executor_pb2.ExecuteResponse(correlation_id=correlation_id)
     if isinstance(first, c.ForwardText):
-        items = [common_pb2.ForwardTextResult(outputs=[output_to_pb(o) for o in r.outputs]) for r in result]
-        reply.forward_text.items.extend(items)
+        items = reply.forward_text.items
+        for item_result in result:
+            outputs_to_pb(item_result.outputs, items.add().outputs)
     elif isinstance(first, c.Forward):
         reply.forward.num_items = len(batch)
     elif isinstance(first, c.SampleTopK):

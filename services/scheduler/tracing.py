@@ -17,8 +17,9 @@ from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import Link, ProxyTracerProvider, Span, Status, StatusCode
+from opentelemetry.trace import Link, Span, Status, StatusCode
 
+from l4m.telemetry import tracing_enabled
 from l4m.wire.tracecontext import parent_context, traceparent_of
 
 
@@ -27,7 +28,7 @@ class SchedulerTracer:
 
     def __init__(self, provider: trace.TracerProvider | None = None) -> None:
         provider = provider or trace.get_tracer_provider()
-        self.enabled = not isinstance(provider, ProxyTracerProvider | trace.NoOpTracerProvider)
+        self.enabled = tracing_enabled(provider)
         self._tracer = provider.get_tracer("l4m.scheduler")
 
     @staticmethod

@@ -45,6 +45,16 @@ def test_no_variables_means_no_tracing() -> None:
     assert telemetry.tracing_requested({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"})
 
 
+def test_spans_are_recorded_only_under_a_real_provider() -> None:
+    """What the hot paths ask before building spans (the executor's per batch, the scheduler's per command)."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    assert not telemetry.tracing_enabled(trace.ProxyTracerProvider())
+    assert not telemetry.tracing_enabled(trace.NoOpTracerProvider())
+    assert telemetry.tracing_enabled(TracerProvider())
+
+
 def test_spans_reach_the_receiver_with_the_parent_trace() -> None:
     with OtlpReceiver() as receiver:
         _run_child({"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint})

@@ -22,6 +22,15 @@ def tracing_requested(environ: Mapping[str, str] = os.environ) -> bool:
     return any(environ.get(name) for name in _ENDPOINT_VARS)
 
 
+def tracing_enabled(provider: object | None = None) -> bool:
+    """Whether spans are recorded: a real tracer provider is installed (`configure_tracing`, or a test's),
+    not the API's default proxy or no-op one. Hot paths ask this to skip building spans nobody records."""
+    from opentelemetry import trace
+
+    provider = trace.get_tracer_provider() if provider is None else provider
+    return not isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+
+
 def configure_tracing(service_name: str, environ: Mapping[str, str] = os.environ) -> bool:
     """Install an SDK tracer provider exporting per the environment; return whether tracing is on."""
     if not tracing_requested(environ):

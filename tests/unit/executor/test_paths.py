@@ -105,3 +105,26 @@ def test_batch_spans_have_prepare_forward_sample_children(make_engine, prompts, 
     assert batch.context.trace_id == parent.get_span_context().trace_id
     assert batch.parent.span_id == parent.get_span_context().span_id
     assert all(spans[n].parent.span_id == batch.context.span_id for n in ("prepare", "forward", "sample"))
+
+
+def test_a_batch_builds_no_span_while_no_provider_records_them(make_engine, prompts, monkeypatch) -> None:
+    """Issue #19: with tracing off (the API's proxy tracer, no provider installed) a batch opens no span at all,
+    not even a no-op one; once a provider records, the same batch opens its four."""
+    opened: list[str] = []
+
+    class SpyTracer(trace.ProxyTracer):
+        def start_as_current_span(self, name, *args, **kwargs):  # type: ignore[no-untyped-def, override]
+            opened.append(name)
+            return super().start_as_current_span(name, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "_tracer", SpyTracer("l4m.executor"))
+    monkeypatch.setattr(trace, "get_tracer_provider", trace.ProxyTracerProvider)
+    engine = make_engine()
+    tables = PageTables(engine)
+    before = engine.execute([tables.item("a", prompts[1][:5])])
+    assert opened == []
+    recording = TracerProvider()
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: recording)
+    after = engine.execute([tables.item("b", prompts[1][:5])])
+    assert sorted(opened) == ["executor.batch", "forward", "prepare", "sample"] and opened[0] == "executor.batch"
+    assert before[0].outputs[0].token_id == after[0].outputs[0].token_id  # the same prompt, the same token
