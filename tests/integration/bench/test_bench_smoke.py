@@ -140,6 +140,8 @@ def test_relay_counts_every_message_and_prices_it_by_role(tmp_path: Path) -> Non
         ("agentic.py", ["--branches", "0"], "must be at least 1"),
         ("peers.py", ["--engine", "l4m-executor", "--streams", "0"], "must be at least 1"),
         ("scheduler.py", ["--executor-device", "cpu"], "--executor-device goes with --grpc"),
+        ("executor_host.py", ["--batches", "1,x"], "--batches: comma-separated integers"),
+        ("executor_host.py", ["--steps", "0"], "must be at least 1"),
     ],
 )
 def test_bad_flags_are_refused_clearly(script: str, args: list[str], message: str) -> None:
@@ -195,6 +197,22 @@ def test_executor_bench_measures_each_engine(tmp_path: Path, decode: str) -> Non
         assert "needs the CPU kernels' avx512_bf16 instruction set" in done.stdout + done.stderr
     for row in rows:
         assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0
+
+
+def test_executor_host_bench_splits_each_batch_around_the_kernels(tmp_path: Path) -> None:
+    """bench/executor_host.py, tiny: decode batches through the executor service's batch path, each phase timed;
+    host work is what is not the kernels, nor the sampling (reported apart)."""
+    out = tmp_path / "executor_host.json"
+    done = run_bench("executor_host.py", "--batches", "1,3", "--context", "20", "--steps", "3", "--out", str(out),
+                     timeout_s=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["batch"] for row in rows] == [1, 3]
+    for row in rows:
+        assert all(row[phase] > 0 for phase in ("convert", "prepare", "sample", "reply", "kernels")), row
+        assert row["host"] == pytest.approx(row["convert"] + row["prepare"] + row["reply"])
+        assert row["kernels"] > row["convert"], row  # a forward pass of the real model outweighs its conversion
+    assert "| 3 |" in done.stdout
 
 
 def test_transport_bench_measures_both_transports(tmp_path: Path) -> None:
