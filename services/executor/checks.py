@@ -65,6 +65,9 @@ class PreparedItem:
 # ---- ids, tokens, positions ---------------------------------------------------------------------
 
 
+_PAGES_CHECKED_ONE_BY_ONE = 48  # up to this many pages (768 tokens of 16) a Python loop costs less than numpy
+
+
 def check_pages(cache: KvCache, page_ids: Sequence[int], where: str) -> None:
     if len(page_ids) > _PAGES_CHECKED_ONE_BY_ONE:  # a long context: one pass in numpy, every step
         ids = np.fromiter(page_ids, dtype=np.int64, count=len(page_ids))
@@ -75,9 +78,6 @@ def check_pages(cache: KvCache, page_ids: Sequence[int], where: str) -> None:
             raise UnknownResource(f"{where}: kv page {page} is out of range (0..{cache.num_pages - 1})")
         if not cache.is_page_allocated[page]:
             raise UnknownResource(f"{where}: kv page {page} is not allocated")
-
-
-_PAGES_CHECKED_ONE_BY_ONE = 48  # up to this many pages (768 tokens of 16) a Python loop costs less than numpy
 
 
 def check_slots(cache: KvCache, slot_ids: Sequence[int], where: str) -> None:
@@ -215,10 +215,14 @@ def check_continuation(item: ForwardText, cache: KvCache, model: ModelConfig, wh
 
 
 def decode_batch_vocab_masks(
-    items: Sequence[ForwardText], specs: Sequence[SamplerSpec], wheres: Sequence[str], vocab_size: int
+    items: Sequence[ForwardText], specs: Sequence[SamplerSpec], vocab_size: int
 ) -> np.ndarray | None:
-    """The batch's decoded vocabulary masks; a bad mask is blamed on its item (each item is decoded
-    alone only then, to find it)."""
+    """The batch's decoded vocabulary masks (None when no sampler has one); a bad mask is blamed on its item
+    (each item is decoded alone only then, to find it). The samplers' names are built only for a batch with a
+    mask: only a mask's errors use them."""
+    if all(spec.vocab_mask is None for spec in specs):
+        return None
+    wheres = [f"forward_text item {n} sampler {j}" for n, item in enumerate(items) for j in range(len(item.samplers))]
     try:
         return decode_vocab_masks(specs, vocab_size, wheres)
     except InvalidCommand:

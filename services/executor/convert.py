@@ -82,7 +82,8 @@ def sampler_from_pb(spec: common_pb2.SamplerSpec, index: int) -> c.SamplerSpec:
 # Conversion only: the engine checks every batch's samplers against its rules whether converted now or before.
 _SAMPLERS: dict[bytes, c.SamplerSpec] = {}
 _MAX_SAMPLERS = 1024
-_NO_STOP_TOKENS: frozenset[int] = frozenset()
+
+_NO_STOP_TOKENS: frozenset[int] = frozenset()  # an item without stop ids shares this one
 
 
 def _forward_text_from_pb(item: common_pb2.ForwardTextItem, index: int) -> c.ForwardText:
@@ -171,9 +172,7 @@ def outputs_to_pb(results: Sequence[c.SamplerResult], outputs: Any) -> None:
     reply already holds costs a quarter of building them apart and copying them in."""
     for result in results:
         if isinstance(result, c.Distribution):
-            distribution = outputs.add().distribution
-            distribution.token_ids.extend(result.token_ids)
-            distribution.probabilities.extend(result.probs)
+            distribution_to_pb(result, outputs.add().distribution)
             continue
         token = outputs.add().token
         token.token_id = result.token_id
@@ -183,8 +182,10 @@ def outputs_to_pb(results: Sequence[c.SamplerResult], outputs: Any) -> None:
             token.top_logprobs.extend(result.top_logprobs)
 
 
-def distribution_to_pb(result: c.Distribution) -> common_pb2.Distribution:
-    return common_pb2.Distribution(token_ids=result.token_ids, probabilities=result.probs)
+def distribution_to_pb(result: c.Distribution, distribution: common_pb2.Distribution) -> None:
+    """`result` into `distribution`, a message the reply already holds."""
+    distribution.token_ids.extend(result.token_ids)
+    distribution.probabilities.extend(result.probs)
 
 
 def reply_to_pb(
@@ -204,7 +205,9 @@ def reply_to_pb(
     elif isinstance(first, c.Forward):
         reply.forward.num_items = len(batch)
     elif isinstance(first, c.SampleTopK):
-        reply.sample_top_k.items.extend(distribution_to_pb(d) for d in result)
+        items = reply.sample_top_k.items
+        for distribution in result:
+            distribution_to_pb(distribution, items.add())
     elif isinstance(first, c.DebugQuery):
         reply.debug_query.responses.extend(result)
     else:

@@ -392,11 +392,7 @@ class Engine:
                     offset += len(item.token_ids)
                 check_batch_tokens(offset, self.config.max_batch_tokens)
                 check_no_write_collision(prepared, self.cache.page_size, "forward_text")
-                allowed = None
-                if any(spec.vocab_mask is not None for spec in specs):  # (the names only for a mask's errors)
-                    wheres = [f"forward_text item {n} sampler {j}" for n, item in enumerate(items)
-                              for j in range(len(item.samplers))]
-                    allowed = decode_batch_vocab_masks(items, specs, wheres, self.loaded.config.vocab_size)
+                allowed = decode_batch_vocab_masks(items, specs, self.loaded.config.vocab_size)
                 tokens = torch.tensor(
                     [t for it in items for t in it.token_ids], dtype=torch.long, device=self.device
                 )
