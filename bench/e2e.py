@@ -7,7 +7,9 @@ against peers on the same model and the same token-exact prompts, all in one run
 
 Engines: `l4m` (the full stack, started here like `l4m up` with its own state directory and ports; each
 stream is one launch of bench/controllers/completion.py through `l4m.client`), `l4m-stepwise` (the same,
-one executor round trip per token: no continuation), `l4m-gateway` (the same workload as streamed OpenAI
+one executor round trip per token: no continuation), `l4m-one` and `l4m-stepwise-one` (the same N streams
+from one launch of bench/controllers/completions.py: one controller process drives them all; not in the
+default set), `l4m-gateway` (the same workload as streamed OpenAI
 `/v1/completions` requests through the stack's gateway, the official `openai` package as the client, with
 the `ignore_eos` and `return_token_ids` extensions; the ratio to `l4m` is reported) and the engines of
 bench/peers.py (`l4m-executor`, `hf-fp32`, `hf-bf16`, `llama-cpp-f32`, `llama-cpp-f16`), each run in a
@@ -70,12 +72,16 @@ from l4m.v1 import spawner_pb2
 
 BENCH_DIR = Path(__file__).resolve().parent
 COMPLETION_CONTROLLER = BENCH_DIR / "controllers" / "completion.py"
+COMPLETIONS_CONTROLLER = BENCH_DIR / "controllers" / "completions.py"  # the N streams in one controller
 # The full stack: controllers with the SDK's default (continuation: up to 9 tokens per round trip from the
 # executor), and with one round trip per token (max_continuation_steps=0, the controller's third argument).
-STACK_ENGINES = {"l4m": None, "l4m-stepwise": 0}
+# `-one`: the same N streams driven by one controller (one launch, one process), not by N.
+STACK_ENGINES = {"l4m": None, "l4m-stepwise": 0, "l4m-one": None, "l4m-stepwise-one": 0}
+ONE_CONTROLLER_ENGINES = ("l4m-one", "l4m-stepwise-one")
 # The same workload as OpenAI API requests through the stack's gateway (no sandbox: its built-in handler).
 GATEWAY_ENGINE = "l4m-gateway"
 ALL_ENGINES = (*STACK_ENGINES, GATEWAY_ENGINE, *peers.ENGINES)
+DEFAULT_ENGINES = tuple(engine for engine in ALL_ENGINES if engine not in ONE_CONTROLLER_ENGINES)
 STACK_SAMPLE_PERIOD_S = 0.25  # enumerating the stack's processes costs CPU the stack is measured on
 LIMITS = spawner_pb2.Limits(wall_time_ms=900_000, cpu_time_ms=600_000)
 ROLES = ("executor", "scheduler", "spawner", "gateway", "controller")
@@ -232,28 +238,48 @@ def batch_profile(before: dict[str, float], after: dict[str, float]) -> dict[str
 async def launch_stream(client: Client, program: str, prompt: list[int], new_tokens: int,
                         origin_s: float, max_continuation_steps: int | None = None, notify_at: int = 0,
                         on_notify: Callable[[], None] | None = None) -> dict[str, object]:
-    """One completion through the stack; times are seconds after `origin_s` (wall clock). With `notify_at`
-    (and `max_continuation_steps`), `on_notify` is called when the controller has that many tokens."""
+    """One completion through the stack (a launch of completion.py); times are seconds after `origin_s` (wall
+    clock). With `notify_at` (and `max_continuation_steps`), `on_notify` is called when the controller has that
+    many tokens."""
     args = [",".join(map(str, prompt)), str(new_tokens)]
     if max_continuation_steps is not None:
         args.append(str(max_continuation_steps))
         if notify_at:
             args.append(str(notify_at))
+    (stream,) = await launch_streams(client, program, args, 1, origin_s, on_notify)
+    return stream
+
+
+async def launch_one_controller(client: Client, program: str, prompts: list[list[int]], new_tokens: int,
+                                origin_s: float, max_continuation_steps: int | None = None) -> list[dict[str, object]]:
+    """Every prompt's completion from one launch of completions.py (one controller drives all the streams)."""
+    args = [";".join(",".join(map(str, prompt)) for prompt in prompts), str(new_tokens)]
+    if max_continuation_steps is not None:
+        args.append(str(max_continuation_steps))
+    return await launch_streams(client, program, args, len(prompts), origin_s)
+
+
+async def launch_streams(client: Client, program: str, args: list[str], num_streams: int, origin_s: float,
+                         on_notify: Callable[[], None] | None = None) -> list[dict[str, object]]:
+    """Launch one controller that reports `num_streams` streams (a message without "stream" is stream 0's)
+    and follow it to its exit; each stream's times, in seconds after `origin_s`."""
     launched_s = time.time() - origin_s
     instance_id = await client.launch(program, args, LIMITS)
-    first_seen_s = summary = None
+    first_seen_s: dict[int, float] = {}
+    summaries: dict[int, dict[str, object]] = {}
     log_lines: list[str] = []  # shown only if the controller fails
     async for event in client.attach(instance_id):
         kind = event.WhichOneof("event")
         if kind == "message":
             message = json.loads(event.message.text)
+            stream = message.get("stream", 0)
             if "first_token_id" in message:
-                first_seen_s = time.time() - origin_s
+                first_seen_s[stream] = time.time() - origin_s
             elif "num_tokens" in message:
                 if on_notify is not None:
                     on_notify()
             else:
-                summary = message
+                summaries[stream] = message
         elif kind == "log":
             log_lines.append(event.log.line)
         elif kind == "exit" and (event.exit.reason != spawner_pb2.EXIT_REASON_EXITED or event.exit.exit_code):
@@ -261,23 +287,32 @@ async def launch_stream(client: Client, program: str, prompt: list[int], new_tok
             logs = "\n".join(log_lines[-20:])
             raise RuntimeError(f"controller {instance_id} ended {reason} ({event.exit.exit_code}): "
                                f"{event.exit.message}\n{logs}")
-    if summary is None or first_seen_s is None:
-        raise RuntimeError(f"controller {instance_id} exited without reporting its tokens")
-    return {"launched_s": launched_s, "first_seen_s": first_seen_s, "started_s": summary["started_at_s"] - origin_s,
-            "token_ids": summary["token_ids"], "token_times_s": [t - origin_s for t in summary["token_times_s"]]}
+    missing = [stream for stream in range(num_streams) if stream not in summaries or stream not in first_seen_s]
+    if missing:
+        raise RuntimeError(f"controller {instance_id} exited without reporting the tokens of streams {missing}")
+    return [{"launched_s": launched_s, "first_seen_s": first_seen_s[stream],
+             "started_s": summaries[stream]["started_at_s"] - origin_s, "token_ids": summaries[stream]["token_ids"],
+             "token_times_s": [t - origin_s for t in summaries[stream]["token_times_s"]]}
+            for stream in range(num_streams)]
 
 
-async def run_stack(client: Client, program: str, config: ClusterConfig, prompts: list[list[int]],
+async def run_stack(client: Client, programs: dict[Path, str], config: ClusterConfig, prompts: list[list[int]],
                     new_tokens: int, engine: str = "l4m") -> tuple[Timeline, dict[str, object]]:
-    """N concurrent launches; the timeline (controller-side token times) and the l4m-only facts."""
+    """N concurrent launches, or one launch for the N streams (the `-one` engines); the timeline
+    (controller-side token times) and the l4m-only facts. `programs`: the uploaded controllers' ids."""
     metrics_before = scrape(config.metrics_port(1))
     executor_before = scrape(config.metrics_port(10))
     steps = STACK_ENGINES[engine]
     own_cpu_before_s = sum(os.times()[:2])
     with StackSampler() as sampler:
         origin_s = time.time()
-        streams = await asyncio.gather(*(launch_stream(client, program, p, new_tokens, origin_s, steps)
-                                         for p in prompts))
+        if engine in ONE_CONTROLLER_ENGINES:
+            streams = await launch_one_controller(client, programs[COMPLETIONS_CONTROLLER], prompts, new_tokens,
+                                                  origin_s, steps)
+        else:
+            program = programs[COMPLETION_CONTROLLER]
+            streams = await asyncio.gather(*(launch_stream(client, program, p, new_tokens, origin_s, steps)
+                                             for p in prompts))
     # This process: the user client (N launches, N attach streams), the services' log pumps and the
     # sampler. It shares the 2 cores with the stack; a real user's client would run elsewhere.
     cpu_s_by_role = {**sampler.cpu_s_by_role(4), "bench": round(sum(os.times()[:2]) - own_cpu_before_s, 4)}
@@ -476,9 +511,11 @@ async def sweep(args: argparse.Namespace) -> dict[str, object]:
             await cluster.start()
         api_key = config.admin_key() or None if cluster is not None else None
         async with Client(config.spawner_address, api_key=api_key) as client:
-            program = await client.upload_file(COMPLETION_CONTROLLER) if cluster else ""
+            programs: dict[Path, str] = {}
             if cluster is not None:
-                await warm_up(client, program)
+                programs = {path: await client.upload_file(path) for path in (COMPLETION_CONTROLLER,
+                                                                              COMPLETIONS_CONTROLLER)}
+                await warm_up(client, programs[COMPLETION_CONTROLLER])
             for num_streams in sizes:
                 prompts = make_prompts(num_streams, args.prompt_tokens, args.seed)
                 runs: dict[str, list[tuple[Timeline, dict[str, object] | None]]] = {}
@@ -488,7 +525,7 @@ async def sweep(args: argparse.Namespace) -> dict[str, object]:
                             await wait_warm_pool_full(config, args.pool_timeout_s)
                         print(f"[e2e] N={num_streams} {engine} run {repeat + 1}/{args.repeats} ...", flush=True)
                         if engine in STACK_ENGINES:
-                            run = await run_stack(client, program, config, prompts, args.new_tokens, engine)
+                            run = await run_stack(client, programs, config, prompts, args.new_tokens, engine)
                         elif engine == GATEWAY_ENGINE:
                             run = await run_gateway(config, prompts, args.new_tokens)
                         else:
@@ -669,7 +706,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="of the random token-exact prompts")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of every (N, engine), interleaved; the table shows the run of median tok/s")
-    parser.add_argument("--engines", default=",".join(ALL_ENGINES))
+    parser.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
+                        help=f"some of {', '.join(ALL_ENGINES)} (comma-separated; default all but the -one engines)")
     parser.add_argument("--state-dir", default="/tmp/l4m-e2e", help="the benchmark cluster's state directory")
     parser.add_argument("--spawner-port", type=int, default=7510)
     parser.add_argument("--scheduler-port", type=int, default=7511)

@@ -29,12 +29,13 @@ def cluster_flags(tmp_path: Path) -> list[str]:
 def test_e2e_full_stack_and_executor_alone(tmp_path: Path) -> None:
     out = tmp_path / "e2e.json"
     done = run_bench("e2e.py", "--n", "2", "--new-tokens", "4", "--engines",
-                     "l4m,l4m-stepwise,l4m-gateway,l4m-executor", "--out", str(out), *cluster_flags(tmp_path),
+                     "l4m,l4m-stepwise,l4m-one,l4m-stepwise-one,l4m-gateway,l4m-executor", "--out", str(out),
+                     *cluster_flags(tmp_path),
                      "--gateway-port", str(free_ports(1)[0]))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())
     rows = {row["engine"]: row for row in results["rows"]}
-    assert set(rows) == {"l4m", "l4m-stepwise", "l4m-gateway", "l4m-executor"}
+    assert set(rows) == {"l4m", "l4m-stepwise", "l4m-one", "l4m-stepwise-one", "l4m-gateway", "l4m-executor"}
     # The OpenAI requests through the gateway decode the same tokens, and the ratio to `l4m run` is there.
     assert results["token_checks"]["2"]["l4m-gateway"]["num_streams_identical"] == 2
     assert results["ratios"]["l4m-gateway/l4m"]["2"] > 0 and "gateway" in rows["l4m-gateway"]["cpu_s_by_role"]
@@ -43,7 +44,8 @@ def test_e2e_full_stack_and_executor_alone(tmp_path: Path) -> None:
         assert row["tok_s"] > 0 and row["peak_rss_mib"] > 0
         assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
         assert 0 <= row["tpot_p50_ms"] <= row["tpot_p99_ms"] and 0 <= row["itl_p50_ms"] <= row["itl_p99_ms"]
-    for engine in ("l4m", "l4m-stepwise"):
+    # `-one`: both streams from one controller (bench/controllers/completions.py), each reported apart.
+    for engine in ("l4m", "l4m-stepwise", "l4m-one", "l4m-stepwise-one"):
         stack = rows[engine]
         assert stack["ttft_controller_p50_ms"] > 0
         assert stack["cpu_s_by_role"]["executor"] > 0
@@ -56,8 +58,9 @@ def test_e2e_full_stack_and_executor_alone(tmp_path: Path) -> None:
         assert pair == pytest.approx(rows[engine]["tok_s"] / rows["l4m-executor"]["tok_s"])
     # One round trip per token: 4 commands per stream. With continuation: the prompt pass (the first
     # token comes alone), then the other three tokens in one command.
-    assert rows["l4m-stepwise"]["num_forward_text_commands"] == 2 * 4
-    assert rows["l4m"]["num_forward_text_commands"] == 2 * 2
+    for suffix in ("", "-one"):
+        assert rows[f"l4m-stepwise{suffix}"]["num_forward_text_commands"] == 2 * 4
+        assert rows[f"l4m{suffix}"]["num_forward_text_commands"] == 2 * 2
     assert "| l4m | 2 |" in done.stdout and "| l4m-stepwise | 2 |" in done.stdout
     # Issue #19's table: the stack's CPU per generated token by role, the control plane's sum among them.
     table = done.stdout[done.stdout.index("CPU us per generated token, by role"):]
