@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import os
 
-# The executor service's OpenMP wait (l4m/executor/__main__.py), read when torch loads: the first parallel region
-# of each batch wakes the other threads as it does there.
-if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+from l4m.executor.openmp import default_wait
+
+# The executor service's OpenMP wait, read when torch loads: the first parallel region of each batch wakes
+# the other threads as it does there.
+os.environ.update(default_wait(os.environ))
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402

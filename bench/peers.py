@@ -5,8 +5,9 @@ and the statistics every engine is reported with.
 
 Engines (each decodes `--new-tokens` tokens for every prompt, ignoring end-of-sequence tokens):
   l4m-executor          l4m's executor `Engine` in this process, configured as `l4m up` configures it on a
-                        CPU (float32 compute, weights auto = the GGUF's 4-bit blocks): one forward over all
-                        prompts, then one batched decode step per token. No scheduler, no controllers.
+                        CPU (float32 compute, weights auto = the GGUF's 4-bit blocks, its OpenMP threads'
+                        wait: l4m/executor/openmp.py): one forward over all prompts, then one batched decode
+                        step per token. No scheduler, no controllers.
   hf-fp32, hf-bf16      HF transformers: one batched `generate` on the same GGUF file.
   llama-cpp-f32, -f16   llama-cpp-python's low-level API: every sequence in ONE `llama_batch` per step, on
                         an F32 / F16 GGUF export of the same weights (dequantized from the Q4_1 file by
@@ -37,6 +38,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from l4m.executor.openmp import default_wait, describe_wait
 
 REPO = Path(__file__).resolve().parents[1]
 EXPORT_DIR = REPO / "bench" / "results" / "models"
@@ -218,7 +221,7 @@ def run_l4m_executor(prompts: list[list[int]], new_tokens: int, weights: str = "
             position = len(prompts[0]) + len(token_ids[0]) - 1
             pending = [item(s, [ids[-1]], position) for s, ids in enumerate(token_ids)]
     return Timeline("l4m-executor", token_ids, times, rss.peak_bytes,
-                    {"weights": engine.weights, "device": device, "dtype": dtype,
+                    {"weights": engine.weights, "device": device, "dtype": dtype, "openmp_wait": describe_wait(),
                      "quantized_activations": quantized_activations, "kv_cache_dtype": kv_cache_dtype})
 
 
@@ -434,6 +437,8 @@ def main() -> None:
         parser.error(f"--device {args.device}: only l4m-executor runs off the CPU here (bench/executor.py has HF on a GPU)")
     if min(args.streams, args.prompt_tokens, args.new_tokens) < 1:
         parser.error("--streams, --prompt-tokens and --new-tokens must be at least 1")
+    if args.engine == "l4m-executor":
+        os.environ.update(default_wait(os.environ))  # the executor service's OpenMP wait, before torch loads
     if args.threads > 0:
         import torch
 

@@ -11,17 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-# OpenMP threads that spin a little, then sleep, while they wait for each other, unless the operator chose
-# (OMP_WAIT_POLICY or GOMP_SPINCOUNT; libgomp reads them once, when torch loads it: so before `import
-# torch`). A CPU executor shares its cores with the stack's other processes, and a step has hundreds of
-# barriers. libgomp's default (~300,000 spin rounds) holds a thread spinning while its descheduled partner
-# waits for a core: 16 streams' step 131 ms (max 354) beside two busy processes. Sleeping at once
-# (OMP_WAIT_POLICY=PASSIVE) pays a wake-up at every barrier: one stream's step 13.6-15.2 ms against 9.9 on
-# a quiet machine. 1,000 rounds keep most of both: 9.9 ms quiet, 103-104 (max 121-125) beside the busy
-# processes (PASSIVE 107-117, max 143-144); 10,000 had longer tails there and in the full stack
-# (docs/benchmarks.md, "OpenMP threads that spin a little").
-if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+from l4m.executor.openmp import default_wait
+
+os.environ.update(default_wait(os.environ))  # before torch loads libgomp
 
 import torch  # noqa: E402 (after the OpenMP wait)
 

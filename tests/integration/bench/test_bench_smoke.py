@@ -4,12 +4,14 @@ gRPC) whose JSON must hold sane numbers, and the clear errors their flags give."
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from l4m.executor.openmp import default_wait, describe_wait
 from tests.integration.harness import REPO, free_metrics_port_base, free_ports
 from tests.unit.executor.tiny_models import build_hf
 
@@ -36,6 +38,8 @@ def test_e2e_full_stack_and_executor_alone(tmp_path: Path) -> None:
     results = json.loads(out.read_text())
     rows = {row["engine"]: row for row in results["rows"]}
     assert set(rows) == {"l4m", "l4m-stepwise", "l4m-one", "l4m-stepwise-one", "l4m-gateway", "l4m-executor"}
+    # The executor alone waits as the executor service does (l4m/executor/openmp.py), unless the caller chose.
+    assert rows["l4m-executor"]["notes"]["openmp_wait"] == describe_wait(os.environ | default_wait(os.environ))
     # The OpenAI requests through the gateway decode the same tokens, and the ratio to `l4m run` is there.
     assert results["token_checks"]["2"]["l4m-gateway"]["num_streams_identical"] == 2
     assert results["ratios"]["l4m-gateway/l4m"]["2"] > 0 and "gateway" in rows["l4m-gateway"]["cpu_s_by_role"]
