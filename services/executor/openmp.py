@@ -22,17 +22,18 @@ import os
 from collections.abc import Mapping
 
 SPIN_COUNT = 1000
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # what libgomp reads; either one is the operator's choice
 
 
 def default_wait(environ: Mapping[str, str]) -> dict[str, str]:
     """What to add to `environ`: GOMP_SPINCOUNT = `SPIN_COUNT`, unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is
     there (the operator chose). `os.environ.update(default_wait(os.environ))` applies it."""
-    if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+    if any(name in environ for name in WAIT_VARIABLES):
         return {}
     return {"GOMP_SPINCOUNT": str(SPIN_COUNT)}
 
 
 def describe_wait(environ: Mapping[str, str] = os.environ) -> str:
     """The OpenMP wait `environ` asks libgomp for, as a benchmark's notes record it."""
-    settings = [f"{name}={environ[name]}" for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if name in environ]
+    settings = [f"{name}={environ[name]}" for name in WAIT_VARIABLES if name in environ]
     return ", ".join(settings) or "libgomp's default"
