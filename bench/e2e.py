@@ -9,7 +9,8 @@ Engines: `l4m` (the full stack, started here like `l4m up` with its own state di
 stream is one launch of bench/controllers/completion.py through `l4m.client`), `l4m-stepwise` (the same,
 one executor round trip per token: no continuation), `l4m-one` and `l4m-stepwise-one` (the same N streams
 from one launch of bench/controllers/completions.py: one controller process drives them all; not in the
-default set), `l4m-gateway` (the same workload as streamed OpenAI
+default set), `l4m-shared` and `l4m-stepwise-shared` (N launches as `l4m`, each with `share_process`: up
+to the spawner's --max-instances-per-process run in one controller process; not in the default set), `l4m-gateway` (the same workload as streamed OpenAI
 `/v1/completions` requests through the stack's gateway, the official `openai` package as the client, with
 the `ignore_eos` and `return_token_ids` extensions; the ratio to `l4m` is reported) and the engines of
 bench/peers.py (`l4m-executor`, `hf-fp32`, `hf-bf16`, `llama-cpp-f32`, `llama-cpp-f16`), each run in a
@@ -75,13 +76,17 @@ COMPLETION_CONTROLLER = BENCH_DIR / "controllers" / "completion.py"
 COMPLETIONS_CONTROLLER = BENCH_DIR / "controllers" / "completions.py"  # the N streams in one controller
 # The full stack: controllers with the SDK's default (continuation: up to 9 tokens per round trip from the
 # executor), and with one round trip per token (max_continuation_steps=0, the controller's third argument).
-# `-one`: the same N streams driven by one controller (one launch, one process), not by N.
-STACK_ENGINES = {"l4m": None, "l4m-stepwise": 0, "l4m-one": None, "l4m-stepwise-one": 0}
+# `-one`: the same N streams driven by one controller (one launch, one process), not by N. `-shared`: N
+# launches with `share_process` (up to the spawner's --max-instances-per-process in one controller process).
+STACK_ENGINES = {"l4m": None, "l4m-stepwise": 0, "l4m-one": None, "l4m-stepwise-one": 0, "l4m-shared": None,
+                 "l4m-stepwise-shared": 0}
 ONE_CONTROLLER_ENGINES = ("l4m-one", "l4m-stepwise-one")
+SHARED_PROCESS_ENGINES = ("l4m-shared", "l4m-stepwise-shared")
 # The same workload as OpenAI API requests through the stack's gateway (no sandbox: its built-in handler).
 GATEWAY_ENGINE = "l4m-gateway"
 ALL_ENGINES = (*STACK_ENGINES, GATEWAY_ENGINE, *peers.ENGINES)
-DEFAULT_ENGINES = tuple(engine for engine in ALL_ENGINES if engine not in ONE_CONTROLLER_ENGINES)
+DEFAULT_ENGINES = tuple(engine for engine in ALL_ENGINES
+                        if engine not in ONE_CONTROLLER_ENGINES and engine not in SHARED_PROCESS_ENGINES)
 STACK_SAMPLE_PERIOD_S = 0.25  # enumerating the stack's processes costs CPU the stack is measured on
 LIMITS = spawner_pb2.Limits(wall_time_ms=900_000, cpu_time_ms=600_000)
 ROLES = ("executor", "scheduler", "spawner", "gateway", "controller")
@@ -102,6 +107,7 @@ def stack_config(args: argparse.Namespace) -> ClusterConfig:
                          scheduler_port=args.scheduler_port, metrics_port_base=args.metrics_port_base,
                          batching=args.batching, warm_pool_size=args.warm_pool_size,
                          warm_pool_quiet_wait_s=getattr(args, "warm_pool_quiet_wait_s", None),
+                         max_instances_per_process=getattr(args, "max_instances_per_process", None),
                          session_transport=args.session_transport, executor_transport=args.executor_transport,
                          devices=(getattr(args, "device", "cpu"),), echo_logs=False,
                          quantized_activations=getattr(args, "quantized_activations", "float32"),
@@ -245,16 +251,16 @@ def batch_profile(before: dict[str, float], after: dict[str, float]) -> dict[str
 
 async def launch_stream(client: Client, program: str, prompt: list[int], new_tokens: int,
                         origin_s: float, max_continuation_steps: int | None = None, notify_at: int = 0,
-                        on_notify: Callable[[], None] | None = None) -> dict[str, object]:
+                        on_notify: Callable[[], None] | None = None, share_process: bool = False) -> dict[str, object]:
     """One completion through the stack (a launch of completion.py); times are seconds after `origin_s` (wall
     clock). With `notify_at` (and `max_continuation_steps`), `on_notify` is called when the controller has that
-    many tokens."""
+    many tokens. `share_process`: the launch's LaunchRequest.share_process."""
     args = [",".join(map(str, prompt)), str(new_tokens)]
     if max_continuation_steps is not None:
         args.append(str(max_continuation_steps))
         if notify_at:
             args.append(str(notify_at))
-    (stream,) = await launch_streams(client, program, args, 1, origin_s, on_notify)
+    (stream,) = await launch_streams(client, program, args, 1, origin_s, on_notify, share_process)
     return stream
 
 
@@ -268,11 +274,12 @@ async def launch_one_controller(client: Client, program: str, prompts: list[list
 
 
 async def launch_streams(client: Client, program: str, args: list[str], num_streams: int, origin_s: float,
-                         on_notify: Callable[[], None] | None = None) -> list[dict[str, object]]:
+                         on_notify: Callable[[], None] | None = None,
+                         share_process: bool = False) -> list[dict[str, object]]:
     """Launch one controller that reports `num_streams` streams (a message without "stream" is stream 0's)
     and follow it to its exit; each stream's times, in seconds after `origin_s`."""
     launched_s = time.time() - origin_s
-    instance_id = await client.launch(program, args, LIMITS)
+    instance_id = await client.launch(program, args, LIMITS, share_process=share_process)
     first_seen_s: dict[int, float] = {}
     summaries: dict[int, dict[str, object]] = {}
     log_lines: list[str] = []  # shown only if the controller fails
@@ -319,8 +326,9 @@ async def run_stack(client: Client, programs: dict[Path, str], config: ClusterCo
                                                   origin_s, steps)
         else:
             program = programs[COMPLETION_CONTROLLER]
-            streams = await asyncio.gather(*(launch_stream(client, program, p, new_tokens, origin_s, steps)
-                                             for p in prompts))
+            share = engine in SHARED_PROCESS_ENGINES
+            streams = await asyncio.gather(*(launch_stream(client, program, p, new_tokens, origin_s, steps,
+                                                           share_process=share) for p in prompts))
     # This process: the user client (N launches, N attach streams), the services' log pumps and the
     # sampler. It shares the 2 cores with the stack; a real user's client would run elsewhere.
     cpu_s_by_role = {**sampler.cpu_s_by_role(4), "bench": round(sum(os.times()[:2]) - own_cpu_before_s, 4)}
@@ -717,7 +725,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of every (N, engine), interleaved; the table shows the run of median tok/s")
     parser.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
-                        help=f"some of {', '.join(ALL_ENGINES)} (comma-separated; default all but the -one engines)")
+                        help=f"some of {', '.join(ALL_ENGINES)} (comma-separated; default all but the -one and "
+                        "-shared engines)")
     parser.add_argument("--state-dir", default="/tmp/l4m-e2e", help="the benchmark cluster's state directory")
     parser.add_argument("--spawner-port", type=int, default=7510)
     parser.add_argument("--scheduler-port", type=int, default=7511)
@@ -735,6 +744,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warm-pool-quiet-wait-s", type=float, default=None,
                         help="the most each round of the pool's refill waits for a CPU core to spare "
                         "(`l4m up --warm-pool-quiet-wait-s`; default: the spawner's, refill at once)")
+    parser.add_argument("--max-instances-per-process", type=int, default=None,
+                        help="how many `-shared` launches run in one controller process (`l4m up "
+                        "--max-instances-per-process`; default: the spawner's, 16)")
     parser.add_argument("--pool-timeout-s", type=float, default=600.0, help="how long to wait for a full pool")
     parser.add_argument("--long-prompt", type=int, default=0, metavar="TOKENS",
                         help="issue #21: a TOKENS-token prompt arriving beside N decoding streams, chunked and "

@@ -119,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(about 50 MiB each, started on idle CPU only; 0: every launch starts cold)",
     )
     add(
+        "--max-instances-per-process",
+        type=positive_int,
+        default=defaults.max_instances_per_process,
+        help="how many instances launched with share_process (`l4m run --share-process`: one user's launches of "
+        "one program, same model and limits) may run in one controller process; 1: each runs in its own",
+    )
+    add(
         "--warm-pool-quiet-wait-s",
         type=non_negative_seconds,
         default=defaults.warm_pool_quiet_wait_s,
@@ -248,6 +255,7 @@ def parse_config(
         max_concurrent_upload_validations=args.max_concurrent_upload_validations,
         controller_runner=args.controller_runner,
         warm_pool_size=args.warm_pool_size,
+        max_instances_per_process=args.max_instances_per_process,
         warm_pool_quiet_wait_s=args.warm_pool_quiet_wait_s,
         controller_spans_endpoint=spans_endpoint,
         controller_spans_headers=spans_headers,

@@ -60,6 +60,9 @@ class SpawnerConfig:
     # Process sandboxes started ahead of demand, each serving one launch (see process_sandbox.py); about
     # 50 MiB of memory each while they wait, started on idle CPU only. 0: every launch starts cold.
     warm_pool_size: int = 2
+    # How many instances launched with `share_process` may run in one controller process (spawner/shared.py);
+    # 1: every instance has a process of its own. The operator's flag (--max-instances-per-process).
+    max_instances_per_process: int = 16
     # The most each round of the warm pool's refill waits for the host to have a CPU core to spare
     # (spawner/host_load.py): so that sandbox starts do not take CPU from an executor that decodes on
     # this host's cores. 0 (default): refill at once. The operator's flag (--warm-pool-quiet-wait-s).

@@ -16,7 +16,9 @@ connection's end stops them all. A controller that speaks only frames never open
 imports grpc (docs/benchmarks.md, "Controller memory").
 
 Whoever reaches the socket may connect (mode 0666, as the runtime socket: the sandbox uid must), but only
-a running instance's token opens a connection, and a connection speaks for that instance alone. An output
+a running instance's token opens a connection, and a connection speaks for that instance alone. A shared
+controller process's token (`FramedRuntimeOpen.process_token`, spawner/shared.py) opens its control
+connection instead, once: it carries the instances to start or stop and their reports, nothing else. An output
 limit used up answers RESOURCE_EXHAUSTED, kills the instance (as on gRPC) and stops reading; a frame of
 another kind, a payload that does not parse, one over RUNTIME_MAX_REQUEST_BYTES, or a call whose call_id is
 already in flight ends the connection with INVALID_ARGUMENT. A call that names no request is answered
@@ -36,6 +38,7 @@ from google.protobuf.message import DecodeError, Message
 
 from l4m.common.framed import OPEN_TIMEOUT_S, FramedListener, FramedServerConnection
 from l4m.spawner.instances import Instance, InstanceManager, InstanceNotFound
+from l4m.spawner.shared import SharedProcess
 from l4m.v1 import spawner_pb2
 from l4m.wire import frames, limits
 from l4m.wire.metadata import TOKEN_METADATA_KEY
@@ -89,12 +92,16 @@ class FramedRuntimeConnection(FramedServerConnection):
         self._context: _CallContext | None = None
         self._num_acks = 0  # OK answers owed for the messages of the current read, written at its end
         self.calls: dict[int, asyncio.Task[None]] = {}  # by call_id, while they run
+        self.shared: SharedProcess | None = None  # a shared process's control connection (process_token)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         self._write_acks()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.shared is not None:
+            shared, self.shared = self.shared, None
+            shared.disconnected()
         for task in self.calls.values():
             task.cancel()  # nobody is left to answer: a waiting receive must not take the next message
         self.calls.clear()
@@ -111,7 +118,9 @@ class FramedRuntimeConnection(FramedServerConnection):
 
     def frame_received(self, kind: int, payload: bytes) -> None:
         instance = self.instance
-        if instance is None:
+        if self.shared is not None:
+            self._shared_report(self.shared, kind, payload)
+        elif instance is None:
             self._open(kind, payload)
         elif kind == frames.SEND_TO_USER:
             self._send_to_user(instance, payload)
@@ -135,6 +144,9 @@ class FramedRuntimeConnection(FramedServerConnection):
         opening = self.parse_opening(kind, payload, frames.RUNTIME_OPEN, spawner_pb2.FramedRuntimeOpen)
         if opening is None:
             return
+        if opening.process_token:
+            self._open_shared(opening.process_token)
+            return
         try:
             self.instance = self.manager.by_token(opening.instance_token)
         except InstanceNotFound:
@@ -145,6 +157,25 @@ class FramedRuntimeConnection(FramedServerConnection):
             metadata.append(("traceparent", opening.traceparent))
         self._context = _CallContext(metadata)
         self.write(_OK_FRAME)
+
+    def _open_shared(self, token: str) -> None:
+        shared = self.manager.shared.by_token(token)
+        if shared is None or shared.is_connected_once:
+            self.refuse(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown process_token")
+            return
+        self.shared = shared
+        self.write(_OK_FRAME)
+        shared.connected(self)
+
+    def _shared_report(self, shared: SharedProcess, kind: int, payload: bytes) -> None:
+        if kind != frames.SHARED_REPORT:
+            self.refuse(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"a frame of kind {kind} on a shared process's connection; only SharedProcessReport "
+                        f"({frames.SHARED_REPORT}) frames may follow its opening")
+            return
+        why = shared.report(payload)
+        if why is not None:
+            self.refuse(grpc.StatusCode.INVALID_ARGUMENT, why)
 
     def _send_to_user(self, instance: Instance, payload: bytes) -> None:
         try:

@@ -54,6 +54,7 @@ from l4m.spawner.sandbox import (
     SandboxError,
     SandboxSpec,
 )
+from l4m.spawner.shared import PROCESS_TOKEN_ENV, SharedProcesses, ShareKey
 from l4m.spawner.supervisor import ITEM_OVERHEAD_BYTES, InstanceState, InstanceSupervisor
 from l4m.spawner.users import ProgramOwners
 from l4m.spawner.variables import VariableStore
@@ -204,6 +205,7 @@ class Instance:
     inbox_bytes: int = 0  # charged for the messages in `inbox` (each its bytes + ITEM_OVERHEAD_BYTES)
     trap_message: str | None = None  # set when the scheduler reported a trap
     span: Span | None = None  # spawner.instance, ended at the exit
+    shared_process: str = ""  # the shared process it runs in (LaunchRequest.share_process); "" = its own
 
     @property
     def state(self) -> InstanceState:
@@ -282,6 +284,8 @@ class InstanceManager:
         self._exited_ids: collections.deque[str] = collections.deque()
         self._starting: dict[str, list[Limits]] = collections.defaultdict(list)  # user -> launches under way
         self._grace_tasks: set[asyncio.Task[None]] = set()
+        self.shared = SharedProcesses(sandbox, config.max_instances_per_process, self._shared_process_env,
+                                      config.controller_runner)
 
     # -- launching -------------------------------------------------------------------------------
 
@@ -298,6 +302,7 @@ class InstanceManager:
         user: User = ADMIN,
         detached: bool = False,
         model: str = "",
+        share_process: bool = False,
     ) -> Instance:
         """Resolves the program, registers the instance with the scheduler and starts its sandbox.
 
@@ -305,7 +310,9 @@ class InstanceManager:
         `traceparent` is the caller's W3C trace context; `max_children` caps the tree this launch
         roots (0: the spawner's maximum). `user` owns the instance (a child: its parent's user); a
         launch that is not `detached` ends when its clients go away (see `attached`). `model` names the
-        model the controller's session serves ("": the scheduler's default; a child: its parent's)."""
+        model the controller's session serves ("": the scheduler's default; a child: its parent's).
+        `share_process` lets it run in a shared process (`shared.py`) where the spawner can: never a child,
+        nor with --max-instances-per-process 1, nor without the framed runtime socket or the SDK's runner."""
         if parent is not None:
             user, model = parent.owner, parent.model
         check_model_name(model)
@@ -341,6 +348,9 @@ class InstanceManager:
                         min(max_children, cap) if max_children else cap,
                         VariableStore(self.config.max_variable_bytes_per_tree),
                     )
+                share_key = None
+                if share_process and parent is None and self.may_share():
+                    share_key = ShareKey(user.name, program.sha256, model, resolved)
                 instance = self._new_instance(
                     instance_id,
                     program.sha256,
@@ -351,12 +361,15 @@ class InstanceManager:
                     tree,
                     tracing.traceparent_for_controller(launch_span, traceparent),
                     model,
+                    share_key,
                 )
                 instance.owner, instance.detached, instance.model = user, detached, model
                 if parent is not None:
                     instance.parent_id = parent.instance_id
                 instance.span = tracing.start_instance_span(launch_span, attributes)
                 await self._register_and_start(instance)
+                if share_key is not None:
+                    instance.shared_process = instance.supervisor.sandbox.process_id  # type: ignore[attr-defined]
         except BaseException as exc:
             self.metrics.launch_failed(type(exc).__name__)
             raise
@@ -441,6 +454,7 @@ class InstanceManager:
         tree: LaunchTree,
         traceparent: str,
         model: str = "",
+        share_key: ShareKey | None = None,
     ) -> Instance:
         token = secrets.token_urlsafe(24)
         env = self._sandbox_env(instance_id, token, traceparent, model)
@@ -455,7 +469,7 @@ class InstanceManager:
         )
         instance: Instance | None = None
         supervisor = InstanceSupervisor(
-            self.sandbox,
+            self.sandbox if share_key is None else self.shared.sandbox_for(share_key),
             spec,
             refine_exit=lambda info: self._refine_exit(instance, info),
             count_output_bytes=self.metrics.count_output_bytes,
@@ -539,6 +553,22 @@ class InstanceManager:
                     "OTEL_SERVICE_NAME": CONTROLLER_SERVICE_NAME,
                 }
             )
+        return env
+
+    def may_share(self) -> bool:
+        """Whether launches may share processes here: the operator allows it (--max-instances-per-process over
+        1), and a process can hear of its instances (the framed runtime socket) and run them (the SDK's runner)."""
+        return (self.config.max_instances_per_process > 1 and bool(self.config.runtime_framed_socket_name)
+                and bool(self.config.controller_runner))
+
+    def _shared_process_env(self, process_token: str, key: ShareKey) -> dict[str, str]:
+        """A shared process's environment: an instance's, less what each instance brings (id, token, trace
+        context) and less span export (which authenticates one instance's token), plus its process token."""
+        env = self._sandbox_env("", "", "", key.model)
+        for name in ("L4M_INSTANCE_ID", "L4M_INSTANCE_TOKEN", "OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT",
+                     "OTEL_EXPORTER_OTLP_HEADERS", "OTEL_SERVICE_NAME"):
+            env.pop(name, None)
+        env[PROCESS_TOKEN_ENV] = process_token
         return env
 
     def _refine_exit(self, instance: Instance | None, info: ExitInfo) -> ExitInfo:
@@ -743,3 +773,4 @@ class InstanceManager:
             *(i.supervisor.terminate(ExitReason.KILLED, "the spawner is shutting down") for i in running),
             return_exceptions=True,
         )
+        await self.shared.close()

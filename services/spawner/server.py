@@ -174,6 +174,7 @@ def instance_to_pb(instance: Instance) -> spawner_pb2.InstanceInfo:
         launched_at_unix_ms=instance.launched_at_unix_ms,
         user=instance.owner.name,
         detached=instance.detached,
+        shared_process=instance.shared_process,
     )
     if instance.exit_info is not None:
         info.exit.CopyFrom(exit_to_pb(instance.exit_info))
@@ -256,6 +257,7 @@ class SpawnerServicer(spawner_pb2_grpc.SpawnerServiceServicer):
                 user=self._user(context),
                 detached=request.detached,
                 model=request.model,
+                share_process=request.share_process,
             )
             # Shielded: a caller that goes away mid-launch leaves a listed instance, not a half one.
             instance = await asyncio.shield(asyncio.ensure_future(launch))

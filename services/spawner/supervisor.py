@@ -143,6 +143,11 @@ class InstanceSupervisor:
         return self.spec.instance_id
 
     @property
+    def sandbox(self) -> Sandbox:
+        """What it starts its sandbox through."""
+        return self._sandbox
+
+    @property
     def is_warm(self) -> bool:
         """Whether the sandbox came from a warm pool (False until started)."""
         return self._is_warm

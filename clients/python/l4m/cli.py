@@ -119,6 +119,10 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "follows it later); otherwise Ctrl-C or a lost connection ends the instance")
     parser.add_argument("--model", default="", help="the model the controller's session serves, by name (`l4m up` "
                         "prints the served ones); default: the cluster's first model")
+    parser.add_argument("--share-process", action="store_true",
+                        help="let it run in one controller process with your other running launches of this program "
+                             "that set it (same model and limits): no sandbox start of its own, and fewer wake-ups "
+                             "per token; they share that process's limits and fate (a crash ends them all)")
     parser.add_argument("--max-tokens", nargs="?", action=_AmbiguousMaxTokens, help=argparse.SUPPRESS)
     limits = parser.add_argument_group("limits of this launch (left out: the spawner's default; above the "
                                        "spawner's maximum: refused)")
@@ -149,7 +153,8 @@ def _run(options: argparse.Namespace) -> int:
     from l4m import telemetry
     from l4m.client import launch_detached, run_program
 
-    credentials = {"api_key": api_key_of(options), "tls_ca": options.tls_ca, "model": options.model}
+    credentials = {"api_key": api_key_of(options), "tls_ca": options.tls_ca, "model": options.model,
+                   "share_process": options.share_process}
     if options.detach:
         print(asyncio.run(launch_detached(options.spawner, options.file, options.args, launch_limits(options),
                                           **credentials)), flush=True)

@@ -94,11 +94,13 @@ class Client:
         return await self.upload(path.read_bytes(), path.name, tag)
 
     async def launch(self, program: str, args: Sequence[str] = (), limits: spawner_pb2.Limits | None = None,
-                     detached: bool = False, model: str = "") -> str:
+                     detached: bool = False, model: str = "", share_process: bool = False) -> str:
         """Starts an instance, on `model` ("": the cluster's default). One that is not `detached` is ended by
-        the spawner when its last Attach stream goes away (or when nobody attaches soon after the launch)."""
+        the spawner when its last Attach stream goes away (or when nobody attaches soon after the launch).
+        `share_process`: it may run in one process with this user's other running launches of the program that
+        set it (LaunchRequest.share_process: cheaper launches and tokens, one fate)."""
         request = spawner_pb2.LaunchRequest(program=program, args=list(args), limits=limits, detached=detached,
-                                            model=model)
+                                            model=model, share_process=share_process)
         metadata = (*call_metadata(traceparent=traceparent_of()[0]), *self._metadata)
         response = await self._call(self._stub.Launch(request, timeout=self._timeout_s, metadata=metadata), "launch")
         return response.instance_id
@@ -148,10 +150,11 @@ class Client:
 
     async def run(self, path: str | Path, args: Sequence[str] = (),
                   on_event: Callable[[spawner_pb2.AttachResponse], None] | None = None,
-                  limits: spawner_pb2.Limits | None = None, model: str = "") -> spawner_pb2.InstanceExit:
+                  limits: spawner_pb2.Limits | None = None, model: str = "",
+                  share_process: bool = False) -> spawner_pb2.InstanceExit:
         """Upload, launch and attach; calls `on_event` for every event; returns how the instance ended."""
         program = await self.upload_file(path)
-        instance_id = await self.launch(program, args, limits, model=model)
+        instance_id = await self.launch(program, args, limits, model=model, share_process=share_process)
         return await self.follow(instance_id, on_event)
 
     async def _call(self, awaitable, what: str):  # type: ignore[no-untyped-def]
@@ -196,20 +199,23 @@ def print_event(event: spawner_pb2.AttachResponse, show_logs: bool = True) -> No
 
 async def run_program(spawner_address: str, program: str | Path, args: Sequence[str] = (), echo: bool = True,
                       show_logs: bool = True, limits: spawner_pb2.Limits | None = None,
-                      api_key: str | None = None, tls_ca: str | Path | None = None, model: str = "") -> int:
+                      api_key: str | None = None, tls_ca: str | Path | None = None, model: str = "",
+                      share_process: bool = False) -> int:
     """Upload, launch and attach (printing the events when `echo`); the instance's exit status."""
     async with Client(spawner_address, api_key=api_key, tls_ca=tls_ca) as client:
         on_event = (lambda e: print_event(e, show_logs)) if echo else None
-        exit_ = await client.run(program, args, on_event=on_event, limits=limits, model=model)
+        exit_ = await client.run(program, args, on_event=on_event, limits=limits, model=model,
+                                 share_process=share_process)
     return exit_status(exit_)
 
 
 async def launch_detached(spawner_address: str, program: str | Path, args: Sequence[str] = (),
                           limits: spawner_pb2.Limits | None = None, api_key: str | None = None,
-                          tls_ca: str | Path | None = None, model: str = "") -> str:
+                          tls_ca: str | Path | None = None, model: str = "", share_process: bool = False) -> str:
     """Upload and launch an instance that runs on without a client; its id."""
     async with Client(spawner_address, api_key=api_key, tls_ca=tls_ca) as client:
-        return await client.launch(await client.upload_file(program), args, limits, detached=True, model=model)
+        return await client.launch(await client.upload_file(program), args, limits, detached=True, model=model,
+                                   share_process=share_process)
 
 
 async def attach_program(spawner_address: str, instance_id: str, show_logs: bool = True,

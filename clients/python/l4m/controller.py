@@ -10,6 +10,8 @@ PROGRAM is a `.py` file or a zip with `__main__.py` defining `async def main(ctx
   L4M_INSTANCE_TOKEN   the instance's token (absent with an anonymous scheduler)
   L4M_INSTANCE_ID      the instance's id
   L4M_MODEL            the model its session serves, by name (`l4m run --model`); unset = the default
+  L4M_SHARED_PROCESS_TOKEN  set instead of L4M_INSTANCE_TOKEN and L4M_INSTANCE_ID: this process runs the
+                       instances the spawner sends it (`l4m.shared_process`; LaunchRequest.share_process)
   TRACEPARENT          W3C trace context of the launch: the parent of this run's `controller.run` span
   OTEL_*               the standard OpenTelemetry variables; unset = no tracing, at no cost
 
@@ -121,7 +123,11 @@ async def run_main(main: Main, args: Sequence[str], session: Session, runtime: R
 
 
 async def run_program(program: str, args: Sequence[str], config: ControllerConfig) -> Any:
-    main = load_program(program)
+    return await run_loaded(load_program(program), program, args, config)
+
+
+async def run_loaded(main: Main, program: str, args: Sequence[str], config: ControllerConfig) -> Any:
+    """`run_main` with the session and runtime `config` names (`program`: what a local child runs)."""
     if config.runtime_address:
         runtime: Runtime = RuntimeClient(config.runtime_address, config.instance_token, config.traceparent,
                                          framed_address=config.runtime_framed_address)
@@ -184,6 +190,9 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     if args[:1] == ["--"]:
         args = args[1:]
     environ = os.environ if environ is None else environ
+    process_token = environ.get("L4M_SHARED_PROCESS_TOKEN")
+    if process_token:
+        return _serve_shared(program, environ, process_token)
     is_tracing = configure_tracing("l4m.controller", environ)
     if is_tracing:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -205,20 +214,48 @@ def _run(program: str, args: Sequence[str], environ: Mapping[str, str], is_traci
         span = run_span(config, program) if is_tracing else contextlib.nullcontext(config)
         with span as traced_config:
             result = eventloop.run(run_program(program, args, traced_config), environ)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as error:
+        return failure_status(error)
+    return result_status(result)
+
+
+def _serve_shared(program: str, environ: Mapping[str, str], process_token: str) -> int:
+    """A shared process (`l4m.shared_process`): the program loaded once, its instances sent by the spawner."""
+    from l4m import shared_process
+
+    try:
+        config = shared_process.config_from_env(environ)
+        try:
+            eventloop.loop_name(environ)
+        except ValueError as error:
+            raise ProgramError(str(error)) from None
+        main = load_program(program)
     except ProgramError as error:
         print(f"l4m.controller: {error}", file=sys.stderr)
         return EXIT_LOAD_ERROR
-    except Trapped as trap:
-        print(f"l4m.controller: trapped: {trap}", file=sys.stderr)
+    return eventloop.run(shared_process.serve(main, program, config, process_token), environ)
+
+
+def failure_status(error: Exception) -> int:
+    """The exit status of a run that `error` ended, after saying why on stderr (a trap or a session that
+    broke in one line, which the spawner reads back; another exception with its traceback)."""
+    if isinstance(error, ProgramError):
+        print(f"l4m.controller: {error}", file=sys.stderr)
+        return EXIT_LOAD_ERROR
+    if isinstance(error, Trapped):
+        print(f"l4m.controller: trapped: {error}", file=sys.stderr)
         return EXIT_TRAPPED
-    except SessionClosed as error:
+    if isinstance(error, SessionClosed):
         print(f"l4m.controller: {error}", file=sys.stderr)
         return EXIT_SESSION_ERROR
-    except KeyboardInterrupt:
-        return 130
-    except Exception:
-        traceback.print_exc()
-        return EXIT_PROGRAM_ERROR
+    traceback.print_exception(error)
+    return EXIT_PROGRAM_ERROR
+
+
+def result_status(result: Any) -> int:
+    """The exit status of a run whose `main` returned `result`: an int is the status, anything else 0."""
     return result if isinstance(result, int) and not isinstance(result, bool) else EXIT_OK
 
 

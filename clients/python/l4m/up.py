@@ -112,6 +112,11 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "refill at once); on a CPU-only host, say 30",
     )
     parser.add_argument(
+        "--max-instances-per-process", type=_positive_int, default=None,
+        help="how many launches with share_process (`l4m run --share-process`: one user's, one program, same "
+        "model and limits) may run in one controller process (default: the spawner's, 16; 1: never shared)",
+    )
+    parser.add_argument(
         "--max-continuation-steps", type=_non_negative_int, default=None,
         help="decode steps one forward_text may ask the executor to run by itself (default: the scheduler's, "
         "64; 0 turns continuation off: one round trip per token)",
@@ -228,6 +233,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         sandbox=args.sandbox,
         warm_pool_size=args.warm_pool_size,
         warm_pool_quiet_wait_s=args.warm_pool_quiet_wait_s,
+        max_instances_per_process=args.max_instances_per_process,
         max_continuation_steps=args.max_continuation_steps,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         prefill_chunk_token_slots=args.prefill_chunk_token_slots,

@@ -85,11 +85,15 @@ export class SpawnerClient {
   /**
    * Start an instance of a stored program (its id or "name:tag"); resolves to the instance id. Unless
    * `detached`, the spawner ends it when nobody attaches (or the last attached client goes away). Its
-   * session serves `model` (a name the scheduler lists in GetInfo's modelNames; "": the default).
+   * session serves `model` (a name the scheduler lists in GetInfo's modelNames; "": the default). With
+   * `shareProcess` it may run in one controller process with this user's other running launches of the
+   * program that set it (LaunchRequest.shareProcess: cheaper launches, one fate).
    */
-  async launch(program: string, args: string[] = [], limits?: Limits, detached = false, model = ""): Promise<string> {
+  async launch(program: string, args: string[] = [], limits?: Limits, detached = false, model = "",
+               shareProcess = false): Promise<string> {
     const response = await this.unary<LaunchResponse>("launch", (done) =>
-      this.stub.launch({ program, args, limits, detached, model }, this.metadata(), { deadline: this.deadline() }, done),
+      this.stub.launch({ program, args, limits, detached, model, shareProcess }, this.metadata(),
+                       { deadline: this.deadline() }, done),
     );
     return response.instanceId;
   }

@@ -317,3 +317,18 @@ def test_the_refills_quiet_wait_reaches_the_spawner_only_when_set(tmp_path: Path
     for value in ("-1", "nan"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--warm-pool-quiet-wait-s", value])
+
+
+def test_the_instances_per_shared_process_reach_the_spawner_only_when_set(tmp_path: Path) -> None:
+    def spawner_argv(**overrides: object) -> tuple[str, ...]:
+        return service_specs(_config(tmp_path, **overrides))[-1].argv
+
+    assert "--max-instances-per-process" not in spawner_argv()  # the spawner's own default (16)
+    assert _flag(spawner_argv(max_instances_per_process=1), "--max-instances-per-process") == "1"
+    parser = argparse.ArgumentParser()
+    add_cluster_arguments(parser)
+    assert cluster_config(parser.parse_args(["--max-instances-per-process", "64"])).max_instances_per_process == 64
+    assert cluster_config(parser.parse_args([])).max_instances_per_process is None
+    for value in ("0", "-3", "x"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--max-instances-per-process", value])

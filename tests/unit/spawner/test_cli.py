@@ -1,4 +1,5 @@
-"""The spawner's flags as they become its config: the warm pool's size and what it is refused."""
+"""The spawner's flags as they become its config: the warm pool's size, shared processes, and what they are
+refused."""
 
 from __future__ import annotations
 
@@ -91,3 +92,15 @@ def test_the_refills_quiet_wait_is_the_operators_flag_and_off_by_default(
 
     names = fields(spawner_pb2.DESCRIPTOR.message_types_by_name.values())
     assert "instance_id" in names and not [n for n in names if "warm" in n or "quiet" in n]
+
+
+def test_instances_per_shared_process_default_to_16_and_1_turns_sharing_off(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    default, _ = parse_config(["--state-dir", str(tmp_path)], environ={})
+    assert default.max_instances_per_process == 16
+    off, _ = parse_config(["--state-dir", str(tmp_path), "--max-instances-per-process", "1"], environ={})
+    assert off.max_instances_per_process == 1
+    with pytest.raises(SystemExit) as raised:
+        parse_config(["--state-dir", str(tmp_path), "--max-instances-per-process", "0"], environ={})
+    assert raised.value.code == 2 and "--max-instances-per-process" in capsys.readouterr().err

@@ -127,18 +127,20 @@ class Limits(_message.Message):
     def __init__(self, wall_time_ms: _Optional[int] = ..., cpu_time_ms: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., max_processes: _Optional[int] = ..., max_open_files: _Optional[int] = ..., max_output_bytes: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_children: _Optional[int] = ...) -> None: ...
 
 class LaunchRequest(_message.Message):
-    __slots__ = ("program", "args", "limits", "detached", "model")
+    __slots__ = ("program", "args", "limits", "detached", "model", "share_process")
     PROGRAM_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     DETACHED_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    SHARE_PROCESS_FIELD_NUMBER: _ClassVar[int]
     program: str
     args: _containers.RepeatedScalarFieldContainer[str]
     limits: Limits
     detached: bool
     model: str
-    def __init__(self, program: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., detached: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
+    share_process: bool
+    def __init__(self, program: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., detached: _Optional[bool] = ..., model: _Optional[str] = ..., share_process: _Optional[bool] = ...) -> None: ...
 
 class LaunchResponse(_message.Message):
     __slots__ = ("instance_id",)
@@ -225,7 +227,7 @@ class ListInstancesResponse(_message.Message):
     def __init__(self, instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("instance_id", "program_sha256", "args", "state", "exit", "parent_instance_id", "launched_at_unix_ms", "user", "detached")
+    __slots__ = ("instance_id", "program_sha256", "args", "state", "exit", "parent_instance_id", "launched_at_unix_ms", "user", "detached", "shared_process")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PROGRAM_SHA256_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +237,7 @@ class InstanceInfo(_message.Message):
     LAUNCHED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
     DETACHED_FIELD_NUMBER: _ClassVar[int]
+    SHARED_PROCESS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     program_sha256: str
     args: _containers.RepeatedScalarFieldContainer[str]
@@ -244,7 +247,8 @@ class InstanceInfo(_message.Message):
     launched_at_unix_ms: int
     user: str
     detached: bool
-    def __init__(self, instance_id: _Optional[str] = ..., program_sha256: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., state: _Optional[_Union[InstanceState, str]] = ..., exit: _Optional[_Union[InstanceExit, _Mapping]] = ..., parent_instance_id: _Optional[str] = ..., launched_at_unix_ms: _Optional[int] = ..., user: _Optional[str] = ..., detached: _Optional[bool] = ...) -> None: ...
+    shared_process: str
+    def __init__(self, instance_id: _Optional[str] = ..., program_sha256: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., state: _Optional[_Union[InstanceState, str]] = ..., exit: _Optional[_Union[InstanceExit, _Mapping]] = ..., parent_instance_id: _Optional[str] = ..., launched_at_unix_ms: _Optional[int] = ..., user: _Optional[str] = ..., detached: _Optional[bool] = ..., shared_process: _Optional[str] = ...) -> None: ...
 
 class SendToUserRequest(_message.Message):
     __slots__ = ("text",)
@@ -253,14 +257,16 @@ class SendToUserRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class FramedRuntimeOpen(_message.Message):
-    __slots__ = ("protocol_version", "instance_token", "traceparent")
+    __slots__ = ("protocol_version", "instance_token", "traceparent", "process_token")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     protocol_version: str
     instance_token: str
     traceparent: str
-    def __init__(self, protocol_version: _Optional[str] = ..., instance_token: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    process_token: str
+    def __init__(self, protocol_version: _Optional[str] = ..., instance_token: _Optional[str] = ..., traceparent: _Optional[str] = ..., process_token: _Optional[str] = ...) -> None: ...
 
 class FramedRuntimeCall(_message.Message):
     __slots__ = ("call_id", "receive_from_user", "get_variable", "set_variable", "compare_and_set_variable", "append_variable", "spawn_child", "wait_child")
@@ -311,6 +317,40 @@ class FramedRuntimeCancel(_message.Message):
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     def __init__(self, call_id: _Optional[int] = ...) -> None: ...
+
+class SharedProcessSlot(_message.Message):
+    __slots__ = ("instance_id", "instance_token", "args", "traceparent", "stop")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ARGS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    instance_token: str
+    args: _containers.RepeatedScalarFieldContainer[str]
+    traceparent: str
+    stop: bool
+    def __init__(self, instance_id: _Optional[str] = ..., instance_token: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., traceparent: _Optional[str] = ..., stop: _Optional[bool] = ...) -> None: ...
+
+class SharedProcessReport(_message.Message):
+    __slots__ = ("instance_id", "stdout", "stderr", "exit")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_FIELD_NUMBER: _ClassVar[int]
+    STDERR_FIELD_NUMBER: _ClassVar[int]
+    EXIT_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    stdout: bytes
+    stderr: bytes
+    exit: SharedProcessExit
+    def __init__(self, instance_id: _Optional[str] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., exit: _Optional[_Union[SharedProcessExit, _Mapping]] = ...) -> None: ...
+
+class SharedProcessExit(_message.Message):
+    __slots__ = ("exit_code", "message")
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    exit_code: int
+    message: str
+    def __init__(self, exit_code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class SendToUserResponse(_message.Message):
     __slots__ = ()

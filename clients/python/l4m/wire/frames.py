@@ -33,12 +33,16 @@ EXECUTE_OPEN, EXECUTE, EXECUTED = 7, 8, 9
 # each answered by a status frame; its other runtime calls, each answered by a result frame, and their
 # cancellations.
 RUNTIME_OPEN, SEND_TO_USER, RUNTIME_CALL, RUNTIME_RESULT, RUNTIME_CANCEL = 10, 11, 12, 13, 14
+# A shared controller process's control connection (spawner.proto, "Shared controller processes"): the
+# instances to start or stop in it (spawner -> process), what they wrote and how they ended (process -> spawner).
+SHARED_SLOT, SHARED_REPORT = 15, 16
 KIND_NAMES = {OPEN: "FramedSessionOpen", REQUEST: "SessionRequest", STATUS: "FramedSessionStatus",
               RESPONSE: "SessionResponse", GET_INFO: "GetInfoRequest", INFO: "GetInfoResponse",
               EXECUTE_OPEN: "FramedExecuteOpen", EXECUTE: "ExecuteRequest", EXECUTED: "ExecuteResponse",
               RUNTIME_OPEN: "FramedRuntimeOpen", SEND_TO_USER: "SendToUserRequest",
               RUNTIME_CALL: "FramedRuntimeCall", RUNTIME_RESULT: "FramedRuntimeResult",
-              RUNTIME_CANCEL: "FramedRuntimeCancel"}
+              RUNTIME_CANCEL: "FramedRuntimeCancel", SHARED_SLOT: "SharedProcessSlot",
+              SHARED_REPORT: "SharedProcessReport"}
 PROTOCOL_VERSION = "l4m.v1"
 ADDRESS_PREFIX = "framed:"
 

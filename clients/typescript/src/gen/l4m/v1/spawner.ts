@@ -322,6 +322,17 @@ export interface LaunchRequest {
    * (INVALID_ARGUMENT otherwise). A child (SpawnChild) serves its parent's model.
    */
   model: string;
+  /**
+   * Let this instance run in one controller process with other running instances of the same program
+   * launched by the same user with this set (same model, same limits; `l4m run --share-process`). Each
+   * keeps its own id, token, session, quotas, messages, output and exit; they share the process's
+   * sandbox, its limits (one launch's: memory, CPU time, processes) and its fate: a crash of the
+   * process ends them all, and an instance that does not stop within 2 s of being told to (a limit,
+   * Terminate) gets the process killed. Where it pays: many short instances of one program (no sandbox
+   * start per launch; one process wakes for all their tokens). The spawner's
+   * --max-instances-per-process caps how many share one (1: never); a child never shares.
+   */
+  shareProcess: boolean;
 }
 
 export interface LaunchResponse {
@@ -420,6 +431,11 @@ export interface InstanceInfo {
   user: string;
   /** Launched with `LaunchRequest.detached`. */
   detached: boolean;
+  /**
+   * The controller process it runs in, when launched with `LaunchRequest.share_process` (its
+   * instances list the same id); empty: a process of its own.
+   */
+  sharedProcess: string;
 }
 
 export interface SendToUserRequest {
@@ -434,6 +450,12 @@ export interface FramedRuntimeOpen {
   instanceToken: string;
   /** W3C trace context of the controller's run (`traceparent` on gRPC): the parent of the children it spawns. */
   traceparent: string;
+  /**
+   * Instead of instance_token: the token of a shared controller process (L4M_SHARED_PROCESS_TOKEN), which
+   * opens its control connection (see "Shared controller processes"); an unknown one is refused
+   * (UNAUTHENTICATED).
+   */
+  processToken: string;
 }
 
 /** A RuntimeService call over frames (kind 12). */
@@ -473,6 +495,44 @@ export interface FramedRuntimeResult {
 /** The client gave up on a call (kind 14); a call_id not in flight (already answered) is ignored. */
 export interface FramedRuntimeCancel {
   callId: number;
+}
+
+/** An instance for the shared process (kind 15): start it (instance_token set), or stop it (`stop`). */
+export interface SharedProcessSlot {
+  instanceId: string;
+  /** Its token: what its session and runtime connection open with (L4M_INSTANCE_TOKEN of a process of its own). */
+  instanceToken: string;
+  /** Its arguments (`ctx.args`). */
+  args: string[];
+  /** W3C trace context of its launch (TRACEPARENT of a process of its own). */
+  traceparent: string;
+  /** Stop it, as SIGTERM stops a controller of its own: the process cancels it and reports its end. */
+  stop: boolean;
+}
+
+/** What the shared process says of one of its instances (kind 16). */
+export interface SharedProcessReport {
+  instanceId: string;
+  /** One of: output, or the end. */
+  report:
+    | //
+    /** What it wrote to sys.stdout / sys.stderr (its tasks', by their context). */
+    { $case: "stdout"; value: Buffer }
+    | { $case: "stderr"; value: Buffer }
+    | //
+    /** It ended; nothing more is reported of it. */
+    { $case: "exit"; value: SharedProcessExit }
+    | undefined;
+}
+
+/**
+ * How an instance of a shared process ended: the status a process of its own would have exited with
+ * (l4m.controller's: 0 done, 1 the program raised, 2 it could not be loaded, 3 trapped, 4 session broke,
+ * 143 stopped), and the last line it wrote to stderr.
+ */
+export interface SharedProcessExit {
+  exitCode: number;
+  message: string;
 }
 
 export interface SendToUserResponse {
@@ -1349,7 +1409,7 @@ export const Limits: MessageFns<Limits> = {
 };
 
 function createBaseLaunchRequest(): LaunchRequest {
-  return { program: "", args: [], limits: undefined, detached: false, model: "" };
+  return { program: "", args: [], limits: undefined, detached: false, model: "", shareProcess: false };
 }
 
 export const LaunchRequest: MessageFns<LaunchRequest> = {
@@ -1368,6 +1428,9 @@ export const LaunchRequest: MessageFns<LaunchRequest> = {
     }
     if (message.model !== "") {
       writer.uint32(42).string(message.model);
+    }
+    if (message.shareProcess !== false) {
+      writer.uint32(48).bool(message.shareProcess);
     }
     return writer;
   },
@@ -1425,6 +1488,14 @@ export const LaunchRequest: MessageFns<LaunchRequest> = {
             message.model = reader.string();
             continue;
           }
+          case 6: {
+            if (tag !== 48) {
+              break;
+            }
+
+            message.shareProcess = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1444,6 +1515,11 @@ export const LaunchRequest: MessageFns<LaunchRequest> = {
       limits: isSet(object.limits) ? Limits.fromJSON(object.limits) : undefined,
       detached: isSet(object.detached) ? globalThis.Boolean(object.detached) : false,
       model: isSet(object.model) ? globalThis.String(object.model) : "",
+      shareProcess: isSet(object.shareProcess)
+        ? globalThis.Boolean(object.shareProcess)
+        : isSet(object.share_process)
+        ? globalThis.Boolean(object.share_process)
+        : false,
     };
   },
 
@@ -1464,6 +1540,9 @@ export const LaunchRequest: MessageFns<LaunchRequest> = {
     if (message.model !== "") {
       obj.model = message.model;
     }
+    if (message.shareProcess !== false) {
+      obj.shareProcess = message.shareProcess;
+    }
     return obj;
   },
 
@@ -1479,6 +1558,7 @@ export const LaunchRequest: MessageFns<LaunchRequest> = {
       : undefined;
     message.detached = object.detached ?? false;
     message.model = object.model ?? "";
+    message.shareProcess = object.shareProcess ?? false;
     return message;
   },
 };
@@ -2460,6 +2540,7 @@ function createBaseInstanceInfo(): InstanceInfo {
     launchedAtUnixMs: 0,
     user: "",
     detached: false,
+    sharedProcess: "",
   };
 }
 
@@ -2491,6 +2572,9 @@ export const InstanceInfo: MessageFns<InstanceInfo> = {
     }
     if (message.detached !== false) {
       writer.uint32(72).bool(message.detached);
+    }
+    if (message.sharedProcess !== "") {
+      writer.uint32(82).string(message.sharedProcess);
     }
     return writer;
   },
@@ -2580,6 +2664,14 @@ export const InstanceInfo: MessageFns<InstanceInfo> = {
             message.detached = reader.bool();
             continue;
           }
+          case 10: {
+            if (tag !== 82) {
+              break;
+            }
+
+            message.sharedProcess = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2619,6 +2711,11 @@ export const InstanceInfo: MessageFns<InstanceInfo> = {
         : 0,
       user: isSet(object.user) ? globalThis.String(object.user) : "",
       detached: isSet(object.detached) ? globalThis.Boolean(object.detached) : false,
+      sharedProcess: isSet(object.sharedProcess)
+        ? globalThis.String(object.sharedProcess)
+        : isSet(object.shared_process)
+        ? globalThis.String(object.shared_process)
+        : "",
     };
   },
 
@@ -2651,6 +2748,9 @@ export const InstanceInfo: MessageFns<InstanceInfo> = {
     if (message.detached !== false) {
       obj.detached = message.detached;
     }
+    if (message.sharedProcess !== "") {
+      obj.sharedProcess = message.sharedProcess;
+    }
     return obj;
   },
 
@@ -2670,6 +2770,7 @@ export const InstanceInfo: MessageFns<InstanceInfo> = {
     message.launchedAtUnixMs = object.launchedAtUnixMs ?? 0;
     message.user = object.user ?? "";
     message.detached = object.detached ?? false;
+    message.sharedProcess = object.sharedProcess ?? "";
     return message;
   },
 };
@@ -2742,7 +2843,7 @@ export const SendToUserRequest: MessageFns<SendToUserRequest> = {
 };
 
 function createBaseFramedRuntimeOpen(): FramedRuntimeOpen {
-  return { protocolVersion: "", instanceToken: "", traceparent: "" };
+  return { protocolVersion: "", instanceToken: "", traceparent: "", processToken: "" };
 }
 
 export const FramedRuntimeOpen: MessageFns<FramedRuntimeOpen> = {
@@ -2755,6 +2856,9 @@ export const FramedRuntimeOpen: MessageFns<FramedRuntimeOpen> = {
     }
     if (message.traceparent !== "") {
       writer.uint32(26).string(message.traceparent);
+    }
+    if (message.processToken !== "") {
+      writer.uint32(34).string(message.processToken);
     }
     return writer;
   },
@@ -2796,6 +2900,14 @@ export const FramedRuntimeOpen: MessageFns<FramedRuntimeOpen> = {
             message.traceparent = reader.string();
             continue;
           }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.processToken = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2821,6 +2933,11 @@ export const FramedRuntimeOpen: MessageFns<FramedRuntimeOpen> = {
         ? globalThis.String(object.instance_token)
         : "",
       traceparent: isSet(object.traceparent) ? globalThis.String(object.traceparent) : "",
+      processToken: isSet(object.processToken)
+        ? globalThis.String(object.processToken)
+        : isSet(object.process_token)
+        ? globalThis.String(object.process_token)
+        : "",
     };
   },
 
@@ -2835,6 +2952,9 @@ export const FramedRuntimeOpen: MessageFns<FramedRuntimeOpen> = {
     if (message.traceparent !== "") {
       obj.traceparent = message.traceparent;
     }
+    if (message.processToken !== "") {
+      obj.processToken = message.processToken;
+    }
     return obj;
   },
 
@@ -2846,6 +2966,7 @@ export const FramedRuntimeOpen: MessageFns<FramedRuntimeOpen> = {
     message.protocolVersion = object.protocolVersion ?? "";
     message.instanceToken = object.instanceToken ?? "";
     message.traceparent = object.traceparent ?? "";
+    message.processToken = object.processToken ?? "";
     return message;
   },
 };
@@ -3470,6 +3591,378 @@ export const FramedRuntimeCancel: MessageFns<FramedRuntimeCancel> = {
   fromPartial<I extends Exact<DeepPartial<FramedRuntimeCancel>, I>>(object: I): FramedRuntimeCancel {
     const message = createBaseFramedRuntimeCancel();
     message.callId = object.callId ?? 0;
+    return message;
+  },
+};
+
+function createBaseSharedProcessSlot(): SharedProcessSlot {
+  return { instanceId: "", instanceToken: "", args: [], traceparent: "", stop: false };
+}
+
+export const SharedProcessSlot: MessageFns<SharedProcessSlot> = {
+  encode(message: SharedProcessSlot, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.instanceId !== "") {
+      writer.uint32(10).string(message.instanceId);
+    }
+    if (message.instanceToken !== "") {
+      writer.uint32(18).string(message.instanceToken);
+    }
+    for (const v of message.args) {
+      writer.uint32(26).string(v!);
+    }
+    if (message.traceparent !== "") {
+      writer.uint32(34).string(message.traceparent);
+    }
+    if (message.stop !== false) {
+      writer.uint32(40).bool(message.stop);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): SharedProcessSlot {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseSharedProcessSlot();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.instanceId = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.instanceToken = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.args.push(reader.string());
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.traceparent = reader.string();
+            continue;
+          }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.stop = reader.bool();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): SharedProcessSlot {
+    return {
+      instanceId: isSet(object.instanceId)
+        ? globalThis.String(object.instanceId)
+        : isSet(object.instance_id)
+        ? globalThis.String(object.instance_id)
+        : "",
+      instanceToken: isSet(object.instanceToken)
+        ? globalThis.String(object.instanceToken)
+        : isSet(object.instance_token)
+        ? globalThis.String(object.instance_token)
+        : "",
+      args: globalThis.Array.isArray(object?.args) ? object.args.map((e: any) => globalThis.String(e)) : [],
+      traceparent: isSet(object.traceparent) ? globalThis.String(object.traceparent) : "",
+      stop: isSet(object.stop) ? globalThis.Boolean(object.stop) : false,
+    };
+  },
+
+  toJSON(message: SharedProcessSlot): unknown {
+    const obj: any = {};
+    if (message.instanceId !== "") {
+      obj.instanceId = message.instanceId;
+    }
+    if (message.instanceToken !== "") {
+      obj.instanceToken = message.instanceToken;
+    }
+    if (message.args?.length) {
+      obj.args = message.args;
+    }
+    if (message.traceparent !== "") {
+      obj.traceparent = message.traceparent;
+    }
+    if (message.stop !== false) {
+      obj.stop = message.stop;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<SharedProcessSlot>, I>>(base?: I): SharedProcessSlot {
+    return SharedProcessSlot.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<SharedProcessSlot>, I>>(object: I): SharedProcessSlot {
+    const message = createBaseSharedProcessSlot();
+    message.instanceId = object.instanceId ?? "";
+    message.instanceToken = object.instanceToken ?? "";
+    message.args = object.args?.map((e) => e) || [];
+    message.traceparent = object.traceparent ?? "";
+    message.stop = object.stop ?? false;
+    return message;
+  },
+};
+
+function createBaseSharedProcessReport(): SharedProcessReport {
+  return { instanceId: "", report: undefined };
+}
+
+export const SharedProcessReport: MessageFns<SharedProcessReport> = {
+  encode(message: SharedProcessReport, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.instanceId !== "") {
+      writer.uint32(10).string(message.instanceId);
+    }
+    switch (message.report?.$case) {
+      case "stdout":
+        writer.uint32(18).bytes(message.report.value);
+        break;
+      case "stderr":
+        writer.uint32(26).bytes(message.report.value);
+        break;
+      case "exit":
+        SharedProcessExit.encode(message.report.value, writer.uint32(34).fork()).join();
+        break;
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): SharedProcessReport {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseSharedProcessReport();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.instanceId = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.report = { $case: "stdout", value: Buffer.from(reader.bytes()) };
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.report = { $case: "stderr", value: Buffer.from(reader.bytes()) };
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.report = { $case: "exit", value: SharedProcessExit.decode(reader, reader.uint32()) };
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): SharedProcessReport {
+    return {
+      instanceId: isSet(object.instanceId)
+        ? globalThis.String(object.instanceId)
+        : isSet(object.instance_id)
+        ? globalThis.String(object.instance_id)
+        : "",
+      report: isSet(object.stdout)
+        ? { $case: "stdout", value: Buffer.from(bytesFromBase64(object.stdout)) }
+        : isSet(object.stderr)
+        ? { $case: "stderr", value: Buffer.from(bytesFromBase64(object.stderr)) }
+        : isSet(object.exit)
+        ? { $case: "exit", value: SharedProcessExit.fromJSON(object.exit) }
+        : undefined,
+    };
+  },
+
+  toJSON(message: SharedProcessReport): unknown {
+    const obj: any = {};
+    if (message.instanceId !== "") {
+      obj.instanceId = message.instanceId;
+    }
+    if (message.report?.$case === "stdout") {
+      obj.stdout = base64FromBytes(message.report.value);
+    } else if (message.report?.$case === "stderr") {
+      obj.stderr = base64FromBytes(message.report.value);
+    } else if (message.report?.$case === "exit") {
+      obj.exit = SharedProcessExit.toJSON(message.report.value);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<SharedProcessReport>, I>>(base?: I): SharedProcessReport {
+    return SharedProcessReport.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<SharedProcessReport>, I>>(object: I): SharedProcessReport {
+    const message = createBaseSharedProcessReport();
+    message.instanceId = object.instanceId ?? "";
+    switch (object.report?.$case) {
+      case "stdout": {
+        if (object.report?.value !== undefined && object.report?.value !== null) {
+          message.report = { $case: "stdout", value: object.report.value };
+        }
+        break;
+      }
+      case "stderr": {
+        if (object.report?.value !== undefined && object.report?.value !== null) {
+          message.report = { $case: "stderr", value: object.report.value };
+        }
+        break;
+      }
+      case "exit": {
+        if (object.report?.value !== undefined && object.report?.value !== null) {
+          message.report = { $case: "exit", value: SharedProcessExit.fromPartial(object.report.value) };
+        }
+        break;
+      }
+    }
+    return message;
+  },
+};
+
+function createBaseSharedProcessExit(): SharedProcessExit {
+  return { exitCode: 0, message: "" };
+}
+
+export const SharedProcessExit: MessageFns<SharedProcessExit> = {
+  encode(message: SharedProcessExit, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.exitCode !== 0) {
+      writer.uint32(8).int32(message.exitCode);
+    }
+    if (message.message !== "") {
+      writer.uint32(18).string(message.message);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): SharedProcessExit {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseSharedProcessExit();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.exitCode = reader.int32();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.message = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): SharedProcessExit {
+    return {
+      exitCode: isSet(object.exitCode)
+        ? globalThis.Number(object.exitCode)
+        : isSet(object.exit_code)
+        ? globalThis.Number(object.exit_code)
+        : 0,
+      message: isSet(object.message) ? globalThis.String(object.message) : "",
+    };
+  },
+
+  toJSON(message: SharedProcessExit): unknown {
+    const obj: any = {};
+    if (message.exitCode !== 0) {
+      obj.exitCode = Math.round(message.exitCode);
+    }
+    if (message.message !== "") {
+      obj.message = message.message;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<SharedProcessExit>, I>>(base?: I): SharedProcessExit {
+    return SharedProcessExit.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<SharedProcessExit>, I>>(object: I): SharedProcessExit {
+    const message = createBaseSharedProcessExit();
+    message.exitCode = object.exitCode ?? 0;
+    message.message = object.message ?? "";
     return message;
   },
 };
