@@ -5,6 +5,8 @@ module adds one with `register(...)` (e.g. `up`, `demo`, service launchers).
                                                         status (its own code, 3 when trapped, 1 other ends);
                                                         Ctrl-C ends the instance
   l4m run --detach FILE ...                             launch it to run on without a client; print its id
+  l4m run --share-process FILE ...                      let it share a controller process with your other
+                                                        running launches of FILE that set it (same model, limits)
   l4m attach ID                                         stream an instance's output, exit with its status
   l4m store FILE [--tag NAME[:TAG]]                     store a controller without running it; print its sha256
   l4m keys add|list|remove                              the spawner's API keys (see l4m.keys)

@@ -203,13 +203,19 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             shutdown_tracing()
 
 
+def _config_of(environ: Mapping[str, str]) -> ControllerConfig:
+    """The environment's settings, its event loop's name checked; ProgramError says what is wrong."""
+    config = ControllerConfig.from_env(environ)
+    try:
+        eventloop.loop_name(environ)
+    except ValueError as error:
+        raise ProgramError(str(error)) from None
+    return config
+
+
 def _run(program: str, args: Sequence[str], environ: Mapping[str, str], is_tracing: bool = True) -> int:
     try:
-        config = ControllerConfig.from_env(environ)
-        try:
-            eventloop.loop_name(environ)
-        except ValueError as error:
-            raise ProgramError(str(error)) from None
+        config = _config_of(environ)
         # Untraced, the span would be the no-op one and leave `config` as it is: skip it, and its import.
         span = run_span(config, program) if is_tracing else contextlib.nullcontext(config)
         with span as traced_config:
@@ -226,11 +232,7 @@ def _serve_shared(program: str, environ: Mapping[str, str], process_token: str) 
     from l4m import shared_process
 
     try:
-        config = shared_process.config_from_env(environ)
-        try:
-            eventloop.loop_name(environ)
-        except ValueError as error:
-            raise ProgramError(str(error)) from None
+        config = shared_process.process_config(_config_of(environ))
         main = load_program(program)
     except ProgramError as error:
         print(f"l4m.controller: {error}", file=sys.stderr)

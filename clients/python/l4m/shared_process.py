@@ -23,7 +23,6 @@ import contextvars
 import dataclasses
 import io
 import sys
-from collections.abc import Mapping
 
 from google.protobuf.message import DecodeError
 
@@ -225,7 +224,6 @@ async def serve(main: Main, program: str, config: ControllerConfig, token: str) 
         sys.stdout, sys.stderr = stdout, stderr
 
 
-def config_from_env(environ: Mapping[str, str]) -> ControllerConfig:
+def process_config(config: ControllerConfig) -> ControllerConfig:
     """The settings every instance of the process shares (each brings its own token, id and traceparent)."""
-    return dataclasses.replace(ControllerConfig.from_env(environ), instance_token=None, instance_id="",
-                               traceparent=None)
+    return dataclasses.replace(config, instance_token=None, instance_id="", traceparent=None)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from l4m.spawner.config import SpawnerConfig
 from l4m.spawner.docker_image import ensure_controller_image
 from l4m.spawner.docker_sandbox import DockerSandbox, DockerSandboxConfig
 from l4m.spawner.process_command import ProcessSandboxConfig
@@ -121,6 +122,17 @@ class SchedulerCluster:
     registry_address: str  # the spawner's --scheduler
     scheduler_address: str  # TCP, for the test's own (anonymous) sessions
     cluster_secret_file: Path  # the spawner's --cluster-secret-file
+
+    def spawner_config(self, tmp_path: Path, name: str, **overrides: object) -> SpawnerConfig:
+        """A spawner of this cluster, its state in `tmp_path`, its id `name` and the test's."""
+        return SpawnerConfig(
+            state_dir=tmp_path / "state",
+            socket_dir=self.socket_dir,
+            spawner_id=f"{name}-{tmp_path.name[-20:]}",
+            scheduler_registry_address=self.registry_address,
+            cluster_secret_file=self.cluster_secret_file,
+            **overrides,  # type: ignore[arg-type]
+        )
 
 
 @pytest.fixture

@@ -56,14 +56,7 @@ async def main(ctx):
 
 
 def _config(tmp_path: Path, cluster: SchedulerCluster, **overrides: object) -> SpawnerConfig:
-    return SpawnerConfig(
-        state_dir=tmp_path / "state",
-        socket_dir=cluster.socket_dir,
-        spawner_id=f"shared-{tmp_path.name[-20:]}",
-        scheduler_registry_address=cluster.registry_address,
-        cluster_secret_file=cluster.cluster_secret_file,
-        **overrides,
-    )
+    return cluster.spawner_config(tmp_path, "shared", **overrides)
 
 
 async def _launch(spawner: RunningSpawner, sha: str, how: str, name: str, share: bool = True,

@@ -161,6 +161,26 @@ def test_run_and_attach_take_detach_and_credentials() -> None:
     assert (options.command, options.instance_id, options.spawner) == ("attach", "i-1", "h:1")
 
 
+def test_run_share_process_reaches_the_launch_attached_or_detached(monkeypatch: pytest.MonkeyPatch) -> None:
+    import l4m.client
+
+    calls: list[tuple[str, bool]] = []
+
+    async def run_program(*args: object, **kwargs: object) -> int:
+        calls.append(("run", bool(kwargs["share_process"])))
+        return 0
+
+    async def launch_detached(*args: object, **kwargs: object) -> str:
+        calls.append(("detached", bool(kwargs["share_process"])))
+        return "i-1"
+
+    monkeypatch.setattr(l4m.client, "run_program", run_program)
+    monkeypatch.setattr(l4m.client, "launch_detached", launch_detached)
+    for argv in (["run", "p.py"], ["run", "--share-process", "p.py"], ["run", "--detach", "--share-process", "p.py"]):
+        assert cli.main(argv) == 0
+    assert calls == [("run", False), ("run", True), ("detached", True)]
+
+
 def _secret_file(path: Path, text: str) -> Path:
     path.write_text(text + "\n")
     path.chmod(0o600)
