@@ -563,10 +563,9 @@ class InstanceManager:
 
     def _shared_process_env(self, process_token: str, key: ShareKey) -> dict[str, str]:
         """A shared process's environment: an instance's, less what each instance brings (id, token, trace
-        context) and less span export (which authenticates one instance's token), plus its process token."""
-        env = self._sandbox_env("", "", "", key.model)
-        for name in ("L4M_INSTANCE_ID", "L4M_INSTANCE_TOKEN", "OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT",
-                     "OTEL_EXPORTER_OTLP_HEADERS", "OTEL_SERVICE_NAME"):
+        context), plus its process token, which also authenticates its spans (span_forwarder.py)."""
+        env = self._sandbox_env("", process_token, "", key.model)
+        for name in ("L4M_INSTANCE_ID", "L4M_INSTANCE_TOKEN"):
             env.pop(name, None)
         env[PROCESS_TOKEN_ENV] = process_token
         return env

@@ -513,6 +513,7 @@ async def create_server(
             config.controller_spans_endpoint,
             lambda token: _instance_id_of_token(manager, token),
             config.controller_spans_headers,
+            lambda token: _process_id_of_token(manager, token),
         )
         runtime_services.append((trace_service_pb2_grpc.add_TraceServiceServicer_to_server, forwarder))
     config.socket_dir.mkdir(parents=True, exist_ok=True)
@@ -560,3 +561,8 @@ def _instance_id_of_token(manager: InstanceManager, token: str) -> str | None:
         return manager.by_token(token).instance_id
     except InstanceNotFound:
         return None
+
+
+def _process_id_of_token(manager: InstanceManager, token: str) -> str | None:
+    process = manager.shared.by_token(token)
+    return process.process_id if process is not None else None

@@ -5,7 +5,9 @@ A sandbox has no network, so the controller's OTLP exporter points at the runtim
 header (`OTEL_EXPORTER_OTLP_HEADERS=l4m-instance-token=...`). `SpanForwarder` serves OTLP's
 TraceService there: it authenticates the token like every runtime call, stamps the resource with the
 instance id the spawner knows (a controller cannot pass its spans off as another's), and forwards the
-request unchanged to the spawner's own OTLP endpoint.
+request unchanged to the spawner's own OTLP endpoint. A shared controller process (spawner/shared.py) sends
+its process token instead: its resource is stamped with the process's id (`l4m.shared_process`) and carries
+no `l4m.instance_id`, since it speaks for several instances (each names its own on its `controller.run` span).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from l4m.wire.metadata import TOKEN_METADATA_KEY
 
 EXPORT_DEADLINE_S = 10.0
 INSTANCE_ATTRIBUTE = "l4m.instance_id"
+SHARED_PROCESS_ATTRIBUTE = "l4m.shared_process"
 
 
 def otlp_grpc_target(endpoint: str) -> tuple[str, bool]:
@@ -40,10 +43,13 @@ class SpanForwarder(trace_service_pb2_grpc.TraceServiceServicer):
         endpoint: str,
         instance_id_of_token: Callable[[str], str | None],
         headers: Sequence[tuple[str, str]] = (),
+        process_id_of_token: Callable[[str], str | None] = lambda token: None,
     ) -> None:
-        """`instance_id_of_token(token)` names the running instance holding `token`, or None."""
+        """`instance_id_of_token(token)` names the running instance holding `token`, or None;
+        `process_id_of_token(token)` the shared controller process, or None."""
         self.endpoint = endpoint
         self._instance_id_of_token = instance_id_of_token
+        self._process_id_of_token = process_id_of_token
         self._headers = tuple(headers)
         target, use_tls = otlp_grpc_target(endpoint)
         self._channel = (
@@ -56,10 +62,14 @@ class SpanForwarder(trace_service_pb2_grpc.TraceServiceServicer):
     async def Export(self, request, context):  # noqa: N802 - gRPC method name
         token = dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY, "")
         instance_id = self._instance_id_of_token(token)
-        if instance_id is None:
+        process_id = self._process_id_of_token(token) if instance_id is None else None
+        if instance_id is None and process_id is None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"missing or unknown {TOKEN_METADATA_KEY}")
         for resource_spans in request.resource_spans:
-            stamp_instance_id(resource_spans.resource.attributes, instance_id)
+            if instance_id is not None:
+                stamp_instance_id(resource_spans.resource.attributes, instance_id)
+            else:
+                stamp_shared_process(resource_spans.resource.attributes, process_id)  # type: ignore[arg-type]
         try:
             return await self._stub.Export(request, metadata=self._headers, timeout=EXPORT_DEADLINE_S)
         except grpc.aio.AioRpcError as exc:
@@ -75,10 +85,21 @@ class SpanForwarder(trace_service_pb2_grpc.TraceServiceServicer):
 def stamp_instance_id(
     attributes: RepeatedCompositeFieldContainer[common_pb2.KeyValue], instance_id: str
 ) -> None:
-    """Sets `l4m.instance_id` among a resource's attributes, replacing any the controller sent."""
+    """Sets `l4m.instance_id` among a resource's attributes, replacing any the controller sent (and any
+    `l4m.shared_process`)."""
+    _stamp(attributes, INSTANCE_ATTRIBUTE, instance_id)
+
+
+def stamp_shared_process(
+    attributes: RepeatedCompositeFieldContainer[common_pb2.KeyValue], process_id: str
+) -> None:
+    """Sets `l4m.shared_process` among a resource's attributes and drops any `l4m.instance_id` the process
+    sent: its resource is the process's, not one instance's."""
+    _stamp(attributes, SHARED_PROCESS_ATTRIBUTE, process_id)
+
+
+def _stamp(attributes: RepeatedCompositeFieldContainer[common_pb2.KeyValue], key: str, value: str) -> None:
     for index in reversed(range(len(attributes))):
-        if attributes[index].key == INSTANCE_ATTRIBUTE:
+        if attributes[index].key in (INSTANCE_ATTRIBUTE, SHARED_PROCESS_ATTRIBUTE):
             del attributes[index]
-    attributes.append(
-        common_pb2.KeyValue(key=INSTANCE_ATTRIBUTE, value=common_pb2.AnyValue(string_value=instance_id))
-    )
+    attributes.append(common_pb2.KeyValue(key=key, value=common_pb2.AnyValue(string_value=value)))

@@ -104,25 +104,31 @@ class LaunchRun:
     stderr: str
 
 
-@pytest.fixture(scope="module")
-def launch(traced: TracedCluster) -> LaunchRun:
-    program = REPO / "examples" / "controllers" / "text_completion.py"
+TEXT_COMPLETION = REPO / "examples" / "controllers" / "text_completion.py"
+
+
+def _run(traced: TracedCluster, program: Path, *flags: str) -> LaunchRun:
     done = subprocess.run(
         [str(L4M_CLI), "run", "--spawner", traced.up.spawner_address, "--api-key-file",
-         str(traced.up.state_dir / "admin.key"), str(program), "--", "--max-tokens", "4", "Hi"],
+         str(traced.up.state_dir / "admin.key"), *flags, str(program), "--", "--max-tokens", "4", "Hi"],
         cwd=REPO, env=traced.env, capture_output=True, text=True, timeout=120,
     )
     return LaunchRun(done.returncode, done.stdout, done.stderr)
 
 
+@pytest.fixture(scope="module")
+def launch(traced: TracedCluster) -> LaunchRun:
+    return _run(traced, TEXT_COMPLETION)
+
+
 # ---- the trace ---------------------------------------------------------------------------------------
 
 
-def trace_problems(spans: list[ReceivedSpan]) -> list[str]:
-    """Everything wrong with the trace of the (one) `l4m.run`; empty when the whole tree is there."""
-    roots = [s for s in spans if s.name == "l4m.run"]
+def trace_problems(spans: list[ReceivedSpan], program: Path = TEXT_COMPLETION) -> list[str]:
+    """Everything wrong with the trace of the (one) `l4m.run` of `program`; empty when the whole tree is there."""
+    roots = [s for s in spans if s.name == "l4m.run" and s.attributes.get("l4m.program") == str(program)]
     if len(roots) != 1:
-        return [f"expected one l4m.run span, got {len(roots)}"]
+        return [f"expected one l4m.run span of {program.name}, got {len(roots)}"]
     root = roots[0]
     tree = [s for s in spans if s.trace_id == root.trace_id]
     by_id = {s.span_id: s for s in tree}
@@ -184,12 +190,27 @@ def test_one_launch_is_one_trace_across_every_process(
 ) -> None:
     assert launch.returncode == 0, launch.stderr
     assert '"stop": "length"' in launch.stdout, launch.stdout
+    _wait_for_whole_trace(traced, TEXT_COMPLETION)
+
+
+def test_a_launch_in_a_shared_process_is_one_trace_too(
+    traced: TracedCluster, show_logs_on_failure: None, tmp_path: Path
+) -> None:
+    program = tmp_path / "shared_completion.py"  # its own name: its l4m.run span is told apart by it
+    program.write_text(TEXT_COMPLETION.read_text())
+    shared = _run(traced, program, "--share-process")
+    assert shared.returncode == 0, shared.stderr
+    assert '"stop": "length"' in shared.stdout, shared.stdout
+    _wait_for_whole_trace(traced, program)
+
+
+def _wait_for_whole_trace(traced: TracedCluster, program: Path) -> None:
     try:
-        traced.receiver.wait_for(lambda spans: not trace_problems(spans), timeout_s=30)
+        traced.receiver.wait_for(lambda spans: not trace_problems(spans, program), timeout_s=30)
     except AssertionError:
         spans = list(traced.receiver.spans)
         table = "\n".join(f"  {s.service:15} {s.name:18} {s.trace_id[:8]} {s.span_id} <- {s.parent_span_id}" for s in spans)
-        pytest.fail("trace incomplete or wrong:\n  " + "\n  ".join(trace_problems(spans)) + f"\nspans:\n{table}")
+        pytest.fail("trace incomplete or wrong:\n  " + "\n  ".join(trace_problems(spans, program)) + f"\nspans:\n{table}")
 
 
 # ---- metrics, health, reflection ----------------------------------------------------------------------

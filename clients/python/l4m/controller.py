@@ -237,7 +237,12 @@ def _serve_shared(program: str, environ: Mapping[str, str], process_token: str) 
     except ProgramError as error:
         print(f"l4m.controller: {error}", file=sys.stderr)
         return EXIT_LOAD_ERROR
-    return eventloop.run(shared_process.serve(main, program, config, process_token), environ)
+    is_tracing = configure_tracing("l4m.controller", environ)  # each instance's run is its own span
+    try:
+        return eventloop.run(shared_process.serve(main, program, config, process_token, is_tracing), environ)
+    finally:
+        if is_tracing:
+            shutdown_tracing()
 
 
 def failure_status(error: Exception) -> int:

@@ -19,6 +19,7 @@ program's module-level state: they are one user's launches of one program, which
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import io
@@ -34,6 +35,7 @@ from l4m.controller import (
     failure_status,
     result_status,
     run_loaded,
+    run_span,
 )
 from l4m.framed import connect_unix
 from l4m.v1 import spawner_pb2
@@ -98,9 +100,9 @@ class _InstanceBytesWriter:
 class SharedProcess(frames.FrameProtocol):
     """The control connection, and the instances it started."""
 
-    def __init__(self, main: Main, program: str, config: ControllerConfig) -> None:
+    def __init__(self, main: Main, program: str, config: ControllerConfig, is_tracing: bool = False) -> None:
         super().__init__(limits.RUNTIME_MAX_REQUEST_BYTES)
-        self.main, self.program, self.config = main, program, config
+        self.main, self.program, self.config, self.is_tracing = main, program, config, is_tracing
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self._tails: dict[str, bytearray] = {}
         self._opened = False
@@ -152,8 +154,11 @@ class SharedProcess(frames.FrameProtocol):
     async def _run(self, slot: spawner_pb2.SharedProcessSlot) -> None:
         config = dataclasses.replace(self.config, instance_token=slot.instance_token, instance_id=slot.instance_id,
                                      traceparent=slot.traceparent or None)
+        # Traced, each instance's run is its `controller.run` span, child of its launch (as in a process of its own).
+        span = run_span(config, self.program) if self.is_tracing else contextlib.nullcontext(config)
         try:
-            status = result_status(await run_loaded(self.main, self.program, tuple(slot.args), config))
+            with span as traced_config:
+                status = result_status(await run_loaded(self.main, self.program, tuple(slot.args), traced_config))
         except asyncio.CancelledError:
             print("l4m.controller: stopped", file=sys.stderr)
             status = EXIT_TERMINATED
@@ -209,12 +214,12 @@ class SharedProcess(frames.FrameProtocol):
         return 0
 
 
-async def serve(main: Main, program: str, config: ControllerConfig, token: str) -> int:
+async def serve(main: Main, program: str, config: ControllerConfig, token: str, is_tracing: bool = False) -> int:
     path = frames.framed_path(config.runtime_framed_address or "")
     if path is None:
         print("l4m.controller: a shared process needs L4M_RUNTIME_FRAMED_ADDR (a framed: address)", file=sys.stderr)
         return EXIT_SESSION_ERROR
-    process = SharedProcess(main, program, config)
+    process = SharedProcess(main, program, config, is_tracing)
     stdout, stderr = sys.stdout, sys.stderr
     sys.stdout = _InstanceWriter(process, "stdout", stdout)  # type: ignore[assignment]
     sys.stderr = _InstanceWriter(process, "stderr", stderr)  # type: ignore[assignment]

@@ -17,7 +17,7 @@ from l4m.spawner.instances import (
 )
 from l4m.spawner.programs import ProgramStore
 from l4m.spawner.sandbox import ExitReason, OutputStream
-from l4m.spawner.span_forwarder import otlp_grpc_target, stamp_instance_id
+from l4m.spawner.span_forwarder import otlp_grpc_target, stamp_instance_id, stamp_shared_process
 from tests.unit.spawner.test_supervisor import FakeSandbox, out
 
 
@@ -159,3 +159,7 @@ def test_span_forwarding_helpers() -> None:
     resource.attributes.add(key="l4m.instance_id").value.string_value = "i-spoofed"
     stamp_instance_id(resource.attributes, "i-real")
     assert [(a.key, a.value.string_value) for a in resource.attributes] == [("l4m.instance_id", "i-real")]
+    # A shared process's resource names the process, never an instance (it speaks for several).
+    resource.attributes.add(key="l4m.shared_process").value.string_value = "p-spoofed"
+    stamp_shared_process(resource.attributes, "p-real")
+    assert [(a.key, a.value.string_value) for a in resource.attributes] == [("l4m.shared_process", "p-real")]
