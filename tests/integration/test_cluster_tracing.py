@@ -193,17 +193,6 @@ def test_one_launch_is_one_trace_across_every_process(
     _wait_for_whole_trace(traced, TEXT_COMPLETION)
 
 
-def test_a_launch_in_a_shared_process_is_one_trace_too(
-    traced: TracedCluster, show_logs_on_failure: None, tmp_path: Path
-) -> None:
-    program = tmp_path / "shared_completion.py"  # its own name: its l4m.run span is told apart by it
-    program.write_text(TEXT_COMPLETION.read_text())
-    shared = _run(traced, program, "--share-process")
-    assert shared.returncode == 0, shared.stderr
-    assert '"stop": "length"' in shared.stdout, shared.stdout
-    _wait_for_whole_trace(traced, program)
-
-
 def _wait_for_whole_trace(traced: TracedCluster, program: Path) -> None:
     try:
         traced.receiver.wait_for(lambda spans: not trace_problems(spans, program), timeout_s=30)
@@ -342,6 +331,18 @@ def test_a_gateway_request_is_one_trace_over_the_cluster(traced: TracedCluster, 
 
 
 # ---- stopping ---------------------------------------------------------------------------------------------
+
+
+# After the metrics test, whose counts are of the one launch above.
+def test_a_launch_in_a_shared_process_is_one_trace_too(
+    traced: TracedCluster, show_logs_on_failure: None, tmp_path: Path
+) -> None:
+    program = tmp_path / "shared_completion.py"  # its own name: its l4m.run span is told apart by it
+    program.write_text(TEXT_COMPLETION.read_text())
+    shared = _run(traced, program, "--share-process")
+    assert shared.returncode == 0, shared.stderr
+    assert '"stop": "length"' in shared.stdout, shared.stdout
+    _wait_for_whole_trace(traced, program)
 
 
 def test_ctrl_c_stops_every_service(traced: TracedCluster, show_logs_on_failure: None) -> None:
