@@ -170,13 +170,18 @@ class SharedProcess:
 
     def stop(self, slot: SlotHandle) -> None:
         self._send(spawner_pb2.SharedProcessSlot(instance_id=slot.instance_id, stop=True))
-        self._spawn(self._kill_if_not_stopped(slot))
+        self._kill_later(STOP_GRACE_S, f"instance {slot.instance_id} in it did not stop within {STOP_GRACE_S:g} s "
+                                       "of being told to", unless=lambda: slot.has_ended)
 
-    async def _kill_if_not_stopped(self, slot: SlotHandle) -> None:
-        await asyncio.sleep(STOP_GRACE_S)
-        if not slot.has_ended and self.handle is not None:
-            await self.handle.kill(ExitReason.KILLED, f"instance {slot.instance_id} in it did not stop within "
-                                                      f"{STOP_GRACE_S:g} s of being told to")
+    def _kill_later(self, delay_s: float, message: str, unless: Callable[[], bool] = lambda: False) -> None:
+        """Kills the process `delay_s` from now (KILLED, `message`) unless it has ended by then, or `unless()`."""
+
+        async def kill() -> None:
+            await asyncio.sleep(delay_s)
+            if not self.has_ended and not unless() and self.handle is not None:
+                await self.handle.kill(ExitReason.KILLED, message)
+
+        self._spawn(kill())
 
     def _send(self, slot: spawner_pb2.SharedProcessSlot) -> None:
         frame = frames.encode(frames.SHARED_SLOT, slot)
@@ -219,13 +224,8 @@ class SharedProcess:
         self.accepting = False
         self.processes.forget(self)
         if self.slots:
-            self._spawn(self._kill_when_disconnected())
-
-    async def _kill_when_disconnected(self) -> None:
-        # A process that crashed closed its connection as it exited: its own exit is the one to report.
-        await asyncio.sleep(DISCONNECT_GRACE_S)
-        if not self.has_ended and self.handle is not None:
-            await self.handle.kill(ExitReason.KILLED, "its control connection to the spawner ended")
+            # A process that crashed closed its connection as it exited: its own exit is the one to report.
+            self._kill_later(DISCONNECT_GRACE_S, "its control connection to the spawner ended")
 
     def _retire(self) -> None:
         """No instance left: no more join; its connection closes, and the process exits (or is killed)."""
@@ -233,12 +233,7 @@ class SharedProcess:
         self.processes.forget(self)
         if self.connection is not None:
             self.connection.close()
-        self._spawn(self._kill_if_still_running())
-
-    async def _kill_if_still_running(self) -> None:
-        await asyncio.sleep(EXIT_GRACE_S)
-        if not self.has_ended and self.handle is not None:
-            await self.handle.kill(ExitReason.KILLED, "it did not exit when its last instance had ended")
+        self._kill_later(EXIT_GRACE_S, "it did not exit when its last instance had ended")
 
     # -- its life ----------------------------------------------------------------------------------------
     async def run(self, handle: SandboxHandle) -> None:

@@ -65,8 +65,7 @@ class _InstanceWriter(io.TextIOBase):
         return True
 
     def write(self, text: str) -> int:
-        instance_id = current_instance.get()
-        if instance_id is None or not self._process.report_output(instance_id, self._field, text):
+        if not self._process.report_current(self._field, text):
             return self._fallback.write(text)
         return len(text)
 
@@ -88,8 +87,7 @@ class _InstanceBytesWriter:
         self._process, self._field, self._fallback = process, field, fallback
 
     def write(self, data: bytes) -> int:
-        instance_id = current_instance.get()
-        if instance_id is None or not self._process.report_output(instance_id, self._field, bytes(data)):
+        if not self._process.report_current(self._field, bytes(data)):
             return self._fallback.buffer.write(data)  # type: ignore[attr-defined]
         return len(data)
 
@@ -174,6 +172,11 @@ class SharedProcess(frames.FrameProtocol):
         self.write(frames.encode(frames.SHARED_REPORT, spawner_pb2.SharedProcessReport(
             instance_id=slot.instance_id, exit=exit_report)))
         del self.tasks[slot.instance_id]
+
+    def report_current(self, field: str, text: str | bytes) -> bool:
+        """`report_output` for the instance whose code is running; False for the process's own code."""
+        instance_id = current_instance.get()
+        return instance_id is not None and self.report_output(instance_id, field, text)
 
     def report_output(self, instance_id: str, field: str, text: str | bytes) -> bool:
         """Sends what an instance wrote; False once it has ended (the caller writes it to the process's own)."""
