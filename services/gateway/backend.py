@@ -25,7 +25,7 @@ from l4m.common.users import User
 from l4m.gateway import tracing
 from l4m.gateway.config import GatewayConfig
 from l4m.gateway.prefix_cache import PrefixCache, PrefixScope
-from l4m.model import Model
+from l4m.model import TOKENIZERS, Model, TokenizerCache
 from l4m.session import Session
 from l4m.tokenizer import Tokenizer
 from l4m.v1 import l4m_pb2
@@ -67,13 +67,14 @@ class Backend(Protocol):
 
 
 class _ModelCache:
-    """GetInfo per model (refreshed after INFO_TTL_S) and one Tokenizer per model."""
+    """GetInfo per model (refreshed after INFO_TTL_S), with the model's tokenizer: fetched and built once per
+    tokenizer (`l4m.model.TOKENIZERS`, by `ModelInfo.tokenizer_sha256`), so a model that is served anew
+    with another tokenizer gets it at the next refresh."""
 
     def __init__(self, info_session: Session) -> None:
         self._session = info_session
         self._names: tuple[float, list[str]] | None = None
-        self._infos: dict[str, tuple[float, l4m_pb2.GetInfoResponse]] = {}
-        self._tokenizers: dict[str, Tokenizer] = {}
+        self._infos: dict[str, tuple[float, l4m_pb2.GetInfoResponse, Tokenizer]] = {}
 
     async def names(self) -> list[str]:
         if self._names is None or time.monotonic() - self._names[0] > INFO_TTL_S:
@@ -84,13 +85,14 @@ class _ModelCache:
     async def info(self, name: str) -> tuple[l4m_pb2.GetInfoResponse, Tokenizer]:
         cached = self._infos.get(name)
         if cached is None or time.monotonic() - cached[0] > INFO_TTL_S:
-            info = await self._session.get_info(omit_tokenizer_json=name in self._tokenizers, model=name)
-            cached = self._infos[name] = (time.monotonic(), info)
-            if name not in self._tokenizers:
-                model = info.model
-                self._tokenizers[name] = Tokenizer(model.tokenizer_json, model.chat_template,
-                                                   model.special_token_ids, model.chat_template_variables)
-        return cached[1], self._tokenizers[name]
+            info = await self._session.get_info(omit_tokenizer_json=True, model=name)
+            key = TokenizerCache.key(info.model)
+            if cached is not None and key is not None and TokenizerCache.key(cached[1].model) == key:
+                tokenizer = cached[2]  # the same tokenizer as before (kept here past the process cache's bound)
+            else:
+                tokenizer = TOKENIZERS.get(info.model) or TOKENIZERS.build((await self._session.get_info(model=name)).model)
+            cached = self._infos[name] = (time.monotonic(), info, tokenizer)
+        return cached[1], cached[2]
 
 
 class ClusterBackend:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from l4m.scheduler.validation import ModelLimits
 from l4m.v1 import common_pb2
+from l4m.wire.rules import tokenizer_digest
 
 
 @dataclass
@@ -25,10 +26,14 @@ class ServedModel:
 
     @classmethod
     def from_info(cls, info: common_pb2.ModelInfo) -> ServedModel:
+        """`info` as its executor reported it, named by its tokenizer's digest (`tokenizer_sha256`)."""
+        named = common_pb2.ModelInfo()
+        named.CopyFrom(info)
+        named.tokenizer_sha256 = tokenizer_digest(info.tokenizer_json)
         without = common_pb2.ModelInfo()
-        without.CopyFrom(info)
+        without.CopyFrom(named)
         without.ClearField("tokenizer_json")
-        return cls(info.name, info, without)
+        return cls(info.name, named, without)
 
 
 class UnknownModel(LookupError):

@@ -24,17 +24,19 @@ if TYPE_CHECKING:
 
 
 def ll_tokenizer(model: Model) -> llguidance.LLTokenizer:
-    """The llguidance view of the model's tokenizer (built once per model: it takes ~0.3 s)."""
+    """The llguidance view of the model's tokenizer, built once per tokenizer, vocabulary size and stop tokens
+    (it takes ~0.3 s). One tokenizer may serve models whose vocabularies are padded to different sizes
+    (`l4m.model.TOKENIZERS` shares it), hence the size in the key."""
     import llguidance
 
     tokenizer = model.tokenizer
-    cached = getattr(tokenizer, "_ll_tokenizer", None)
-    if cached is None:
-        cached = llguidance.LLTokenizer(
+    key = (model.vocab_size, tuple(model.stop_token_ids))
+    view = tokenizer.ll_tokenizers.get(key)
+    if view is None:
+        view = tokenizer.ll_tokenizers[key] = llguidance.LLTokenizer(
             tokenizer.tokenizer_json, n_vocab=model.vocab_size, eos_token=list(model.stop_token_ids) or None
         )
-        tokenizer._ll_tokenizer = cached  # type: ignore[attr-defined]
-    return cached
+    return view
 
 
 class Constraint:

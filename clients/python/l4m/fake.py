@@ -182,7 +182,7 @@ class FakeL4M:
             num_attention_heads=1, num_kv_heads=1, head_dim=8, max_context_tokens=_MAX_CONTEXT_TOKENS,
             tokenizer_json=self.tokenizer_json, chat_template=self.chat_template,
             stop_token_ids=self.stop_token_ids, special_token_ids=self.special_token_ids, capabilities=["text"],
-            chat_template_variables=self.chat_template_variables,
+            chat_template_variables=self.chat_template_variables, tokenizer_sha256=rules.tokenizer_digest(self.tokenizer_json),
         )
         return l4m_pb2.GetInfoResponse(
             protocol_version="l4m.v1", model=model, kv_page_size=self.kv_page_size,

@@ -7,6 +7,7 @@ the instance draws from the same pools, and it counts the forward passes and tok
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,56 @@ if TYPE_CHECKING:
     from l4m.context import Context
 
 MAX_STREAMS = 1 << 16
+
+
+class TokenizerCache:
+    """The tokenizers this process built, by what each was built from (the JSON's digest, the chat template,
+    the special tokens and the template's variables): the sessions of one process on one model (a shared
+    controller process's instances, a service's requests) fetch and build the tokenizer once, not each
+    (SmolLM2's: 1.5 MB, ~80 ms to build). Only a digest this process computed from the JSON it holds is
+    remembered; the least recently used of more than `max_entries` is dropped."""
+
+    def __init__(self, max_entries: int = 4) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple[object, ...], Tokenizer] = OrderedDict()
+
+    @staticmethod
+    def key(info: common_pb2.ModelInfo) -> tuple[object, ...] | None:
+        """None where the scheduler named no tokenizer (`tokenizer_sha256` empty)."""
+        if not info.tokenizer_sha256:
+            return None
+        return (info.tokenizer_sha256, info.chat_template, tuple(sorted(info.special_token_ids.items())),
+                tuple(sorted(info.chat_template_variables.items())))
+
+    def get(self, info: common_pb2.ModelInfo) -> Tokenizer | None:
+        key = self.key(info)
+        tokenizer = self._entries.get(key) if key is not None else None
+        if tokenizer is not None:
+            self._entries.move_to_end(key)
+        return tokenizer
+
+    def build(self, info: common_pb2.ModelInfo) -> Tokenizer:
+        """A tokenizer from `info` (which holds the JSON), remembered when the JSON is the one `info` names."""
+        # Imported here: an idle runner does not load the rules (tests/unit/spawner/test_launch_imports.py).
+        from l4m.wire.rules import tokenizer_digest
+
+        tokenizer = Tokenizer(info.tokenizer_json, info.chat_template, info.special_token_ids,
+                              info.chat_template_variables)
+        key = self.key(info)
+        if key is not None and tokenizer_digest(info.tokenizer_json) == info.tokenizer_sha256:
+            self._entries[key] = tokenizer
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        return tokenizer
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+TOKENIZERS = TokenizerCache()
 
 
 @dataclass
@@ -73,14 +124,15 @@ class Model:
 
     @property
     def tokenizer(self) -> Tokenizer:
-        """Built on first use; when `load` left the tokenizer out, fetched then, in one blocking call."""
+        """Built on first use, or taken from the process's `TOKENIZERS` when it built this one before; when
+        `load` left the tokenizer out, fetched then (once a process), in one blocking call."""
         if self._tokenizer is None:
-            if not self.info.tokenizer_json:
-                self.info = self.session.get_info_blocking().model
-            self._tokenizer = Tokenizer(
-                self.info.tokenizer_json, self.info.chat_template, self.info.special_token_ids,
-                self.info.chat_template_variables,
-            )
+            tokenizer = TOKENIZERS.get(self.info)
+            if tokenizer is None:
+                if not self.info.tokenizer_json:
+                    self.info = self.session.get_info_blocking().model
+                tokenizer = TOKENIZERS.build(self.info)
+            self._tokenizer = tokenizer
         return self._tokenizer
 
     def new_context(self) -> Context:

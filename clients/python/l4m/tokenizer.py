@@ -35,6 +35,8 @@ class Tokenizer:
         self.chat_template_variables = dict(chat_template_variables or {})  # e.g. {"bos_token": "<s>"}
         self._jinja_template: object | None = None  # compiled on first use: jinja2's import is ~20 ms
         self._is_jinja_compiled = False
+        # llguidance's views of this tokenizer, by vocabulary size and stop tokens (`l4m.constraint.ll_tokenizer`).
+        self.ll_tokenizers: dict[tuple[int, tuple[int, ...]], object] = {}
         # Byte-level decoding is concatenative at character boundaries: decode(a + b) == decode(a) +
         # decode(b) whenever a's bytes end with a whole character (StreamDecoder relies on it).
         from tokenizers import decoders

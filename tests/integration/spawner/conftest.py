@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from l4m.fake import tiny_tokenizer_json
 from l4m.spawner.config import SpawnerConfig
 from l4m.spawner.docker_image import ensure_controller_image
 from l4m.spawner.docker_sandbox import DockerSandbox, DockerSandboxConfig
@@ -137,17 +138,20 @@ class SchedulerCluster:
 
 @pytest.fixture
 def scheduler_cluster(tmp_path: Path) -> Iterator[SchedulerCluster]:
-    """`python -m l4m.scheduler.simulated` and `python -m l4m.scheduler` as real processes; their
-    logs are printed at teardown (pytest shows them when the test fails)."""
+    """`python -m l4m.scheduler.simulated` (serving the SDK fake's tiny tokenizer, so that controllers can
+    tokenize) and `python -m l4m.scheduler` as real processes; their logs are printed at teardown (pytest
+    shows them when the test fails)."""
     socket_dir = tmp_path / "sockets"
     socket_dir.mkdir()
     internal = tmp_path / "internal"
     secret_file = internal / "cluster.secret"
     write_secret_file(secret_file)
     registry_socket = internal / "registry.sock"
+    tokenizer = internal / "tokenizer.json"
+    tokenizer.write_text(tiny_tokenizer_json())
     executor = ServiceProcess(
         "l4m.scheduler.simulated",
-        ["--listen", "127.0.0.1:0", "--num-kv-pages", "256"],
+        ["--listen", "127.0.0.1:0", "--num-kv-pages", "256", "--tokenizer-json", str(tokenizer)],
         tmp_path / "executor.log",
     )
     processes = [executor]

@@ -123,6 +123,51 @@ def test_launches_of_one_program_share_a_process_and_keep_their_own_output_and_e
 
 
 
+# Tokenizes, says which tokenizer object its process gave it and the ids, and waits for "go".
+TEXT_PROGRAM = """
+async def main(ctx):
+    ids = ctx.tokenizer.encode("hello there")
+    await ctx.send(f"{id(ctx.tokenizer)} {ids}")
+    if await ctx.receive(timeout_s=60) != "go":
+        return 5
+"""
+
+
+def test_the_instances_of_a_process_share_one_tokenizer(
+    warm_process_sandbox: ProcessSandbox, scheduler_cluster: SchedulerCluster, tmp_path: Path
+) -> None:
+    """The tokenizer is fetched and built once a process (`ModelInfo.tokenizer_sha256` names it), not once
+    an instance: while both instances live, their tokenizers are one object."""
+
+    async def go() -> tuple[list[str], list[spawner_pb2.InstanceInfo], list[list[spawner_pb2.AttachResponse]]]:
+        async with running_spawner(_config(tmp_path, scheduler_cluster), warm_process_sandbox) as spawner:
+            sha = await upload(spawner.stub, TEXT_PROGRAM)
+            ids = [await _launch(spawner, sha, "ok", name) for name in ("a", "b")]
+            attaches = [asyncio.ensure_future(attach(spawner.stub, i)) for i in ids]
+            said = [await _first_message(spawner, i) for i in ids]
+            infos = [await _info(spawner, i) for i in ids]
+            for instance_id in ids:
+                await _go(spawner, instance_id)
+            return said, infos, list(await asyncio.gather(*attaches))
+
+    said, infos, events = asyncio.run(go())
+    assert len({info.shared_process for info in infos} - {""}) == 1, infos
+    (tokenizer_a, ids_a), (tokenizer_b, ids_b) = (text.split(" ", 1) for text in said)
+    assert tokenizer_a == tokenizer_b, said
+    assert ids_a == ids_b and ids_a.startswith("[") and len(ids_a) > 2, said
+    assert [exit_of(e).reason for e in events] == [spawner_pb2.EXIT_REASON_EXITED] * 2, events
+
+
+async def _first_message(spawner: RunningSpawner, instance_id: str) -> str:
+    call = spawner.stub.Attach(spawner_pb2.AttachRequest(instance_id=instance_id), timeout=60)
+    async for event in call:
+        if event.HasField("message"):
+            call.cancel()
+            return event.message.text
+        assert not event.HasField("exit"), event
+    raise AssertionError(f"{instance_id} ended its attach stream without a message")
+
+
 async def _go(spawner: RunningSpawner, instance_id: str) -> None:
     await spawner.stub.SendMessage(spawner_pb2.SendMessageRequest(instance_id=instance_id, text="go"), timeout=30)
 

@@ -3,6 +3,7 @@ contention, executor loss, budgets, spans."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 from opentelemetry.sdk.trace import TracerProvider
@@ -418,6 +419,8 @@ async def test_get_info_can_leave_the_tokenizer_out(harness_factory) -> None:  #
     h = harness_factory(tokenizer_json='{"version": "1.0"}')
     full, lean = h.scheduler.get_info(), h.scheduler.get_info(omit_tokenizer_json=True)
     assert full.model.tokenizer_json and not lean.model.tokenizer_json
+    # Both name the tokenizer, so that a process with many sessions builds it once.
+    assert lean.model.tokenizer_sha256 == hashlib.sha256(b'{"version": "1.0"}').hexdigest()
     full.model.ClearField("tokenizer_json")
     assert lean == full  # nothing else differs
     a, sink = h.open()

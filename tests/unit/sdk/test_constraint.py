@@ -83,3 +83,23 @@ def test_bad_grammars_say_what_is_wrong(run, open_model, smollm_fake: FakeL4M) -
             Constraint.regex(model, "(unclosed")
 
     run(body())
+
+
+def test_one_tokenizer_gives_each_vocabulary_size_its_own_llguidance_view(run, open_model) -> None:
+    """Models with one tokenizer share it (`l4m.model.TOKENIZERS`) but may pad their vocabularies to different
+    sizes: each size gets its own llguidance tokenizer, so a mask is as long as its model's vocabulary."""
+    from l4m.constraint import ll_tokenizer
+
+    async def body() -> None:
+        plain, padded = FakeL4M(kv_page_size=4), FakeL4M(kv_page_size=4, vocab_size=320)
+        small, large = await open_model(plain), await open_model(padded)
+        assert small.tokenizer is large.tokenizer
+        assert ll_tokenizer(small).vocab_size == plain.vocab_size != 320
+        assert ll_tokenizer(large).vocab_size == 320
+        assert ll_tokenizer(large) is ll_tokenizer(large)
+        c = large.new_context()
+        c.fill("a")
+        completion = await c.generate(max_tokens=3, constraint=Constraint.regex(large, "[ab]{3}"))
+        assert re.fullmatch("[ab]{3}", completion.text), completion.text
+
+    run(body())

@@ -198,7 +198,7 @@ class EmbedImageItem(_message.Message):
     def __init__(self, embed_slot_ids: _Optional[_Iterable[int]] = ..., image_bytes: _Optional[bytes] = ..., position_offset: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim", "max_context_tokens", "tokenizer_json", "chat_template", "stop_token_ids", "special_token_ids", "capabilities", "chat_template_variables")
+    __slots__ = ("name", "architecture", "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim", "max_context_tokens", "tokenizer_json", "chat_template", "stop_token_ids", "special_token_ids", "capabilities", "chat_template_variables", "tokenizer_sha256")
     class SpecialTokenIdsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +228,7 @@ class ModelInfo(_message.Message):
     SPECIAL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_SHA256_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     vocab_size: int
@@ -243,7 +244,8 @@ class ModelInfo(_message.Message):
     special_token_ids: _containers.ScalarMap[str, int]
     capabilities: _containers.RepeatedScalarFieldContainer[str]
     chat_template_variables: _containers.ScalarMap[str, str]
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., special_token_ids: _Optional[_Mapping[str, int]] = ..., capabilities: _Optional[_Iterable[str]] = ..., chat_template_variables: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    tokenizer_sha256: str
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., special_token_ids: _Optional[_Mapping[str, int]] = ..., capabilities: _Optional[_Iterable[str]] = ..., chat_template_variables: _Optional[_Mapping[str, str]] = ..., tokenizer_sha256: _Optional[str] = ...) -> None: ...
 
 class TraceContext(_message.Message):
     __slots__ = ("traceparent", "tracestate")

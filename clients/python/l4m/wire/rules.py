@@ -9,7 +9,8 @@ it to its own error type. Checks run cheapest first: counts before anything that
 counted before they are summed.
 
 Besides the checks, the arithmetic the rules define: the slots a page list spans (the LENGTH RULE), the
-pages a number of slots takes, and where and with which seed continuation step i runs.
+pages a number of slots takes, where and with which seed continuation step i runs, and the digest that
+names a tokenizer (`ModelInfo.tokenizer_sha256`).
 
 Sampler and resource kinds are named as the executor's `SamplerKind` / `ResourceKind` values ("greedy",
 "kv_page", ...); a kind may also be given as its `l4m.v1` enum number.
@@ -18,6 +19,7 @@ Sampler and resource kinds are named as the executor's `SamplerKind` / `Resource
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from collections.abc import Callable, Collection, Iterator, Sequence
 
@@ -84,6 +86,11 @@ def step_seed(seed: int, step: int) -> int:
 
 
 # ---- ids, tokens, positions ----------------------------------------------------------------------
+
+
+def tokenizer_digest(tokenizer_json: str) -> str:
+    """`ModelInfo.tokenizer_sha256`: the SHA-256 of a tokenizer's JSON, in hex; empty for no tokenizer."""
+    return hashlib.sha256(tokenizer_json.encode()).hexdigest() if tokenizer_json else ""
 
 
 def check_ids(field: str, ids: Sequence[int], max_count: int | None = None) -> None:

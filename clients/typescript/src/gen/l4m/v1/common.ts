@@ -366,6 +366,13 @@ export interface ModelInfo {
    * token by name, so a template that reads another (e.g. "pad_token") needs no new field.
    */
   chatTemplateVariables: { [key: string]: string };
+  /**
+   * SHA-256 of `tokenizer_json` (64 lowercase hex digits), set by the scheduler also when GetInfo leaves
+   * `tokenizer_json` out; empty where the tokenizer is unknown. Names the tokenizer: a process that
+   * holds many sessions on one model (a shared controller process, a gateway) builds it once, and
+   * fetches it once, by this name.
+   */
+  tokenizerSha256: string;
 }
 
 export interface ModelInfo_SpecialTokenIdsEntry {
@@ -2600,6 +2607,7 @@ function createBaseModelInfo(): ModelInfo {
     specialTokenIds: {},
     capabilities: [],
     chatTemplateVariables: {},
+    tokenizerSha256: "",
   };
 }
 
@@ -2654,6 +2662,9 @@ export const ModelInfo: MessageFns<ModelInfo> = {
     globalThis.Object.entries(message.chatTemplateVariables).forEach(([key, value]: [string, string]) => {
       ModelInfo_ChatTemplateVariablesEntry.encode({ key: key as any, value }, writer.uint32(122).fork()).join();
     });
+    if (message.tokenizerSha256 !== "") {
+      writer.uint32(130).string(message.tokenizerSha256);
+    }
     return writer;
   },
 
@@ -2806,6 +2817,14 @@ export const ModelInfo: MessageFns<ModelInfo> = {
             }
             continue;
           }
+          case 16: {
+            if (tag !== 130) {
+              break;
+            }
+
+            message.tokenizerSha256 = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2929,6 +2948,11 @@ export const ModelInfo: MessageFns<ModelInfo> = {
           {},
         )
         : {},
+      tokenizerSha256: isSet(object.tokenizerSha256)
+        ? globalThis.String(object.tokenizerSha256)
+        : isSet(object.tokenizer_sha256)
+        ? globalThis.String(object.tokenizer_sha256)
+        : "",
     };
   },
 
@@ -2991,6 +3015,9 @@ export const ModelInfo: MessageFns<ModelInfo> = {
         });
       }
     }
+    if (message.tokenizerSha256 !== "") {
+      obj.tokenizerSha256 = message.tokenizerSha256;
+    }
     return obj;
   },
 
@@ -3031,6 +3058,7 @@ export const ModelInfo: MessageFns<ModelInfo> = {
         },
         {},
       );
+    message.tokenizerSha256 = object.tokenizerSha256 ?? "";
     return message;
   },
 };
