@@ -8,6 +8,8 @@ module adds one with `register(...)` (e.g. `up`, `demo`, service launchers).
   l4m run --share-process FILE ...                      let it share a controller process with your other
                                                         running launches of FILE that set it (same model, limits)
   l4m attach ID                                         stream an instance's output, exit with its status
+  l4m ps [--all]                                        your instances (an admin's: all), with their shared process
+  l4m stop ID...                                        end instances (detached ones too)
   l4m store FILE [--tag NAME[:TAG]]                     store a controller without running it; print its sha256
   l4m keys add|list|remove                              the spawner's API keys (see l4m.keys)
 
@@ -201,6 +203,85 @@ def _attach(options: argparse.Namespace) -> int:
 register("attach", "stream a running instance's output from its start and exit with its status (Ctrl-C "
          "leaves a detached instance running, and ends one launched without --detach)", _add_attach_arguments,
          _attach)
+
+
+# ---- l4m ps / l4m stop ---------------------------------------------------------------------------
+def _add_ps_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--all", action="store_true", help="ended instances too (the spawner keeps them a while)")
+    _add_spawner_arguments(parser)
+
+
+def format_instances(instances: Sequence[spawner_pb2.InstanceInfo], now_ms: int, show_exited: bool = False) -> str:
+    """`l4m ps`'s table, oldest launch first: PROCESS is the shared controller process an instance runs in
+    (`--share-process`; "-": a process of its own), STATUS how an ended one ended."""
+    from l4m.v1 import spawner_pb2
+
+    rows = [("ID", "USER", "STATUS", "AGE", "PROGRAM", "PROCESS", "PARENT", "ARGS")]
+    for info in sorted(instances, key=lambda i: (i.launched_at_unix_ms, i.instance_id)):
+        if info.state == spawner_pb2.INSTANCE_STATE_EXITED and not show_exited:
+            continue
+        if info.state == spawner_pb2.INSTANCE_STATE_EXITED:
+            reason = spawner_pb2.ExitReason.Name(info.exit.reason).removeprefix("EXIT_REASON_").lower()
+            status = f"{reason} ({info.exit.exit_code})" if info.exit.exit_code else reason
+        else:
+            status = spawner_pb2.InstanceState.Name(info.state).removeprefix("INSTANCE_STATE_").lower()
+        args = " ".join(info.args)
+        rows.append((info.instance_id, info.user or "-", status, _age(now_ms - info.launched_at_unix_ms),
+                     info.program_sha256[:12], info.shared_process or "-", info.parent_instance_id or "-",
+                     args if len(args) <= 40 else args[:39] + "…"))
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)) + "  " + row[-1]
+                     for row in rows)
+
+
+def _age(ms: int) -> str:
+    seconds = max(ms, 0) // 1000
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m"
+    return f"{seconds // 3600}h"
+
+
+def _ps(options: argparse.Namespace) -> int:
+    import time
+
+    from l4m.client import Client
+
+    async def listed() -> list[spawner_pb2.InstanceInfo]:
+        async with Client(options.spawner, api_key=api_key_of(options), tls_ca=options.tls_ca) as client:
+            return await client.list_instances()
+
+    print(format_instances(asyncio.run(listed()), int(time.time() * 1000), options.all), flush=True)
+    return 0
+
+
+def _add_stop_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("instance_ids", metavar="ID", nargs="+", help="instances to end (as `l4m ps` lists them)")
+    _add_spawner_arguments(parser)
+
+
+def _stop(options: argparse.Namespace) -> int:
+    from l4m.client import Client
+
+    async def stop() -> int:
+        failed = 0
+        async with Client(options.spawner, api_key=api_key_of(options), tls_ca=options.tls_ca) as client:
+            for instance_id in options.instance_ids:
+                try:
+                    await client.terminate(instance_id)
+                except L4MError as error:
+                    print(f"l4m stop: {instance_id}: {error}", file=sys.stderr)
+                    failed += 1
+        return failed
+
+    return 1 if asyncio.run(stop()) else 0
+
+
+register("ps", "list your instances (an admin's: everyone's): state, age, program, shared process, arguments",
+         _add_ps_arguments, _ps)
+register("stop", "end instances (a detached one too); it ends TERMINATED, as Ctrl-C on `l4m run` ends it",
+         _add_stop_arguments, _stop)
 
 
 # ---- l4m store -----------------------------------------------------------------------------------

@@ -350,3 +350,45 @@ def test_tls_end_to_end_with_a_key(process_sandbox: ProcessSandbox, tmp_path: Pa
                     await plain.list_instances()
 
     asyncio.run(go())
+
+
+def test_l4m_ps_lists_and_l4m_stop_ends_only_the_callers_own_instances(
+    process_sandbox: ProcessSandbox, tmp_path: Path
+) -> None:
+    users = _users(tmp_path)
+    (tmp_path / "bob.key").write_text(users.bob + "\n")
+    os.chmod(tmp_path / "bob.key", 0o600)
+
+    async def cli(spawner: RunningSpawner, key_file: Path, *args: str) -> tuple[int, str, str]:
+        process = await asyncio.create_subprocess_exec(
+            *_l4m(*args, "--spawner", spawner.address, "--api-key-file", str(key_file)),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=service_env())
+        out, err = await asyncio.wait_for(process.communicate(), 60)
+        return process.returncode or 0, out.decode(), err.decode()
+
+    async def go() -> None:
+        async with _serving(_config(tmp_path, users), process_sandbox, users.alice, users.bob) as (
+                spawner, (alice, bob)):
+            alices = await _launch(alice, SLEEPER_SCRIPT, detached=True)
+            bobs = await _launch(bob, SLEEPER_SCRIPT, detached=True)
+            alice_key = _key_file(tmp_path, users.alice)
+
+            code, out, _ = await cli(spawner, alice_key, "ps")
+            assert code == 0
+            header, *rows = out.splitlines()
+            assert header.split() == ["ID", "USER", "STATUS", "AGE", "PROGRAM", "PROCESS", "PARENT", "ARGS"]
+            assert [row.split()[:3] for row in rows] == [[alices, "alice", "running"]], out
+
+            code, _, err = await cli(spawner, alice_key, "stop", bobs)
+            assert code == 1 and "NOT_FOUND" in err and bobs in err, err
+            assert (await bob.list_instances())[0].state == spawner_pb2.INSTANCE_STATE_RUNNING
+
+            code, _, err = await cli(spawner, alice_key, "stop", alices)
+            assert code == 0, err
+            (info,) = await alice.list_instances()
+            assert info.exit.reason == spawner_pb2.EXIT_REASON_TERMINATED
+            assert (await cli(spawner, alice_key, "ps"))[1].splitlines()[1:] == []
+            code, out, _ = await cli(spawner, alice_key, "ps", "--all")
+            assert [row.split()[:3] for row in out.splitlines()[1:]] == [[alices, "alice", "terminated"]], out
+
+    asyncio.run(go())

@@ -221,3 +221,24 @@ def test_l4m_keys_add_prints_the_key_once_and_list_never_shows_it(
 def test_l4m_store_refuses_a_missing_file_before_calling_the_spawner(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["store", "/nonexistent/prog.py", "--spawner", "127.0.0.1:1"]) == 2
     assert "/nonexistent/prog.py: no such file" in capsys.readouterr().err
+
+
+def test_l4m_ps_shows_the_shared_process_and_how_ended_instances_ended() -> None:
+    now_ms = 10_000_000
+    running = spawner_pb2.InstanceInfo(
+        instance_id="i-b", user="alice", state=spawner_pb2.INSTANCE_STATE_RUNNING, program_sha256="ab" * 32,
+        launched_at_unix_ms=now_ms - 5_000, shared_process="p-1", args=["x" * 50])
+    first = spawner_pb2.InstanceInfo(
+        instance_id="i-a", user="alice", state=spawner_pb2.INSTANCE_STATE_STARTING, program_sha256="cd" * 32,
+        launched_at_unix_ms=now_ms - 300_000, parent_instance_id="i-root")
+    ended = spawner_pb2.InstanceInfo(
+        instance_id="i-c", user="alice", state=spawner_pb2.INSTANCE_STATE_EXITED, program_sha256="ef" * 32,
+        launched_at_unix_ms=now_ms, exit=spawner_pb2.InstanceExit(reason=spawner_pb2.EXIT_REASON_CRASHED, exit_code=7))
+    header, *rows = cli.format_instances([running, ended, first], now_ms).splitlines()
+    assert header.split() == ["ID", "USER", "STATUS", "AGE", "PROGRAM", "PROCESS", "PARENT", "ARGS"]
+    assert [row.split() for row in rows] == [
+        ["i-a", "alice", "starting", "5m", "cd" * 6, "-", "i-root"],  # oldest first; no args
+        ["i-b", "alice", "running", "5s", "ab" * 6, "p-1", "-", "x" * 39 + "…"],
+    ]
+    _, *all_rows = cli.format_instances([running, ended, first], now_ms, show_exited=True).splitlines()
+    assert all_rows[-1].split()[:4] == ["i-c", "alice", "crashed", "(7)"]
