@@ -11,6 +11,7 @@ from l4m.client import Client
 from l4m.keys import KeyStore
 from l4m.spawner.config import SpawnerConfig
 from l4m.spawner.process_sandbox import ProcessSandbox
+from l4m.spawner.sandbox import Sandbox
 from l4m.v1 import spawner_pb2
 from tests.integration.spawner.conftest import SchedulerCluster
 from tests.integration.spawner.harness import (
@@ -87,10 +88,12 @@ def _process_mark(events: list[spawner_pb2.AttachResponse]) -> str:
 
 
 def test_launches_of_one_program_share_a_process_and_keep_their_own_output_and_exits(
-    warm_process_sandbox: ProcessSandbox, scheduler_cluster: SchedulerCluster, tmp_path: Path
+    sandbox: Sandbox, scheduler_cluster: SchedulerCluster, tmp_path: Path
 ) -> None:
+    """On every backend: a cold process sandbox, a warm one, a Docker container."""
+
     async def go() -> tuple[list[list[spawner_pb2.AttachResponse]], list[spawner_pb2.InstanceInfo], str]:
-        async with running_spawner(_config(tmp_path, scheduler_cluster), warm_process_sandbox) as spawner:
+        async with running_spawner(_config(tmp_path, scheduler_cluster), sandbox) as spawner:
             sha = await upload(spawner.stub, PROGRAM)
             ids = [await _launch(spawner, sha, how, name)
                    for how, name in (("ok", "a"), ("raise", "b"), ("exit7", "c"))]
