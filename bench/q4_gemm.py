@@ -4,6 +4,7 @@
     .venv/bin/python bench/q4_gemm.py --m 1,8,16,64 --threads 1 --repeats 9 --stat min --compare /tmp/before.cpp
     .venv/bin/python bench/q4_gemm.py --m 1,4 --isa avx2,avx512_bf16 --copies 30   # both paths, cold weights
     .venv/bin/python bench/q4_gemm.py --m 1,16,64 --bf16-x --copies 30   # also x rounded to bf16 (AVX-512 BF16)
+    .venv/bin/python bench/q4_gemm.py --m 16,64,512 --isa avx512_bf16,amx --bf16-x   # AMX tiles, both precisions
 
 Weights are random GGUF blocks (Q4_1 for the layers, Q8_0 for the tied embedding used as the LM head)
 with the model's shapes; x is random float32 [M, K]. Each (shape, M, kernel) cell is timed over calls
@@ -131,7 +132,7 @@ def main() -> None:
     if any(m < 1 for m in ms) or args.repeats < 1 or args.threads < 1 or args.copies < 1:
         parser.error("--m values, --repeats, --threads and --copies must be >= 1")
 
-    from l4m.executor.cpu_kernels import load_kernels
+    from l4m.executor.cpu_kernels import AVX512_BF16_ISAS, load_kernels
 
     torch.set_num_threads(args.threads)
     load_kernels()
@@ -143,8 +144,10 @@ def main() -> None:
         label = source.stem[:12]
         kernels[label if label not in kernels else f"{label[:10]}-{i}"] = (
             build_compare(source, f"l4m_cpu_cmp{i}"), None, False)
-    if args.bf16_x:
-        kernels["cur-x-bf16"] = (lambda x, qs, d, m: torch.ops.l4m_cpu.linear(x, qs, d, m, True), "avx512_bf16", True)
+    if args.bf16_x:  # under each --isa that runs it (avx512_bf16, amx), else avx512_bf16
+        for isa in [v for v in isas if v in AVX512_BF16_ISAS] or ["avx512_bf16"]:
+            label = "cur-x-bf16" if isa == "avx512_bf16" else f"cur-x-{isa}"
+            kernels[label] = (lambda x, qs, d, m: torch.ops.l4m_cpu.linear(x, qs, d, m, True), isa, True)
 
     gen = torch.Generator().manual_seed(0)
     weights = {name: random_blocks(*SHAPES[name], gen) for name in names}

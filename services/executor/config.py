@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from l4m.executor.cpu_kernels import AVX512_BF16_ISAS
 from l4m.executor.quant import kernels_available, load_kernels
 from l4m.executor.weights import LoadedModel
 
@@ -76,7 +77,7 @@ def resolve_max_quantized_rows(config: EngineConfig, isa: str) -> int:
         raise ValueError(f"max_quantized_rows must be 0 (auto) or more, got {config.max_quantized_rows}")
     if config.max_quantized_rows:
         return config.max_quantized_rows
-    return config.max_batch_tokens if isa == "avx512_bf16" else AVX2_MAX_QUANTIZED_ROWS
+    return config.max_batch_tokens if isa in AVX512_BF16_ISAS else AVX2_MAX_QUANTIZED_ROWS
 
 
 def resolve_bf16_x(config: EngineConfig, weights: str, isa: str) -> bool:
@@ -90,7 +91,7 @@ def resolve_bf16_x(config: EngineConfig, weights: str, isa: str) -> bool:
     if weights != "quantized":
         raise EngineConfigError("quantized_activations=bfloat16 needs quantized weights (a GGUF with Q4_1 / Q8_0 "
                                 f"blocks, device cpu, dtype float32); this engine's weights are {weights}")
-    if isa != "avx512_bf16":
+    if isa not in AVX512_BF16_ISAS:
         raise EngineConfigError("quantized_activations=bfloat16 needs the CPU kernels' avx512_bf16 instruction "
                                 f"set; they run {isa} (L4M_CPU_ISA)")
     return True

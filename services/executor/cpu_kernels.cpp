@@ -4,7 +4,10 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -543,7 +546,8 @@ inline void prefetch_rows(const QWeight& w, int64_t n0, int64_t n1) {
 // for AVX-512 by the pragma only, the rest of the file stays AVX2 + FMA, and `linear_into` picks a path at
 // run time (`g_isa`). (vcvtneps2bf16 flushes denormals: an |x| below ~1e-35 loses its lower terms.)
 
-enum Isa { kAvx2 = 0, kAvx512Bf16 = 1 };
+// Ordered: each runs the paths of those below it, and its own.
+enum Isa { kAvx2 = 0, kAvx512Bf16 = 1, kAmx = 2 };
 
 // Every extension the pragma below compiles for (libgcc also checks that the OS saves the zmm state).
 bool cpu_has_avx512_bf16() {
@@ -553,13 +557,30 @@ bool cpu_has_avx512_bf16() {
          __builtin_cpu_supports("avx512bf16");
 }
 
-int best_isa() { return cpu_has_avx512_bf16() ? kAvx512Bf16 : kAvx2; }
+// AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22) beside AVX-512 BF16, and the kernel's leave to
+// use the tile data (Linux asks each process to request it: arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA, 18; granted once, for every thread of the process). Asked once.
+bool cpu_has_amx() {
+  static const bool has = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!cpu_has_avx512_bf16() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    if (!((edx >> 24) & 1) || !((edx >> 22) & 1)) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return has;
+}
+
+int best_isa() { return cpu_has_amx() ? kAmx : cpu_has_avx512_bf16() ? kAvx512Bf16 : kAvx2; }
 
 std::atomic<int> g_isa{best_isa()};
 
-std::string isa() { return g_isa.load() == kAvx512Bf16 ? "avx512_bf16" : "avx2"; }
+std::string isa() {
+  const int chosen = g_isa.load();
+  return chosen == kAmx ? "amx" : chosen == kAvx512Bf16 ? "avx512_bf16" : "avx2";
+}
 
-// "auto": the best this CPU runs; "avx2" (any x86-64 host the kernels build on); "avx512_bf16".
+// "auto": the best this CPU runs; "avx2" (any x86-64 host the kernels build on); "avx512_bf16"; "amx".
 std::string set_isa(const std::string& name) {
   if (name == "auto") {
     g_isa = best_isa();
@@ -569,8 +590,13 @@ std::string set_isa(const std::string& name) {
     TORCH_CHECK(cpu_has_avx512_bf16(), "CPU kernel ISA avx512_bf16: this CPU (or its OS) lacks one of ",
                 "avx512f, avx512bw, avx512vl, avx512dq, avx512_bf16");
     g_isa = kAvx512Bf16;
+  } else if (name == "amx") {
+    TORCH_CHECK(cpu_has_amx(), "CPU kernel ISA amx: this CPU (or its OS) lacks one of avx512f, avx512bw, ",
+                "avx512vl, avx512dq, avx512_bf16, amx_tile, amx_bf16, or the kernel refused the tile data ",
+                "(arch_prctl ARCH_REQ_XCOMP_PERM)");
+    g_isa = kAmx;
   } else {
-    TORCH_CHECK(false, "unknown CPU kernel ISA '", name, "': expected auto, avx2 or avx512_bf16");
+    TORCH_CHECK(false, "unknown CPU kernel ISA '", name, "': expected auto, avx2, avx512_bf16 or amx");
   }
   return isa();
 }
@@ -1011,6 +1037,158 @@ void rows_pairs16_any(const uint16_t* xt, const float* xs, int64_t M, const QWei
 
 #pragma GCC pop_options
 
+// ---- AMX: 16 x 16 tiles of bf16 products ----------------------------------------------------------
+//
+// From 16 rows of x on a CPU with AMX-BF16 (`amx`), in both precisions: x = x1 + x2 + x3 in bf16 terms
+// (the float32 product to its rounding, as the few-row bf16 tiles above), or with `bf16_x` x1 alone. One
+// `tdpbf16ps` multiplies 16 weight rows' values of one block (A: 16 rows x 32 bf16, exact: Q4_1's 0..15,
+// Q8_0's -128..127) by one block of 16 rows of x as bf16 pairs (B: the panels of pairs above, 16 pair-rows
+// x 32 bf16) and sums the 32 products of each (weight row, x row) in float32: C[j][r], 8,192 multiply-adds
+// an instruction where `vdpbf16ps` does 32. Each term of x adds to the same C (the scaling is linear); then
+// per block out += d * C (+ m * sum of the block's x, for Q4_1), as the other paths scale their blocks. The
+// tiles' products are exact and their sums are float32's, in another order than the other paths' (and,
+// as AMX does, with bf16 denormal inputs read as 0, so an |x| below ~1e-38 loses its lower terms).
+
+constexpr int64_t kAmxRows = 16;        // weight rows per A tile; x rows per B tile
+constexpr int64_t kAmxChunkRows = 32;   // weight rows per parallel chunk
+
+// Tiles 0 (A: weight values), 1 (B: x pairs), 2 and 3 (C: float32 sums), each 16 rows of 64 bytes. Tile
+// configuration is per thread; a thread loads it before its first tile instruction of a call.
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16};
+};
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
+
+// 16 x rows' panel (xf[k * 16 + r], from pack_panel16) as `terms` panels of bf16 pairs (as pairs_panel16),
+// term t at xt + t * K * 16; with `sums`, each block's sum per row of the values the terms add up to (x,
+// or bf16(x) for one term) at sums[g * 16 + r].
+void amx_panel(const float* xf, int64_t K, int terms, uint16_t* xt, float* sums) {
+  const __m512i lo_index = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i hi_index = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  auto widen = [](__m256bh h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16)); };
+  __m512 block_sum = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 2) {
+    __m512 a = _mm512_loadu_ps(xf + k * 16), b = _mm512_loadu_ps(xf + (k + 1) * 16);
+    if (sums != nullptr) {
+      block_sum = _mm512_add_ps(block_sum, terms == 1 ? widen(_mm512_cvtneps_pbh(a)) : a);
+      block_sum = _mm512_add_ps(block_sum, terms == 1 ? widen(_mm512_cvtneps_pbh(b)) : b);
+      if ((k + 2) % 32 == 0) {
+        _mm512_storeu_ps(sums + (k / 32) * 16, block_sum);
+        block_sum = _mm512_setzero_ps();
+      }
+    }
+    for (int t = 0; t < terms; ++t) {
+      const __m512 lo = _mm512_permutex2var_ps(a, lo_index, b);  // rows 0..7: (x[r][k], x[r][k + 1])
+      const __m512 hi = _mm512_permutex2var_ps(a, hi_index, b);  // rows 8..15
+      _mm512_storeu_si512(xt + t * K * 16 + k * 16, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      a = _mm512_sub_ps(a, widen(_mm512_cvtneps_pbh(a)));
+      b = _mm512_sub_ps(b, widen(_mm512_cvtneps_pbh(b)));
+    }
+  }
+}
+
+// Weight rows n0..n1 (at most kAmxChunkRows) for the M rows of x in P = ceil(M / 16) panels of `terms`
+// pair-panels each (xt, panel stride terms * K * 16) with their block sums xs[(p * G + g) * 16 + r].
+template <Kind KIND>
+void rows_amx(const uint16_t* xt, const float* xs, int64_t M, int terms, const QWeight& w, int64_t n0, int64_t n1,
+              float* out, int64_t ldo, bool accumulate) {
+  thread_local std::vector<uint16_t> values;
+  thread_local std::vector<float> scales, offsets;
+  static const TileConfig config;
+  const int64_t K = w.k, G = K / 32, P = (M + 15) / 16, rows = n1 - n0;
+  const int64_t groups = (rows + kAmxRows - 1) / kAmxRows;
+  values.assign(groups * kAmxRows * K, 0);  // rows past n1: values 0, scales 0
+  scales.assign(groups * kAmxRows * G, 0.0f);
+  offsets.assign(groups * kAmxRows * G, 0.0f);
+  for (int64_t n = n0; n < n1; ++n) {
+    values_row_bf16<KIND>(w, n, values.data() + (n - n0) * K);
+    for (int64_t g = 0; g < G; ++g) {
+      scales[(n - n0) * G + g] = half_at(w.d, n * G + g);
+      if (KIND == kQ4_1) offsets[(n - n0) * G + g] = half_at(w.m, n * G + g);
+    }
+  }
+  _tile_loadconfig(&config);
+  alignas(64) float c[kAmxRows * 16];
+  for (int64_t h = 0; h < groups; ++h) {
+    const uint16_t* a = values.data() + h * kAmxRows * K;
+    const float* d = scales.data() + h * kAmxRows * G;
+    const float* m = offsets.data() + h * kAmxRows * G;
+    for (int64_t p = 0; p < P; ++p) {
+      __m512 acc[kAmxRows];
+#pragma GCC unroll 16
+      for (int j = 0; j < kAmxRows; ++j) acc[j] = _mm512_setzero_ps();
+      const uint16_t* b = xt + p * terms * K * 16;
+      // Block g's sums (in tile 2 or 3) scaled into acc, from their copy in c.
+      auto scale = [&](int64_t g) {
+        const __m512 sum = KIND == kQ4_1 ? _mm512_loadu_ps(xs + (p * G + g) * 16) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+        for (int j = 0; j < kAmxRows; ++j) {
+          acc[j] = _mm512_fmadd_ps(_mm512_load_ps(c + j * 16), _mm512_set1_ps(d[j * G + g]), acc[j]);
+          if (KIND == kQ4_1) acc[j] = _mm512_fmadd_ps(sum, _mm512_set1_ps(m[j * G + g]), acc[j]);
+        }
+      };
+      // Two C tiles in turn: block g + 1's products run while block g's sums are stored and scaled.
+#define L4M_AMX_BLOCK(C, g)                              \
+  do {                                                   \
+    _tile_zero(C);                                       \
+    _tile_loadd(0, a + (g) * 32, K * 2);                 \
+    for (int t = 0; t < terms; ++t) {                    \
+      _tile_loadd(1, b + t * K * 16 + (g) * 512, 64);    \
+      _tile_dpbf16ps(C, 0, 1);                           \
+    }                                                    \
+  } while (0)
+      L4M_AMX_BLOCK(2, 0);
+      for (int64_t g = 0; g < G; g += 2) {
+        if (g + 1 < G) L4M_AMX_BLOCK(3, g + 1);
+        _tile_stored(2, c, 64);
+        scale(g);
+        if (g + 1 < G) {
+          if (g + 2 < G) L4M_AMX_BLOCK(2, g + 2);
+          _tile_stored(3, c, 64);
+          scale(g + 1);
+        }
+      }
+#undef L4M_AMX_BLOCK
+      alignas(64) float tile[kAmxRows][16];
+#pragma GCC unroll 16
+      for (int j = 0; j < kAmxRows; ++j) _mm512_store_ps(tile[j], acc[j]);
+      const int64_t weight_rows = std::min(kAmxRows, rows - h * kAmxRows);
+      for (int64_t r = 0; r < 16 && 16 * p + r < M; ++r) {
+        float* o = out + (16 * p + r) * ldo + n0 + h * kAmxRows;
+        for (int64_t j = 0; j < weight_rows; ++j) o[j] = accumulate ? o[j] + tile[j][r] : tile[j][r];
+      }
+    }
+  }
+  _tile_release();
+}
+
+// out[M, N] (or +=) = x @ W.T for M >= 16 on AMX; with `bf16_x`, bf16(x) @ W.T.
+void linear_amx(const float* x, int64_t ldx, int64_t M, const QWeight& w, float* out, int64_t ldo, bool accumulate,
+                bool bf16_x) {
+  const int terms = bf16_x ? 1 : kExactTerms;
+  const int64_t K = w.k, G = K / 32, P = (M + 15) / 16;
+  const std::unique_ptr<float[]> xf(new float[K * 16]);
+  const std::unique_ptr<uint16_t[]> xt(new uint16_t[P * terms * K * 16]);
+  std::vector<float> xs(w.kind == kQ4_1 ? P * G * 16 : 0);
+  for (int64_t p = 0; p < P; ++p) {
+    pack_panel16(x, ldx, M, K, p, xf.get());
+    amx_panel(xf.get(), K, terms, xt.get() + p * terms * K * 16, xs.empty() ? nullptr : xs.data() + p * G * 16);
+  }
+  parallel_chunks((w.n + kAmxChunkRows - 1) / kAmxChunkRows, [&](int64_t c) {
+    const int64_t n0 = c * kAmxChunkRows, n1 = std::min(w.n, n0 + kAmxChunkRows);
+    if (w.kind == kQ4_1) rows_amx<kQ4_1>(xt.get(), xs.data(), M, terms, w, n0, n1, out, ldo, accumulate);
+    else rows_amx<kQ8_0>(xt.get(), xs.data(), M, terms, w, n0, n1, out, ldo, accumulate);
+  });
+}
+
+#pragma GCC pop_options
+
 constexpr int64_t kPanelRowsAtOnce = 512;  // rows of x per pass over the weights (6,400 rows: 1.3-2x faster)
 constexpr int64_t kChunkRows = 24;  // weight rows per parallel chunk (a multiple of 2, 3, 4, 6 and 12)
 
@@ -1021,7 +1199,8 @@ inline int64_t bf16_x_tile_rows(Kind kind) { return kind == kQ8_0 ? 8 : 4; }
 // out[M, N] (row stride ldo) = (or +=) x[M, K] @ W.T; with `bf16_x`, bf16(x) @ W.T (AVX-512 BF16 only).
 void linear_into(const float* x, int64_t ldx, int64_t M, const QWeight& w, float* out, int64_t ldo, bool accumulate,
                  bool bf16_x) {
-  const bool avx512 = g_isa.load(std::memory_order_relaxed) == kAvx512Bf16;
+  const int chosen = g_isa.load(std::memory_order_relaxed);
+  const bool avx512 = chosen >= kAvx512Bf16;
   TORCH_CHECK(!bf16_x || avx512, "x rounded to bf16 (quantized_activations=bfloat16) needs the CPU kernels' ",
               "avx512_bf16 instruction set; they run ", isa());
   if (M == 0) return;
@@ -1035,6 +1214,7 @@ void linear_into(const float* x, int64_t ldx, int64_t M, const QWeight& w, float
       linear_into(x + m0 * ldx, ldx, std::min(kPanelRowsAtOnce, M - m0), w, out + m0 * ldo, ldo, accumulate, bf16_x);
     return;
   }
+  if (M >= 16 && chosen == kAmx) return linear_amx(x, ldx, M, w, out, ldo, accumulate, bf16_x);
   if (bf16_x) {
     std::vector<float> sums;  // block sums of bf16(x), for Q4_1's m terms (Q8_0 has none)
     if (w.kind == kQ4_1) {

@@ -49,10 +49,13 @@ up to 2 rows of x for Q4_1 and 8 for Q8_0 run as bf16 dot products (`vdpbf16ps`)
 bf16 values with x split into three bf16 terms (float32's product to its rounding, 1.2-1.9x the AVX2
 tiles' speed), and from 16 rows the 8-row panels become 16-row panels in AVX-512 registers (float32 FMAs,
 the same sums in the same order as the 8-row ones, 1.3-1.9x); other row counts, and every case on other
-CPUs, run the AVX2 + FMA code. `L4M_CPU_ISA` (auto, avx2 or avx512_bf16; read when the kernels load,
-logged) forces a choice, say avx2 to compare both paths on one host; avx512_bf16 on a CPU without it, or
-any other value, is an error (not a fall back). `torch.ops.l4m_cpu.isa()` / `set_isa(name)` read and
-change it in a process.
+CPUs, run the AVX2 + FMA code. On a CPU with AMX-BF16 (and the OS's leave to use its tiles) `amx` runs the
+AVX-512 BF16 code and, from 16 rows of x, 16 x 16 tiles of bf16 products: one block of 16 weight rows'
+exact values against 16 rows of x as bf16 pairs (three terms of x, or one with `bf16_x`) per `tdpbf16ps`,
+each block's float32 sums scaled by d (and m) as the other paths scale theirs. `L4M_CPU_ISA` (auto, avx2,
+avx512_bf16 or amx; read when the kernels load, logged) forces a choice, say avx2 to compare the paths on
+one host; an instruction set the CPU lacks, or any other value, is an error (not a fall back).
+`torch.ops.l4m_cpu.isa()` / `set_isa(name)` read and change it in a process.
 
 Parallel work is cut into many small chunks that the threads pull from a shared counter, so that a
 thread descheduled by another process does not leave its static share of the step undone.
@@ -77,7 +80,9 @@ log = logging.getLogger(__name__)
 
 SOURCE_PATH = Path(__file__).with_name("cpu_kernels.cpp")
 ISA_ENV = "L4M_CPU_ISA"
-ISAS = ("auto", "avx2", "avx512_bf16")
+ISAS = ("auto", "avx2", "avx512_bf16", "amx")
+# The instruction sets that run the AVX-512 BF16 paths (amx runs them too, and its tiles from 16 rows).
+AVX512_BF16_ISAS = ("avx512_bf16", "amx")
 
 
 class IsaError(ValueError):

@@ -75,8 +75,9 @@ def test_the_loaded_executor_holds_no_copy_it_does_not_use(executor: SecuredExec
     """After loading, the executor keeps no float32 weights that no call reads (where the 4-bit blocks
     serve every batch) and hands the loader's freed heap back: SmolLM2's executor held ~1.2 GiB before
     either (docs/benchmarks.md, "no dense copy"), ~0.5 GiB with both; AVX2 keeps its dense weights."""
-    isa = "avx512_bf16" if "CPU kernels use avx512_bf16" in executor.log.output() else "avx2"
-    limit = {"avx512_bf16": 800, "avx2": 1100}[isa]
+    log = executor.log.output()
+    isa = next((name for name in ("amx", "avx512_bf16") if f"CPU kernels use {name}" in log), "avx2")
+    limit = {"amx": 800, "avx512_bf16": 800, "avx2": 1100}[isa]
     assert resident_mib(executor.pid) < limit, (isa, resident_mib(executor.pid))
 
 

@@ -2,7 +2,7 @@
 and the 8-row panels (8, >= 16: 2 x 6 and 1 x 12 tiles), weight row counts that leave NR and chunk tails,
 K past one K block and odd block counts (the bf16 path's Q4_1 block pairs), on 1 and 2 threads, under
 each instruction set this CPU runs (AVX2; AVX-512: bf16 dot products up to 2 Q4_1 / 8 Q8_0 rows, 16-row
-panels from 16), against a dense float64 product of the same blocks."""
+panels from 16; AMX: 16 x 16 tiles from 16 rows), against a dense float64 product of the same blocks."""
 
 from __future__ import annotations
 
@@ -41,7 +41,20 @@ needs_bf16 = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(params=["avx2", pytest.param("avx512_bf16", marks=needs_bf16)])
+def missing_amx_flags() -> list[str]:
+    with open("/proc/cpuinfo") as f:
+        flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    return missing_avx512_bf16_flags() + [f for f in ("amx_tile", "amx_bf16") if f not in flags]
+
+
+def has_amx() -> bool:
+    return not missing_amx_flags()
+
+
+needs_amx = pytest.mark.skipif(not has_amx(), reason=f"this CPU lacks {', '.join(missing_amx_flags())} (hardware)")
+
+
+@pytest.fixture(params=["avx2", pytest.param("avx512_bf16", marks=needs_bf16), pytest.param("amx", marks=needs_amx)])
 def isa(request):
     before = torch.ops.l4m_cpu.isa()
     assert torch.ops.l4m_cpu.set_isa(request.param) == request.param
@@ -162,10 +175,36 @@ def test_the_isa_switch_changes_the_path(kind) -> None:
     torch.testing.assert_close(got["avx2"], got["avx512_bf16"], rtol=1e-5, atol=1e-5)
 
 
+@needs_amx
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("bf16_x", [False, True])
+def test_amx_takes_16_rows_and_more(kind, bf16_x) -> None:
+    """From 16 rows `amx` multiplies on tiles, in another summation order than the AVX-512 panels (so
+    bitwise different outputs show that it took its own path), as close to the dense product (of bf16(x)
+    with `bf16_x`); below 16 rows it runs the avx512_bf16 code, bit for bit."""
+    w = random_blocks(kind, 48, 576, seed=2)
+    xs = [torch.randn(m, 576, generator=torch.Generator().manual_seed(m)) for m in (15, 16, 40)]
+    before = torch.ops.l4m_cpu.isa()
+    try:
+        got = {}
+        for isa in ("avx512_bf16", "amx"):
+            torch.ops.l4m_cpu.set_isa(isa)
+            got[isa] = [torch.ops.l4m_cpu.linear(x, *w, bf16_x) for x in xs]
+    finally:
+        torch.ops.l4m_cpu.set_isa(before)
+    assert torch.equal(got["avx512_bf16"][0], got["amx"][0])
+    for x, panels, tiles in zip(xs[1:], got["avx512_bf16"][1:], got["amx"][1:], strict=True):
+        assert not torch.equal(panels, tiles)
+        want = (x.bfloat16() if bf16_x else x).double() @ dense(*w).T
+        for out in (panels, tiles):
+            assert (out.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 def test_auto_picks_the_best_isa_of_this_cpu() -> None:
     before = torch.ops.l4m_cpu.isa()
     try:
-        assert torch.ops.l4m_cpu.set_isa("auto") == ("avx512_bf16" if has_avx512_bf16() else "avx2")
+        best = "amx" if has_amx() else "avx512_bf16" if has_avx512_bf16() else "avx2"
+        assert torch.ops.l4m_cpu.set_isa("auto") == best
     finally:
         torch.ops.l4m_cpu.set_isa(before)
 
@@ -174,7 +213,7 @@ def test_an_unknown_isa_is_refused_by_name(monkeypatch) -> None:
     with pytest.raises(RuntimeError, match="unknown CPU kernel ISA 'sse2'"):
         torch.ops.l4m_cpu.set_isa("sse2")
     monkeypatch.setenv("L4M_CPU_ISA", "sse2")
-    with pytest.raises(ValueError, match="L4M_CPU_ISA must be one of auto, avx2, avx512_bf16, got 'sse2'"):
+    with pytest.raises(ValueError, match="L4M_CPU_ISA must be one of auto, avx2, avx512_bf16, amx, got 'sse2'"):
         cpu_kernels.requested_isa()
 
 

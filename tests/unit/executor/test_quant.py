@@ -99,6 +99,7 @@ def test_auto_quantized_rows_follow_the_instruction_set() -> None:
     auto = EngineConfig()
     assert auto.max_quantized_rows == 0
     assert resolve_max_quantized_rows(auto, "avx512_bf16") == auto.max_batch_tokens
+    assert resolve_max_quantized_rows(auto, "amx") == auto.max_batch_tokens
     assert resolve_max_quantized_rows(auto, "avx2") == AVX2_MAX_QUANTIZED_ROWS == 64
     assert resolve_max_quantized_rows(EngineConfig(max_quantized_rows=16), "avx512_bf16") == 16
     with pytest.raises(ValueError, match="max_quantized_rows must be 0 \\(auto\\) or more, got -1"):
@@ -113,7 +114,7 @@ def test_an_engine_resolves_auto_rows_for_the_selected_instruction_set(loaded) -
         torch.ops.l4m_cpu.set_isa("avx2")
         assert Engine(loaded, config).max_quantized_rows == 64
         torch.ops.l4m_cpu.set_isa("auto")
-        want = config.max_batch_tokens if torch.ops.l4m_cpu.isa() == "avx512_bf16" else 64
+        want = config.max_batch_tokens if torch.ops.l4m_cpu.isa() in ("avx512_bf16", "amx") else 64
         engine = Engine(loaded, config)
         assert engine.max_quantized_rows == want
         # Blocks for every batch: the head keeps no dense copy and always multiplies with its blocks.
