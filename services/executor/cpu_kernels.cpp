@@ -1114,7 +1114,7 @@ void rows_amx(const uint16_t* xt, const float* xs, int64_t M, int terms, const Q
     }
   }
   _tile_loadconfig(&config);
-  alignas(64) float c[kAmxRows * 16];
+  alignas(64) float c2[kAmxRows * 16], c3[kAmxRows * 16];  // the C tiles' copies
   for (int64_t h = 0; h < groups; ++h) {
     const uint16_t* a = values.data() + h * kAmxRows * K;
     const float* d = scales.data() + h * kAmxRows * G;
@@ -1124,8 +1124,8 @@ void rows_amx(const uint16_t* xt, const float* xs, int64_t M, int terms, const Q
 #pragma GCC unroll 16
       for (int j = 0; j < kAmxRows; ++j) acc[j] = _mm512_setzero_ps();
       const uint16_t* b = xt + p * terms * K * 16;
-      // Block g's sums (in tile 2 or 3) scaled into acc, from their copy in c.
-      auto scale = [&](int64_t g) {
+      // Block g's sums (in tile 2 or 3) scaled into acc, from their copy c.
+      auto scale = [&](const float* c, int64_t g) {
         const __m512 sum = KIND == kQ4_1 ? _mm512_loadu_ps(xs + (p * G + g) * 16) : _mm512_setzero_ps();
 #pragma GCC unroll 16
         for (int j = 0; j < kAmxRows; ++j) {
@@ -1146,12 +1146,12 @@ void rows_amx(const uint16_t* xt, const float* xs, int64_t M, int terms, const Q
       L4M_AMX_BLOCK(2, 0);
       for (int64_t g = 0; g < G; g += 2) {
         if (g + 1 < G) L4M_AMX_BLOCK(3, g + 1);
-        _tile_stored(2, c, 64);
-        scale(g);
+        _tile_stored(2, c2, 64);
+        scale(c2, g);
         if (g + 1 < G) {
           if (g + 2 < G) L4M_AMX_BLOCK(2, g + 2);
-          _tile_stored(3, c, 64);
-          scale(g + 1);
+          _tile_stored(3, c3, 64);
+          scale(c3, g + 1);
         }
       }
 #undef L4M_AMX_BLOCK
