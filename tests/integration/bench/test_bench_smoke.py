@@ -131,9 +131,26 @@ def test_relay_counts_every_message_and_prices_it_by_role(tmp_path: Path) -> Non
         assert row["spawner_launch_cpu_ms"] > 0
 
 
+def test_shared_text_launches_tokenize_in_one_process(tmp_path: Path) -> None:
+    """bench/shared_text.py, tiny: 3 shared launches that tokenize, with the process's one tokenizer and with
+    each instance building its own, on a cluster serving a tiny random model (its tokenizer is real)."""
+    out = tmp_path / "shared_text.json"
+    build_hf("llama", tmp_path / "tiny-llama")
+    spawner, scheduler = free_ports(2)
+    done = run_bench("shared_text.py", "--n", "3", "--repeats", "2", "--new-tokens", "2", "--out", str(out),
+                     "--state-dir", str(tmp_path / "state"), "--spawner-port", str(spawner), "--scheduler-port",
+                     str(scheduler), "--model", str(tmp_path / "tiny-llama"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["variant"] for row in rows] == ["shared", "each", "each", "shared"]
+    assert all(row["n"] == 3 and row["last_exit_s"] >= row["median_exit_s"] > 0 for row in rows)
+    assert "shared: median of 2 rounds" in done.stdout and "each: median of 2 rounds" in done.stdout
+
+
 @pytest.mark.parametrize(
     ("script", "args", "message"),
     [
+        ("shared_text.py", ["--n", "0"], "--n, --new-tokens and --repeats must be at least 1"),
         ("relay.py", ["--streams", "1,x"], "--streams must be comma-separated integers"),
         ("relay.py", ["--messages", "0"], "must be at least 1"),
         ("relay.py", ["--modes", "framed/batched,carrier/single"], "unknown modes ['carrier/single']"),
