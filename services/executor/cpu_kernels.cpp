@@ -892,15 +892,44 @@ void rows_panels16_any(const float* xt, int64_t M, const QWeight& w, int64_t n0,
 // products to each of 16 rows: 32 multiply-adds an instruction where the float32 panels do 16. The sums
 // run per block (32 values), then d * sum + m * sum(bf16(x)) in float32, as llama.cpp scales its blocks.
 
-// Panel p as bf16 pairs, from pack_panel16's float32 panel xf (xf[k * 16 + r]).
-void pairs_panel16(const float* xf, int64_t K, uint16_t* xt) {
+// Panel p as bf16 pairs, from pack_panel16's float32 panel xf (xf[k * 16 + r]): `terms` panels of pairs,
+// term t at xt + t * K * 16 (x = x1 + x2 + x3 for 3, bf16(x) for 1: see split_bf16); with `sums`, each block's
+// sum per row of the values the terms add up to (x, or bf16(x) for one term) at sums[g * 16 + r].
+void pairs_panel16(const float* xf, int64_t K, uint16_t* xt, int terms = 1, float* sums = nullptr) {
   const __m512i lo_index = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i hi_index = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  auto widen = [](__m256bh h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16)); };
+  __m512 block_sum = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 2) {
-    const __m512 a = _mm512_loadu_ps(xf + k * 16), b = _mm512_loadu_ps(xf + (k + 1) * 16);
-    const __m512 lo = _mm512_permutex2var_ps(a, lo_index, b);  // rows 0..7: (x[r][k], x[r][k + 1])
-    const __m512 hi = _mm512_permutex2var_ps(a, hi_index, b);  // rows 8..15
-    _mm512_storeu_si512(xt + k * 16, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    __m512 a = _mm512_loadu_ps(xf + k * 16), b = _mm512_loadu_ps(xf + (k + 1) * 16);
+    if (sums != nullptr) {
+      block_sum = _mm512_add_ps(block_sum, terms == 1 ? widen(_mm512_cvtneps_pbh(a)) : a);
+      block_sum = _mm512_add_ps(block_sum, terms == 1 ? widen(_mm512_cvtneps_pbh(b)) : b);
+      if ((k + 2) % 32 == 0) {
+        _mm512_storeu_ps(sums + (k / 32) * 16, block_sum);
+        block_sum = _mm512_setzero_ps();
+      }
+    }
+    for (int t = 0; t < terms; ++t) {
+      const __m512 lo = _mm512_permutex2var_ps(a, lo_index, b);  // rows 0..7: (x[r][k], x[r][k + 1])
+      const __m512 hi = _mm512_permutex2var_ps(a, hi_index, b);  // rows 8..15
+      _mm512_storeu_si512(xt + t * K * 16 + k * 16, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      if (t + 1 < terms) {
+        a = _mm512_sub_ps(a, widen(_mm512_cvtneps_pbh(a)));
+        b = _mm512_sub_ps(b, widen(_mm512_cvtneps_pbh(b)));
+      }
+    }
+  }
+}
+
+// Row n's float16 scales (and Q4_1's offsets) widened to float32, 16 at a time: d[0..G), m[0..G).
+inline void widen_row_scales(const QWeight& w, int64_t n, float* d, float* m) {
+  const int64_t G = w.k / 32;
+  for (int64_t g = 0; g < G; g += 16) {
+    const __mmask16 valid = G - g >= 16 ? 0xFFFF : __mmask16((1u << (G - g)) - 1);
+    _mm512_mask_storeu_ps(d + g, valid, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, w.d + n * G + g)));
+    if (w.kind == kQ4_1)
+      _mm512_mask_storeu_ps(m + g, valid, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, w.m + n * G + g)));
   }
 }
 
@@ -1006,14 +1035,7 @@ void rows_pairs16(const uint16_t* xt, const float* xs, int64_t M, const QWeight&
   ct.resize(rows * P * 16);
   for (int64_t n = n0; n < n1; ++n) {
     values_row_bf16<KIND>(w, n, values.data() + (n - n0) * K);
-    for (int64_t g = 0; g < G; g += 16) {  // the row's float16 scales (and offsets) widened 16 at a time
-      const __mmask16 valid = G - g >= 16 ? 0xFFFF : __mmask16((1u << (G - g)) - 1);
-      _mm512_mask_storeu_ps(scales.data() + (n - n0) * G + g, valid,
-                            _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, w.d + n * G + g)));
-      if (KIND == kQ4_1)
-        _mm512_mask_storeu_ps(offsets.data() + (n - n0) * G + g, valid,
-                              _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, w.m + n * G + g)));
-    }
+    widen_row_scales(w, n, scales.data() + (n - n0) * G, offsets.data() + (n - n0) * G);
   }
   int64_t p = 0;
   for (; p + 2 <= P; p += 2)
@@ -1065,34 +1087,6 @@ struct alignas(64) TileConfig {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
 
-// 16 x rows' panel (xf[k * 16 + r], from pack_panel16) as `terms` panels of bf16 pairs (as pairs_panel16),
-// term t at xt + t * K * 16; with `sums`, each block's sum per row of the values the terms add up to (x,
-// or bf16(x) for one term) at sums[g * 16 + r].
-void amx_panel(const float* xf, int64_t K, int terms, uint16_t* xt, float* sums) {
-  const __m512i lo_index = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512i hi_index = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-  auto widen = [](__m256bh h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16)); };
-  __m512 block_sum = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 2) {
-    __m512 a = _mm512_loadu_ps(xf + k * 16), b = _mm512_loadu_ps(xf + (k + 1) * 16);
-    if (sums != nullptr) {
-      block_sum = _mm512_add_ps(block_sum, terms == 1 ? widen(_mm512_cvtneps_pbh(a)) : a);
-      block_sum = _mm512_add_ps(block_sum, terms == 1 ? widen(_mm512_cvtneps_pbh(b)) : b);
-      if ((k + 2) % 32 == 0) {
-        _mm512_storeu_ps(sums + (k / 32) * 16, block_sum);
-        block_sum = _mm512_setzero_ps();
-      }
-    }
-    for (int t = 0; t < terms; ++t) {
-      const __m512 lo = _mm512_permutex2var_ps(a, lo_index, b);  // rows 0..7: (x[r][k], x[r][k + 1])
-      const __m512 hi = _mm512_permutex2var_ps(a, hi_index, b);  // rows 8..15
-      _mm512_storeu_si512(xt + t * K * 16 + k * 16, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-      a = _mm512_sub_ps(a, widen(_mm512_cvtneps_pbh(a)));
-      b = _mm512_sub_ps(b, widen(_mm512_cvtneps_pbh(b)));
-    }
-  }
-}
-
 // Weight rows n0..n1 (at most kAmxChunkRows) for the M rows of x in P = ceil(M / 16) panels of `terms`
 // pair-panels each (xt, panel stride terms * K * 16) with their block sums xs[(p * G + g) * 16 + r].
 template <Kind KIND>
@@ -1103,16 +1097,17 @@ void rows_amx(const uint16_t* xt, const float* xs, int64_t M, int terms, const Q
   static const TileConfig config;
   const int64_t K = w.k, G = K / 32, P = (M + 15) / 16, rows = n1 - n0;
   const int64_t groups = (rows + kAmxRows - 1) / kAmxRows;
-  values.assign(groups * kAmxRows * K, 0);  // rows past n1: values 0, scales 0
-  scales.assign(groups * kAmxRows * G, 0.0f);
-  offsets.assign(groups * kAmxRows * G, 0.0f);
+  values.resize(groups * kAmxRows * K);
+  scales.resize(groups * kAmxRows * G);
+  offsets.resize(groups * kAmxRows * G);
   for (int64_t n = n0; n < n1; ++n) {
     values_row_bf16<KIND>(w, n, values.data() + (n - n0) * K);
-    for (int64_t g = 0; g < G; ++g) {
-      scales[(n - n0) * G + g] = half_at(w.d, n * G + g);
-      if (KIND == kQ4_1) offsets[(n - n0) * G + g] = half_at(w.m, n * G + g);
-    }
+    widen_row_scales(w, n, scales.data() + (n - n0) * G, offsets.data() + (n - n0) * G);
   }
+  // Rows past n1 in the last A tile: values 0, scales 0.
+  std::fill(values.begin() + rows * K, values.end(), 0);
+  std::fill(scales.begin() + rows * G, scales.end(), 0.0f);
+  std::fill(offsets.begin() + rows * G, offsets.end(), 0.0f);
   _tile_loadconfig(&config);
   alignas(64) float c2[kAmxRows * 16], c3[kAmxRows * 16];  // the C tiles' copies
   for (int64_t h = 0; h < groups; ++h) {
@@ -1178,7 +1173,7 @@ void linear_amx(const float* x, int64_t ldx, int64_t M, const QWeight& w, float*
   std::vector<float> xs(w.kind == kQ4_1 ? P * G * 16 : 0);
   for (int64_t p = 0; p < P; ++p) {
     pack_panel16(x, ldx, M, K, p, xf.get());
-    amx_panel(xf.get(), K, terms, xt.get() + p * terms * K * 16, xs.empty() ? nullptr : xs.data() + p * G * 16);
+    pairs_panel16(xf.get(), K, xt.get() + p * terms * K * 16, terms, xs.empty() ? nullptr : xs.data() + p * G * 16);
   }
   parallel_chunks((w.n + kAmxChunkRows - 1) / kAmxChunkRows, [&](int64_t c) {
     const int64_t n0 = c * kAmxChunkRows, n1 = std::min(w.n, n0 + kAmxChunkRows);

@@ -25,11 +25,14 @@ pytestmark = [
 ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 24, 63, 64, 65]
 
 
+def cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return set(next((line for line in f if line.startswith("flags")), "").split())
+
+
 def missing_avx512_bf16_flags() -> list[str]:
     """The /proc/cpuinfo flags the avx512_bf16 path needs that this CPU lacks."""
-    with open("/proc/cpuinfo") as f:
-        flags = set(next((line for line in f if line.startswith("flags")), "").split())
-    return [f for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16") if f not in flags]
+    return [f for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16") if f not in cpu_flags()]
 
 
 def has_avx512_bf16() -> bool:
@@ -42,9 +45,7 @@ needs_bf16 = pytest.mark.skipif(
 
 
 def missing_amx_flags() -> list[str]:
-    with open("/proc/cpuinfo") as f:
-        flags = set(next((line for line in f if line.startswith("flags")), "").split())
-    return missing_avx512_bf16_flags() + [f for f in ("amx_tile", "amx_bf16") if f not in flags]
+    return missing_avx512_bf16_flags() + [f for f in ("amx_tile", "amx_bf16") if f not in cpu_flags()]
 
 
 def has_amx() -> bool:
