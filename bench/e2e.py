@@ -108,6 +108,7 @@ def stack_config(args: argparse.Namespace) -> ClusterConfig:
                          batching=args.batching, warm_pool_size=args.warm_pool_size,
                          warm_pool_quiet_wait_s=getattr(args, "warm_pool_quiet_wait_s", None),
                          max_instances_per_process=getattr(args, "max_instances_per_process", None),
+                         controller_cpu_policy=getattr(args, "controller_cpu_policy", None),
                          session_transport=args.session_transport, executor_transport=args.executor_transport,
                          devices=(getattr(args, "device", "cpu"),), echo_logs=False,
                          quantized_activations=getattr(args, "quantized_activations", "float32"),
@@ -747,6 +748,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-instances-per-process", type=int, default=None,
                         help="how many `-shared` launches run in one controller process (`l4m up "
                         "--max-instances-per-process`; default: the spawner's, 16)")
+    parser.add_argument("--controller-cpu-policy", choices=("batch", "normal"), default=None,
+                        help="the CPU policy controllers run under (`l4m up --controller-cpu-policy`; default: "
+                        "the spawner's, batch)")
     parser.add_argument("--pool-timeout-s", type=float, default=600.0, help="how long to wait for a full pool")
     parser.add_argument("--long-prompt", type=int, default=0, metavar="TOKENS",
                         help="issue #21: a TOKENS-token prompt arriving beside N decoding streams, chunked and "

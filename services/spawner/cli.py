@@ -27,7 +27,7 @@ from l4m.common.metrics import (
 )
 from l4m.common.serving import bound_address, serve_until_signal
 from l4m.spawner.config import MiB, SpawnerConfig
-from l4m.spawner.sandbox import Limits
+from l4m.spawner.sandbox import CPU_POLICIES, Limits
 
 SERVICE_NAME = "l4m.spawner"
 STOP_GRACE_S = 5.0
@@ -132,6 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the most each round of the warm pool's refill waits for the host to have a CPU core to spare "
         "(read from /proc/stat), so that sandbox starts do not slow an executor decoding on this host's cores; "
         "0: refill at once",
+    )
+    add(
+        "--controller-cpu-policy",
+        choices=tuple(CPU_POLICIES),
+        default=defaults.controller_cpu_policy,
+        help="the CPU scheduling policy launched controllers run under: batch (SCHED_BATCH: the same CPU share, "
+        "but a controller that wakes never preempts a running task, so it does not stall an executor decoding "
+        "on this host's cores) or normal (SCHED_OTHER); controllers cannot change it",
     )
     add("--wall-time-s", type=float, default=limits.wall_time_s, help="default wall time limit")
     add("--cpu-time-s", type=float, default=limits.cpu_time_s, help="default CPU time limit")
@@ -257,6 +265,7 @@ def parse_config(
         warm_pool_size=args.warm_pool_size,
         max_instances_per_process=args.max_instances_per_process,
         warm_pool_quiet_wait_s=args.warm_pool_quiet_wait_s,
+        controller_cpu_policy=args.controller_cpu_policy,
         controller_spans_endpoint=spans_endpoint,
         controller_spans_headers=spans_headers,
         api_keys_file=args.api_keys_file,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from l4m.spawner.sandbox import Limits
+from l4m.spawner.sandbox import DEFAULT_CPU_POLICY, Limits
 
 MiB = 1024 * 1024
 
@@ -67,6 +67,12 @@ class SpawnerConfig:
     # (spawner/host_load.py): so that sandbox starts do not take CPU from an executor that decodes on
     # this host's cores. 0 (default): refill at once. The operator's flag (--warm-pool-quiet-wait-s).
     warm_pool_quiet_wait_s: float = 0.0
+    # The CPU scheduling policy launched controllers run under, a name in sandbox.CPU_POLICIES: "batch"
+    # (default; they never preempt a running task when they wake, which on a host where an executor
+    # decodes on the same cores keeps them from stalling its threads) or "normal". Every backend sets
+    # it; the sandbox's seccomp filter keeps a controller from changing it. The operator's flag
+    # (--controller-cpu-policy).
+    controller_cpu_policy: str = DEFAULT_CPU_POLICY
     # The OTLP/gRPC endpoint controllers' spans are forwarded to through the runtime socket (the
     # spawner's own exporter endpoint); empty: controllers are not asked to export spans.
     controller_spans_endpoint: str = ""

@@ -1,4 +1,4 @@
-"""CPU priority of warm sandboxes: idle while they wait in the pool, normal from their launch on.
+"""CPU priority of warm sandboxes: idle while they wait in the pool, the launch's policy from then on.
 
 A warm sandbox's start (bubblewrap, then Python importing the SDK) is work done ahead of demand, so it
 runs under SCHED_IDLE (and in the idle cpu cgroup, see cgroups.py): on a busy machine it waits for CPU
@@ -6,8 +6,9 @@ nobody else wants instead of taking it from the executor serving the launches th
 Everything here reads or writes /proc as root and is used by the process backend only:
 
 - `sandbox_tree` finds a sandbox's processes from its first pid when no cgroup lists them;
-- `set_normal_priority` gives every thread of a launch the policy and nice value a cold start inherits
-  from the spawner, before any of the launch's code runs;
+- `set_launch_priority` gives every thread of a launch the policy a cold start runs under (the
+  spawner's --controller-cpu-policy) and the nice value it inherits from the spawner, before any of the
+  launch's code runs;
 - `StartClock` tells a start that is waiting for an idle CPU (not broken) from one that is stuck: it
   counts only the time the sandbox's tasks did not spend waiting on a run queue.
 """
@@ -110,10 +111,10 @@ def tree_from_parents(root_pid: int) -> set[int]:
     return found
 
 
-def set_normal_priority(list_pids: Callable[[], set[int]], nice: int) -> set[int]:
-    """Sets every thread of every process `list_pids` names to SCHED_OTHER at `nice`, listing again
-    until a round finds no new thread (one started meanwhile inherits its creator's policy, maybe still
-    idle). Returns the last list. Raises OSError when the kernel refuses a change, SandboxError when
+def set_launch_priority(list_pids: Callable[[], set[int]], policy: int, nice: int) -> set[int]:
+    """Sets every thread of every process `list_pids` names to `policy` (SCHED_OTHER or SCHED_BATCH) at
+    `nice`, listing again until a round finds no new thread (one started meanwhile inherits its
+    creator's policy, maybe still idle). Returns the last list. Raises OSError when the kernel refuses a change, SandboxError when
     the sandbox keeps starting threads."""
     done: set[int] = set()
     for _ in range(MAX_PROMOTION_ROUNDS):
@@ -124,7 +125,7 @@ def set_normal_priority(list_pids: Callable[[], set[int]], nice: int) -> set[int
         for tid in sorted(new):
             # A thread that exited meanwhile runs at no priority at all: nothing to change.
             with contextlib.suppress(ProcessLookupError):
-                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                os.sched_setscheduler(tid, policy, os.sched_param(0))
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
         done |= new
     raise SandboxError("the warm sandbox kept starting threads while it was being handed a launch")

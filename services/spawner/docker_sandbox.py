@@ -22,6 +22,8 @@ from typing import Any
 from l4m.spawner import seccomp
 from l4m.spawner.cgroups import stat_field
 from l4m.spawner.sandbox import (
+    CPU_POLICIES,
+    DEFAULT_CPU_POLICY,
     SANDBOX_PROGRAM_DIR,
     SANDBOX_SOCKET_DIR,
     SANDBOX_THREAD_ENV,
@@ -35,6 +37,7 @@ from l4m.spawner.sandbox import (
     SandboxError,
     SandboxHandle,
     SandboxSpec,
+    check_cpu_policy,
     derive_exit_info,
     program_file_name,
     split_wait_status,
@@ -52,6 +55,10 @@ class DockerSandboxConfig:
     user: str = "65534:65534"
     docker_base_url: str | None = None  # None: DOCKER_HOST or the default socket
     cgroup_root: Path = Path("/sys/fs/cgroup")  # where the engine's cgroupfs groups can be read
+    cpu_policy: str = DEFAULT_CPU_POLICY  # the controller's CPU policy, a name in sandbox.CPU_POLICIES
+
+    def __post_init__(self) -> None:
+        check_cpu_policy(self.cpu_policy)
 
 
 def container_options(config: DockerSandboxConfig, spec: SandboxSpec) -> dict[str, Any]:
@@ -68,8 +75,13 @@ def container_options(config: DockerSandboxConfig, spec: SandboxSpec) -> dict[st
     return {
         "image": config.image,
         # Under l4m's filter too (seccomp.py), stacked on the engine's default profile: that profile
-        # allows ptrace and process_vm_* within the container, the filter does not.
-        "command": [*seccomp.install_and_exec_argv(), "python3", *spec.python_argv(program_dest)],
+        # allows ptrace and process_vm_* within the container, the filter does not. The CPU policy is
+        # set right before the filter, which denies changing it.
+        "command": [
+            *seccomp.install_and_exec_argv(CPU_POLICIES[config.cpu_policy]),
+            "python3",
+            *spec.python_argv(program_dest),
+        ],
         "name": f"l4m-{config.spawner_id}-{spec.instance_id}",
         "labels": {LABEL_SPAWNER: config.spawner_id, LABEL_INSTANCE: spec.instance_id},
         "environment": env,

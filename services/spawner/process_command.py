@@ -3,7 +3,8 @@
 The chain started for one instance, each step exec'ing the next:
 
     sh      joins the instance's cgroups (writes its pid into each cgroup.procs)
-    chrt    warm sandboxes only: `--idle 0`, SCHED_IDLE from here on (see process_sandbox.py)
+    chrt    the launch's CPU policy (`--batch 0` by default, `--other 0` for "normal": config.cpu_policy);
+            a warm sandbox's `--idle 0` instead, SCHED_IDLE until its launch (see process_sandbox.py)
     prlimit sets RLIMIT_CPU, NOFILE, NPROC, FSIZE, CORE (and AS where there is no memory cgroup)
     bwrap   as root: new mount/pid/net/ipc/uts/cgroup namespaces; binds only /usr, the Python
             installation, the venv, the SDK, the program and the socket directory, all read-only;
@@ -36,12 +37,14 @@ from typing import TYPE_CHECKING
 import l4m
 from l4m.spawner import zygote
 from l4m.spawner.sandbox import (
+    DEFAULT_CPU_POLICY,
     SANDBOX_PROGRAM_DIR,
     SANDBOX_SDK_DIR,
     SANDBOX_SOCKET_DIR,
     SANDBOX_THREAD_ENV,
     Limits,
     SandboxSpec,
+    check_cpu_policy,
     program_file_name,
 )
 
@@ -92,6 +95,12 @@ class ProcessSandboxConfig:
     # Holds one directory per warm sandbox (the program is copied into it); None: a private temporary
     # directory made by `open`. Its contents are orphans after a crash.
     warm_dir: Path | None = None
+    # A launch's CPU scheduling policy, a name in sandbox.CPU_POLICIES: a cold start's chain sets it
+    # (chrt), a warm sandbox's hand-off sets it on every thread.
+    cpu_policy: str = DEFAULT_CPU_POLICY
+
+    def __post_init__(self) -> None:
+        check_cpu_policy(self.cpu_policy)
 
 
 def _python_layout(config: ProcessSandboxConfig) -> tuple[list[tuple[Path, str]], str]:
@@ -143,7 +152,7 @@ def build_command(
     has_memory_cgroup: bool,
     seccomp_fd: int,
 ) -> list[str]:
-    """The whole sh → prlimit → bwrap → setpriv → python command line for one instance; bwrap reads
+    """The whole sh → chrt → prlimit → bwrap → setpriv → python command line for one instance; bwrap reads
     the seccomp filter from `seccomp_fd` (see `seccomp.filter_fd`)."""
     program_dest = f"{SANDBOX_PROGRAM_DIR}/{program_file_name(spec.program_path)}"
     return _chain(
@@ -280,8 +289,11 @@ def _chain(
 
     join = "".join(f"echo $$ > {shlex.quote(str(path))} || exit 125; " for path in cgroup_procs)
     # After the joins, not before: the shell writes cgroup.procs at normal priority (see warm_cgroup_joins).
-    idle = ["chrt", "--idle", "0"] if is_idle else []
-    return ["/bin/sh", "-c", join + 'exec "$@"', "l4m-sandbox", *idle, *prlimit, *bwrap, *setpriv]
+    chrt = ["chrt", "--idle" if is_idle else _CHRT_FLAGS[config.cpu_policy], "0"]
+    return ["/bin/sh", "-c", join + 'exec "$@"', "l4m-sandbox", *chrt, *prlimit, *bwrap, *setpriv]
+
+
+_CHRT_FLAGS = {"normal": "--other", "batch": "--batch"}  # per name in sandbox.CPU_POLICIES
 
 
 _PRLIMIT_FLAGS = {

@@ -25,8 +25,8 @@ under SCHED_IDLE, and instead of its own cpu cgroup it joins the spawner's idle 
 tasks inside an ordinary group (their own cpu cgroup, or the session autogroup bubblewrap's
 `--new-session` gives them) would still get that group's full share. The hand-off, before the launch
 is written, moves every process of the sandbox into its own cpu cgroup (the CPU bandwidth limit a
-cold start runs under) and sets every thread to SCHED_OTHER at the spawner's nice value, what a cold
-start inherits; if that fails, the launch starts cold. A start waiting for an idle CPU is not broken: its timeout
+cold start runs under) and sets every thread to the launch's policy (`cpu_policy`, SCHED_BATCH by
+default) at the spawner's nice value, as a cold start runs; if that fails, the launch starts cold. A start waiting for an idle CPU is not broken: its timeout
 (`WARM_START_TIMEOUT_S`) counts only the time it was not waiting for one (`cpu_priority.StartClock`).
 """
 
@@ -51,7 +51,7 @@ from pathlib import Path
 
 from l4m.spawner import seccomp, zygote
 from l4m.spawner.cgroups import CgroupManager, InstanceCgroup
-from l4m.spawner.cpu_priority import StartClock, run_delays_ns, sandbox_tree, set_normal_priority
+from l4m.spawner.cpu_priority import StartClock, run_delays_ns, sandbox_tree, set_launch_priority
 from l4m.spawner.host_load import wait_for_idle_core
 from l4m.spawner.process_command import (
     UID_LOCK_DIR,
@@ -63,6 +63,7 @@ from l4m.spawner.process_command import (
     warm_refusal,
 )
 from l4m.spawner.sandbox import (
+    CPU_POLICIES,
     ExitFacts,
     ExitInfo,
     ExitReason,
@@ -384,8 +385,9 @@ class ProcessSandbox(Sandbox):
 
     def _promote(self, warm: WarmSandbox) -> None:
         """Gives a warm sandbox what a cold start runs under: its own cpu cgroup (CPU bandwidth limit,
-        accounting with cpuacct co-mounted) and, for every thread, the spawner's policy and nice value
-        (SCHED_OTHER). Raises when any of it fails: the launch must then start cold, never idle."""
+        accounting with cpuacct co-mounted) and, for every thread, the launch's policy (`cpu_policy`) at
+        the spawner's nice value. Raises when any of it fails: the launch must then start cold, never
+        idle."""
         joined: set[int] = set()
 
         def list_and_join() -> set[int]:
@@ -397,7 +399,8 @@ class ProcessSandbox(Sandbox):
                 joined.update(pids)
             return pids
 
-        set_normal_priority(list_and_join, os.getpriority(os.PRIO_PROCESS, 0))
+        policy = CPU_POLICIES[self.config.cpu_policy]
+        set_launch_priority(list_and_join, policy, os.getpriority(os.PRIO_PROCESS, 0))
 
     def _prepare_hand_off(self, warm: WarmSandbox, spec: SandboxSpec) -> None:
         """The launch's limits in the sandbox's cgroups, its program in the sandbox's program directory,

@@ -11,6 +11,7 @@ backend sets up, and `derive_exit_info` reads its counters back to say which lim
 from __future__ import annotations
 
 import abc
+import os
 import signal as signal_module
 import zipfile
 from collections.abc import AsyncIterator, Mapping
@@ -32,6 +33,22 @@ SANDBOX_SDK_DIR = "/opt/l4m/python"
 # 6-13 of a burst of 64 warm launches on 2 cores, none with two arenas), so they get two.
 SANDBOX_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                       "MALLOC_ARENA_MAX": "2"}
+# The CPU scheduling policy a launched controller runs under (the spawner's --controller-cpu-policy), by
+# name. "batch" (SCHED_BATCH, the default): the same share of CPU time by weight as "normal"
+# (SCHED_OTHER), but a controller that wakes never preempts a running task; it waits for a CPU to come
+# free or for the running task's time slice to end. On a host where an executor decodes on the same
+# cores, a preempted thread of the executor holds its partner threads at their next barrier, so a
+# controller's wake-up costs the executor more than the controller's own CPU time (docs/benchmarks.md,
+# round 14). A controller cannot change its policy: the seccomp filter denies sched_setscheduler and
+# sched_setattr (seccomp.py).
+CPU_POLICIES = {"normal": os.SCHED_OTHER, "batch": os.SCHED_BATCH}
+DEFAULT_CPU_POLICY = "batch"
+
+
+def check_cpu_policy(name: str) -> None:
+    """Raises ValueError naming `name` and the choices unless it is in CPU_POLICIES."""
+    if name not in CPU_POLICIES:
+        raise ValueError(f"unknown CPU policy {name!r} (expected one of {', '.join(CPU_POLICIES)})")
 
 
 @dataclass(frozen=True)

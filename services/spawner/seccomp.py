@@ -74,6 +74,9 @@ DENIED_SYSCALLS = (
     # kernel attack surface an unprivileged process can still reach
     "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
     "keyctl", "add_key", "request_key",
+    # the CPU policy the spawner set (sandbox.CPU_POLICIES): an unprivileged thread may switch itself
+    # from SCHED_BATCH back to SCHED_OTHER, and from then on preempt the executor's threads when it wakes
+    "sched_setscheduler", "sched_setattr",
     # privileged anyway: denied so that a kernel bug in their permission checks is not reachable
     "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "reboot",
     "swapon", "swapoff", "open_by_handle_at", "name_to_handle_at", "quotactl", "acct", "syslog",
@@ -103,7 +106,8 @@ X86_64 = Arch(
         "delete_module": 176, "kexec_load": 246, "kexec_file_load": 320, "reboot": 169, "swapon": 167,
         "swapoff": 168, "open_by_handle_at": 304, "name_to_handle_at": 303, "quotactl": 179, "acct": 163,
         "syslog": 103, "settimeofday": 164, "clock_settime": 227, "clock_adjtime": 305, "vhangup": 153,
-        "lookup_dcookie": 212, "iopl": 172, "ioperm": 173, "clone": 56, "clone3": 435,
+        "lookup_dcookie": 212, "iopl": 172, "ioperm": 173, "sched_setscheduler": 144, "sched_setattr": 314,
+        "clone": 56, "clone3": 435,
     },
 )  # fmt: skip
 AARCH64 = Arch(
@@ -119,7 +123,7 @@ AARCH64 = Arch(
         "delete_module": 106, "kexec_load": 104, "kexec_file_load": 294, "reboot": 142, "swapon": 224,
         "swapoff": 225, "open_by_handle_at": 265, "name_to_handle_at": 264, "quotactl": 60, "acct": 89,
         "syslog": 116, "settimeofday": 170, "clock_settime": 112, "clock_adjtime": 266, "vhangup": 58,
-        "lookup_dcookie": 18, "clone": 220, "clone3": 435,
+        "lookup_dcookie": 18, "sched_setscheduler": 119, "sched_setattr": 274, "clone": 220, "clone3": 435,
     },
 )  # fmt: skip
 ARCHES = (X86_64, AARCH64)
@@ -208,13 +212,15 @@ def build_filter() -> bytes:
 SECCOMP_FILTER = build_filter()
 
 
-# Installs the filter in the process itself and execs the rest of its argv, for a backend that cannot
-# install it from outside (Docker: the engine installs its default profile; this one stacks on top,
-# and the kernel applies both, the stricter answer winning). Needs no_new_privs already set (the
-# container's no-new-privileges). -I -S: nothing but the standard library, and quickly.
-#     python3 -I -S -c INSTALL_AND_EXEC FILTER_HEX COMMAND...
+# Sets the CPU policy (SCHED_OTHER or SCHED_BATCH, by number), installs the filter in the process itself
+# and execs the rest of its argv, for a backend that cannot do either from outside (Docker: the engine
+# installs its default profile; this one stacks on top, and the kernel applies both, the stricter
+# answer winning). The policy comes first: the filter denies changing it. Needs no_new_privs already
+# set (the container's no-new-privileges). -I -S: nothing but the standard library, and quickly.
+#     python3 -I -S -c INSTALL_AND_EXEC FILTER_HEX POLICY COMMAND...
 INSTALL_AND_EXEC = """
 import ctypes, os, sys
+os.sched_setscheduler(0, int(sys.argv[2]), os.sched_param(0))
 program = bytes.fromhex(sys.argv[1])
 buffer = ctypes.create_string_buffer(program, len(program))
 class Fprog(ctypes.Structure):
@@ -224,13 +230,14 @@ libc = ctypes.CDLL(None, use_errno=True)
 libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
 if libc.prctl(22, 2, ctypes.addressof(fprog), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
     sys.exit("l4m: could not install the seccomp filter: " + os.strerror(ctypes.get_errno()))
-os.execvp(sys.argv[2], sys.argv[2:])
+os.execvp(sys.argv[3], sys.argv[3:])
 """
 
 
-def install_and_exec_argv(python: str = "python3") -> list[str]:
-    """The argv prefix that runs what follows it under the filter (see INSTALL_AND_EXEC)."""
-    return [python, "-I", "-S", "-c", INSTALL_AND_EXEC, SECCOMP_FILTER.hex()]
+def install_and_exec_argv(policy: int, python: str = "python3") -> list[str]:
+    """The argv prefix that runs what follows it under CPU policy `policy` and the filter (see
+    INSTALL_AND_EXEC)."""
+    return [python, "-I", "-S", "-c", INSTALL_AND_EXEC, SECCOMP_FILTER.hex(), str(policy)]
 
 
 def filter_fd() -> int:

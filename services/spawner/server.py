@@ -398,6 +398,7 @@ def make_sandbox(config: SpawnerConfig) -> Sandbox:
                 warm_socket_dir=config.socket_dir,
                 warm_modules=tuple(dict.fromkeys((*runner, *SDK_WARM_MODULES))),
                 warm_dir=config.state_dir / "warm",
+                cpu_policy=config.controller_cpu_policy,
             )
         )
     if config.sandbox_kind == "docker":
@@ -406,7 +407,9 @@ def make_sandbox(config: SpawnerConfig) -> Sandbox:
         from l4m.spawner.docker_sandbox import DockerSandbox, DockerSandboxConfig
 
         image = config.docker_image or ensure_controller_image(docker.from_env())
-        return DockerSandbox(DockerSandboxConfig(image=image, spawner_id=config.spawner_id))
+        return DockerSandbox(
+            DockerSandboxConfig(image=image, spawner_id=config.spawner_id, cpu_policy=config.controller_cpu_policy)
+        )
     raise ValueError(f"unknown sandbox kind {config.sandbox_kind!r} (expected process or docker)")
 
 

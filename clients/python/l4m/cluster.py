@@ -99,6 +99,9 @@ class ClusterConfig:
     # Launches with share_process that may run in one controller process (the spawner's
     # --max-instances-per-process); None: the spawner's default (16).
     max_instances_per_process: int | None = None
+    # The CPU policy launched controllers run under (the spawner's --controller-cpu-policy: batch or
+    # normal); None: the spawner's default (batch).
+    controller_cpu_policy: str | None = None
     max_continuation_steps: int | None = None  # per forward_text (0: off); None: the scheduler's default
     # A forward_text longer than this is filled in chunks of this many tokens, each sharing a batch with other
     # streams' decode steps; None: the scheduler's default (half the executors' max_batch_tokens, at most 2048).
@@ -339,6 +342,8 @@ def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
         argv += ["--warm-pool-quiet-wait-s", str(config.warm_pool_quiet_wait_s)]
     if config.max_instances_per_process is not None:
         argv += ["--max-instances-per-process", str(config.max_instances_per_process)]
+    if config.controller_cpu_policy is not None:
+        argv += ["--controller-cpu-policy", config.controller_cpu_policy]
     specs.append(ServiceSpec("spawner", tuple(argv), config.spawner_address, config.metrics_port(0),
                              tls_ca=config.health_ca if config.tls_cert else None))
     return specs

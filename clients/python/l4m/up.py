@@ -117,6 +117,12 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "model and limits) may run in one controller process (default: the spawner's, 16; 1: never shared)",
     )
     parser.add_argument(
+        "--controller-cpu-policy", choices=("batch", "normal"), default=None,
+        help="the CPU scheduling policy controllers run under (default: the spawner's, batch: a controller that "
+        "wakes never preempts a running task, such as an executor decoding on this host's cores; normal: "
+        "SCHED_OTHER)",
+    )
+    parser.add_argument(
         "--max-continuation-steps", type=_non_negative_int, default=None,
         help="decode steps one forward_text may ask the executor to run by itself (default: the scheduler's, "
         "64; 0 turns continuation off: one round trip per token)",
@@ -234,6 +240,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         warm_pool_size=args.warm_pool_size,
         warm_pool_quiet_wait_s=args.warm_pool_quiet_wait_s,
         max_instances_per_process=args.max_instances_per_process,
+        controller_cpu_policy=args.controller_cpu_policy,
         max_continuation_steps=args.max_continuation_steps,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         prefill_chunk_token_slots=args.prefill_chunk_token_slots,

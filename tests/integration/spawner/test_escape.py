@@ -431,6 +431,52 @@ def test_namespaces_mounts_ptrace_keyrings_and_bpf_are_denied(sandbox: Sandbox, 
         assert line in run.stdout.splitlines(), f"{line!r} missing:\n{run.stdout}"
 
 
+# A controller's CPU policy (sandbox.CPU_POLICIES): set by the spawner, SCHED_BATCH by default, on every
+# thread; the controller may lower its own priority (nice) but not change its policy.
+CPU_POLICY_PROBE = """
+import ctypes, errno, os, platform, struct, threading
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+NR_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}[platform.machine()]
+print("policy", os.sched_getscheduler(0), flush=True)
+seen = []
+thread = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(0)))
+thread.start()
+thread.join()
+print("thread-policy", seen[0], flush=True)
+try:
+    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    print("setscheduler ALLOWED", flush=True)
+except OSError as exc:
+    print("setscheduler", errno.errorcode[exc.errno], flush=True)
+# struct sched_attr as of its first version (48 bytes): size, policy SCHED_OTHER, flags, nice, priority,
+# runtime, deadline, period.
+attr = ctypes.create_string_buffer(struct.pack("=IIQiIQQQ", 48, 0, 0, 0, 0, 0, 0, 0), 48)
+ret = libc.syscall(NR_SCHED_SETATTR, 0, attr, 0)
+print("setattr", "ALLOWED" if ret == 0 else errno.errorcode[ctypes.get_errno()], flush=True)
+before = os.getpriority(os.PRIO_PROCESS, 0)
+print("nice-raised", os.nice(1) == before + 1, flush=True)
+print("policy-after", os.sched_getscheduler(0), flush=True)
+"""
+
+
+def test_a_controller_runs_under_sched_batch_and_cannot_change_its_policy(
+    sandbox: Sandbox, store: ProgramStore
+) -> None:
+    run = run_with(sandbox, run_program(sandbox, store, CPU_POLICY_PROBE))
+    assert run.exit.reason is ExitReason.EXITED, f"{run.exit}\n{run.stderr}"
+    assert run.is_warm == serves_warm(sandbox)
+    batch = str(os.SCHED_BATCH)
+    assert run.stdout.splitlines() == [
+        f"policy {batch}",
+        f"thread-policy {batch}",
+        "setscheduler EPERM",
+        "setattr EPERM",
+        "nice-raised True",
+        f"policy-after {batch}",
+    ], run.stdout
+
+
 NORMAL_CONTROLLER = """
 import asyncio, concurrent.futures, os, subprocess, sys, threading
 import grpc, l4m

@@ -300,7 +300,7 @@ def thread_schedules(pids: set[int]) -> set[tuple[int, int]]:
     return schedules
 
 
-def test_a_warm_sandbox_waits_at_idle_priority_and_its_launch_runs_at_normal_priority_in_its_cpu_group(
+def test_a_warm_sandbox_waits_at_idle_priority_and_its_launch_runs_at_the_launch_policy_in_its_cpu_group(
     warm_process_sandbox: ProcessSandbox, store: ProgramStore
 ) -> None:
     spawner_id = warm_process_sandbox.config.spawner_id
@@ -311,7 +311,8 @@ def test_a_warm_sandbox_waits_at_idle_priority_and_its_launch_runs_at_normal_pri
     # v1: a warm sandbox waits in the spawner's idle cpu group; v2: in its own group, set idle.
     on_v2 = (cpu_groups / "cgroup.controllers").exists()
     idle_group = CGROUP_ROOT / "cpu" / "l4m-idle" / spawner_id
-    normal = (os.SCHED_OTHER, os.getpriority(os.PRIO_PROCESS, 0))  # what a cold start inherits
+    # What a cold start runs under: the launch's policy (SCHED_BATCH by default), the spawner's nice value.
+    normal = (os.SCHED_BATCH, os.getpriority(os.PRIO_PROCESS, 0))
 
     def is_idle(name: str) -> bool:
         if on_v2:
@@ -346,8 +347,8 @@ def test_a_warm_sandbox_waits_at_idle_priority_and_its_launch_runs_at_normal_pri
 
     run = run_with(warm_process_sandbox, go())
     assert run.is_warm and run.exit.reason is ExitReason.TERMINATED, f"{run.exit}\n{run.stderr}"
-    assert run.value("policy") == f"{os.SCHED_OTHER} {normal[1]}"
-    assert run.value("thread-policy") == str(os.SCHED_OTHER)
+    assert run.value("policy") == f"{os.SCHED_BATCH} {normal[1]}"
+    assert run.value("thread-policy") == str(os.SCHED_BATCH)
     assert run.value("sees-cgroupfs") == "False"  # no way to move itself back out of its cpu group
 
 
@@ -365,7 +366,37 @@ def test_without_cgroups_the_launch_is_found_by_its_process_tree_and_promoted(
     source = "import os\nprint('policy', os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0))\n"
     run = run_with(sandbox, run_program(sandbox, store, source))
     assert run.is_warm and run.exit.reason is ExitReason.EXITED, f"{run.exit}\n{run.stderr}"
-    assert run.value("policy") == f"{os.SCHED_OTHER} {os.getpriority(os.PRIO_PROCESS, 0)}"
+    assert run.value("policy") == f"{os.SCHED_BATCH} {os.getpriority(os.PRIO_PROCESS, 0)}"
+
+
+def test_with_the_normal_cpu_policy_warm_and_cold_launches_run_under_sched_other(
+    spawner_id: str, warm_socket_dir: Path, store: ProgramStore
+) -> None:
+    config = ProcessSandboxConfig(
+        spawner_id=f"{spawner_id}-other",
+        uid_base=128_000,
+        warm_pool_size=1,
+        warm_socket_dir=warm_socket_dir,
+        cpu_policy="normal",
+    )
+    sandbox = ProcessSandbox(config)
+    source = "import os\nprint('policy', os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0))\n"
+    ceiling = config.warm_max_limits
+
+    async def go() -> tuple[Run, Run]:
+        warm = await run_program(sandbox, store, source)
+        # Above the pool's ceiling: a cold start, whose chain sets the policy itself (chrt --other).
+        cold = await run_program(sandbox, store, source, Limits(memory_bytes=ceiling.memory_bytes + MiB))
+        return warm, cold
+
+    try:
+        warm, cold = run_with(sandbox, go())
+    finally:
+        sandbox.remove_cgroup_parents()
+    expected = f"{os.SCHED_OTHER} {os.getpriority(os.PRIO_PROCESS, 0)}"
+    assert warm.is_warm and warm.exit.reason is ExitReason.EXITED, f"{warm.exit}\n{warm.stderr}"
+    assert not cold.is_warm and cold.exit.reason is ExitReason.EXITED, f"{cold.exit}\n{cold.stderr}"
+    assert (warm.value("policy"), cold.value("policy")) == (expected, expected)
 
 
 def test_a_launch_whose_promotion_fails_starts_cold(
@@ -374,14 +405,14 @@ def test_a_launch_whose_promotion_fails_starts_cold(
     def refuse(*args: object) -> None:
         raise PermissionError("sched_setscheduler refused")
 
-    monkeypatch.setattr("l4m.spawner.process_sandbox.set_normal_priority", refuse)
+    monkeypatch.setattr("l4m.spawner.process_sandbox.set_launch_priority", refuse)
 
     async def go() -> tuple[Run, object]:
         run = await run_program(warm_process_sandbox, store, "import os\nprint(os.sched_getscheduler(0))\n")
         return run, warm_process_sandbox.warm_pool_stats()
 
     run, stats = run_with(warm_process_sandbox, go())
-    assert run.exit.reason is ExitReason.EXITED and run.stdout == f"{os.SCHED_OTHER}\n", run
+    assert run.exit.reason is ExitReason.EXITED and run.stdout == f"{os.SCHED_BATCH}\n", run
     assert not run.is_warm
     assert stats.num_taken == 1  # taken, refused, destroyed
 

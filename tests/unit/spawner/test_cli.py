@@ -104,3 +104,30 @@ def test_instances_per_shared_process_default_to_16_and_1_turns_sharing_off(
     with pytest.raises(SystemExit) as raised:
         parse_config(["--state-dir", str(tmp_path), "--max-instances-per-process", "0"], environ={})
     assert raised.value.code == 2 and "--max-instances-per-process" in capsys.readouterr().err
+
+
+def test_the_controllers_cpu_policy_is_the_operators_flag_batch_by_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Who may set it: whoever starts the spawner. No request of the user API names a CPU policy, and a
+    controller cannot change its own (the seccomp filter; tests/integration/spawner/test_escape.py)."""
+    from l4m.spawner.server import make_sandbox
+    from l4m.v1 import spawner_pb2
+
+    default, _ = parse_config(["--state-dir", str(tmp_path)], environ={})
+    assert default.controller_cpu_policy == "batch"
+    chosen, _ = parse_config(["--state-dir", str(tmp_path), "--controller-cpu-policy", "normal"], environ={})
+    assert chosen.controller_cpu_policy == "normal"
+    # The process backend gets it (a stand-in that returns its config: the real one claims uids).
+    monkeypatch.setattr("l4m.spawner.process_sandbox.ProcessSandbox", lambda config: config)
+    assert make_sandbox(chosen).cpu_policy == "normal"  # type: ignore[attr-defined]
+    assert make_sandbox(default).cpu_policy == "batch"  # type: ignore[attr-defined]
+    for value in ("fifo", "idle", ""):
+        with pytest.raises(SystemExit) as raised:
+            parse_config(["--state-dir", str(tmp_path), "--controller-cpu-policy", value], environ={})
+        assert raised.value.code == 2
+        assert "--controller-cpu-policy" in capsys.readouterr().err
+
+    names = {name for message in spawner_pb2.DESCRIPTOR.message_types_by_name.values()
+             for name in message.fields_by_name}  # fmt: skip
+    assert not [name for name in names if "policy" in name or "sched" in name or "nice" in name]

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from l4m.spawner import cpu_priority
-from l4m.spawner.cpu_priority import StartClock, sandbox_tree, set_normal_priority
+from l4m.spawner.cpu_priority import StartClock, sandbox_tree, set_launch_priority
 from l4m.spawner.sandbox import SandboxError
 
 
@@ -99,11 +99,14 @@ class FakeScheduler:
         self.nices.append((tid, nice))
 
 
-def test_every_thread_is_set_once_including_one_started_meanwhile(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("policy", [os.SCHED_BATCH, os.SCHED_OTHER])
+def test_every_thread_is_set_once_including_one_started_meanwhile(
+    monkeypatch: pytest.MonkeyPatch, policy: int
+) -> None:
     # Thread 6 appears in the second listing; 404 exits before its turn.
     fake = FakeScheduler(monkeypatch, {5: [{5}, {5, 6}], 9: [{9, 404}]})
-    assert set_normal_priority(lambda: {5, 9}, nice=3) == {5, 9}
-    assert sorted(fake.policies) == [(tid, os.SCHED_OTHER, 0) for tid in (5, 6, 9)]
+    assert set_launch_priority(lambda: {5, 9}, policy, nice=3) == {5, 9}
+    assert sorted(fake.policies) == [(tid, policy, 0) for tid in (5, 6, 9)]
     assert sorted(fake.nices) == [(5, 3), (6, 3), (9, 3)]
 
 
@@ -113,7 +116,7 @@ def test_a_sandbox_that_keeps_starting_threads_is_refused(monkeypatch: pytest.Mo
     monkeypatch.setattr(os, "sched_setscheduler", lambda *args: None)
     monkeypatch.setattr(os, "setpriority", lambda *args: None)
     with pytest.raises(SandboxError, match="kept starting threads"):
-        set_normal_priority(lambda: {5}, nice=0)
+        set_launch_priority(lambda: {5}, os.SCHED_BATCH, nice=0)
 
 
 def test_a_refused_change_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,4 +127,4 @@ def test_a_refused_change_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(os, "sched_setscheduler", refuse)
     with pytest.raises(PermissionError):
-        set_normal_priority(lambda: {5}, nice=0)
+        set_launch_priority(lambda: {5}, os.SCHED_BATCH, nice=0)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import pytest
+
+from l4m.spawner import seccomp
 from l4m.spawner.docker_sandbox import DockerSandboxConfig, container_options, seccomp_refusal
 from l4m.spawner.sandbox import Limits, MiB, SandboxSpec
 
@@ -39,3 +43,20 @@ def test_an_engine_without_seccomp_or_with_it_unconfined_is_refused() -> None:
     assert seccomp_refusal(["name=seccomp,profile=default"]) == ""
     assert "no seccomp profile" in seccomp_refusal(["name=apparmor"])
     assert "unconfined" in seccomp_refusal(["name=seccomp,profile=unconfined"])
+
+
+@pytest.mark.parametrize(("policy", "number"), [(None, os.SCHED_BATCH), ("normal", os.SCHED_OTHER)])
+def test_the_controller_runs_under_its_cpu_policy_set_before_the_filter(policy: str | None, number: int) -> None:
+    config = DockerSandboxConfig(image="l4m-controller:x", **({} if policy is None else {"cpu_policy": policy}))
+    command = container_options(config, SPEC)["command"]
+    prefix = seccomp.install_and_exec_argv(number)
+    assert command[: len(prefix)] == prefix and prefix[-1] == str(number)
+    assert command[len(prefix)] == "python3"
+    # The installer sets the policy before the filter goes on: the filter denies setting it.
+    script = seccomp.INSTALL_AND_EXEC
+    assert script.index("sched_setscheduler") < script.index("prctl(22")
+
+
+def test_an_unknown_cpu_policy_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="unknown CPU policy 'rr'"):
+        DockerSandboxConfig(image="l4m-controller:x", cpu_policy="rr")

@@ -28,10 +28,12 @@ CONFIG = ProcessSandboxConfig(
 SECCOMP_FD = 7
 
 
-def command(socket_dir: Path | None = Path("/srv/sock"), has_memory_cgroup: bool = True) -> list[str]:
+def command(
+    socket_dir: Path | None = Path("/srv/sock"), has_memory_cgroup: bool = True, config: ProcessSandboxConfig = CONFIG
+) -> list[str]:
     spec = SandboxSpec("i-1", Path("/store/programs/abc"), ("--n", "3"), {"TOKEN": "t"}, socket_dir, Limits())
     procs = [Path("/sys/fs/cgroup/pids/l4m/x/i-1/cgroup.procs")]
-    return build_command(CONFIG, spec, 100_007, procs, has_memory_cgroup, SECCOMP_FD)
+    return build_command(config, spec, 100_007, procs, has_memory_cgroup, SECCOMP_FD)
 
 
 def binds(argv: list[str]) -> list[tuple[str, str, str]]:
@@ -221,10 +223,17 @@ def test_a_warm_chain_runs_under_sched_idle_from_after_its_cgroup_joins_on() -> 
     assert argv.count("chrt") == 1
 
 
-def test_a_cold_chain_runs_at_the_spawners_own_priority() -> None:
-    argv = command()
-    assert exec_target(argv)[0] == "prlimit"
-    assert "chrt" not in argv and "--idle" not in argv
+@pytest.mark.parametrize(("policy", "flag"), [(None, "--batch"), ("batch", "--batch"), ("normal", "--other")])
+def test_a_cold_chain_runs_under_the_launch_cpu_policy(policy: str | None, flag: str) -> None:
+    config = CONFIG if policy is None else dataclasses.replace(CONFIG, cpu_policy=policy)
+    argv = command(config=config)
+    assert exec_target(argv)[:4] == ["chrt", flag, "0", "prlimit"]
+    assert argv.count("chrt") == 1 and "--idle" not in argv
+
+
+def test_an_unknown_cpu_policy_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"unknown CPU policy 'fifo' \(expected one of normal, batch\)"):
+        dataclasses.replace(CONFIG, cpu_policy="fifo")
 
 
 def test_a_warm_sandbox_defers_its_cpu_group_and_joins_the_idle_one_last() -> None:

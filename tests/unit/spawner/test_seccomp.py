@@ -79,6 +79,21 @@ def test_the_issues_list_is_denied(name: str) -> None:
     assert name in DENIED_SYSCALLS
 
 
+# sched_getscheduler, setpriority, sched_yield, sched_getattr: reading the policy, lowering one's own
+# priority (nice) and yielding stay allowed.
+SCHEDULING_ALLOWED = {"x86_64": (145, 141, 24, 315), "aarch64": (120, 140, 124, 275)}
+
+
+@pytest.mark.parametrize("arch", ARCHES, ids=lambda arch: arch.name)
+def test_a_controller_cannot_change_its_cpu_policy_but_may_read_it_and_lower_its_priority(
+    arch: seccomp.Arch,
+) -> None:
+    for name in ("sched_setscheduler", "sched_setattr"):
+        assert run_filter(arch.syscalls[name], arch.audit_arch) == EPERM, name
+    for nr in SCHEDULING_ALLOWED[arch.name]:
+        assert run_filter(nr, arch.audit_arch) == SECCOMP_RET_ALLOW, nr
+
+
 def test_ordinary_syscalls_are_allowed() -> None:
     for name in ALLOWED:
         assert run_filter(X86_64_ALLOWED[name]) == SECCOMP_RET_ALLOW, name
