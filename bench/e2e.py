@@ -109,6 +109,7 @@ def stack_config(args: argparse.Namespace) -> ClusterConfig:
                          warm_pool_quiet_wait_s=getattr(args, "warm_pool_quiet_wait_s", None),
                          max_instances_per_process=getattr(args, "max_instances_per_process", None),
                          controller_cpu_policy=getattr(args, "controller_cpu_policy", None),
+                         control_plane_cpu_policy=getattr(args, "control_plane_cpu_policy", "batch"),
                          session_transport=args.session_transport, executor_transport=args.executor_transport,
                          devices=(getattr(args, "device", "cpu"),), echo_logs=False,
                          quantized_activations=getattr(args, "quantized_activations", "float32"),
@@ -751,6 +752,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--controller-cpu-policy", choices=("batch", "normal"), default=None,
                         help="the CPU policy controllers run under (`l4m up --controller-cpu-policy`; default: "
                         "the spawner's, batch)")
+    parser.add_argument("--control-plane-cpu-policy", choices=("batch", "normal"), default="batch",
+                        help="the CPU policy of the stack's scheduler, spawner and gateway (`l4m up "
+                        "--control-plane-cpu-policy`)")
     parser.add_argument("--pool-timeout-s", type=float, default=600.0, help="how long to wait for a full pool")
     parser.add_argument("--long-prompt", type=int, default=0, metavar="TOKENS",
                         help="issue #21: a TOKENS-token prompt arriving beside N decoding streams, chunked and "

@@ -102,6 +102,10 @@ class ClusterConfig:
     # The CPU policy launched controllers run under (the spawner's --controller-cpu-policy: batch or
     # normal); None: the spawner's default (batch).
     controller_cpu_policy: str | None = None
+    # The CPU policy of the control plane's services (scheduler, spawner, gateway), started under
+    # `chrt`: "batch" (SCHED_BATCH, default: a service that wakes never preempts a running task, such
+    # as an executor decoding on the same cores) or "normal". Executors always run under SCHED_OTHER.
+    control_plane_cpu_policy: str = "batch"
     max_continuation_steps: int | None = None  # per forward_text (0: off); None: the scheduler's default
     # A forward_text longer than this is filled in chunks of this many tokens, each sharing a batch with other
     # streams' decode steps; None: the scheduler's default (half the executors' max_batch_tokens, at most 2048).
@@ -221,6 +225,11 @@ class ServiceSpec:
     model: str = ""  # an executor's `--model` as given to `l4m up` ("" = the embedded default)
     # "grpc": grpc.health.v1 on `health_address`; "http": GET `health_address` answers 200 (the gateway)
     health_check: str = "grpc"
+    cpu_policy: str = "normal"  # "batch": started under `chrt --batch 0` (ClusterConfig.control_plane_cpu_policy)
+
+    def command(self) -> tuple[str, ...]:
+        """What runs: `argv`, under `chrt` unless the policy is "normal"."""
+        return self.argv if self.cpu_policy == "normal" else ("chrt", f"--{self.cpu_policy}", "0", *self.argv)
 
 
 @dataclass
@@ -314,7 +323,8 @@ def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
     if config.prefill_chunk_token_slots is not None:
         argv += ["--prefill-chunk-token-slots", str(config.prefill_chunk_token_slots)]
     # Its health is checked on the L4M socket: plain (a Unix socket), whatever the TCP listener's TLS.
-    specs.append(ServiceSpec("scheduler", tuple(argv), f"unix:{config.scheduler_socket}", config.metrics_port(1)))
+    specs.append(ServiceSpec("scheduler", tuple(argv), f"unix:{config.scheduler_socket}", config.metrics_port(1),
+                             cpu_policy=config.control_plane_cpu_policy))
     if config.gateway_port >= 0:
         sessions = f"framed:{config.scheduler_framed_socket}" if framed else f"unix:{config.scheduler_socket}"
         argv = [python, "-m", "l4m.gateway", "--host", config.host, "--port", str(config.gateway_port)]
@@ -326,7 +336,7 @@ def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
         argv += ["--spawner-tls-ca", str(config.health_ca)] if config.tls_cert and config.health_ca else []
         argv += ["--metrics-port", str(config.metrics_port(2))]
         specs.append(ServiceSpec("gateway", tuple(argv), f"{config.gateway_url}/health", config.metrics_port(2),
-                                 health_check="http"))
+                                 health_check="http", cpu_policy=config.control_plane_cpu_policy))
     argv = [python, "-m", "l4m.spawner", "--listen", config.spawner_address, *tls]
     argv += ["--scheduler", f"unix:{config.registry_socket}", *secret, "--socket-dir", str(config.socket_dir)]
     argv += ["--state-dir", str(config.state_dir / "spawner"), "--sandbox", config.sandbox]
@@ -345,7 +355,8 @@ def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
     if config.controller_cpu_policy is not None:
         argv += ["--controller-cpu-policy", config.controller_cpu_policy]
     specs.append(ServiceSpec("spawner", tuple(argv), config.spawner_address, config.metrics_port(0),
-                             tls_ca=config.health_ca if config.tls_cert else None))
+                             tls_ca=config.health_ca if config.tls_cert else None,
+                             cpu_policy=config.control_plane_cpu_policy))
     return specs
 
 
@@ -524,7 +535,7 @@ class Cluster:
         # merge them in a trace UI. The other OTEL_* variables (exporter, endpoint) pass through.
         env.pop("OTEL_SERVICE_NAME", None)
         process = await asyncio.create_subprocess_exec(
-            *spec.argv,
+            *spec.command(),
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             env=env,

@@ -123,6 +123,12 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "SCHED_OTHER)",
     )
     parser.add_argument(
+        "--control-plane-cpu-policy", choices=("batch", "normal"), default="batch",
+        help="the CPU scheduling policy of the scheduler, spawner and gateway this starts (default batch: "
+        "SCHED_BATCH, a service that wakes never preempts a running task such as an executor decoding on "
+        "this host's cores; normal: SCHED_OTHER); executors always run under SCHED_OTHER",
+    )
+    parser.add_argument(
         "--max-continuation-steps", type=_non_negative_int, default=None,
         help="decode steps one forward_text may ask the executor to run by itself (default: the scheduler's, "
         "64; 0 turns continuation off: one round trip per token)",
@@ -241,6 +247,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         warm_pool_quiet_wait_s=args.warm_pool_quiet_wait_s,
         max_instances_per_process=args.max_instances_per_process,
         controller_cpu_policy=args.controller_cpu_policy,
+        control_plane_cpu_policy=args.control_plane_cpu_policy,
         max_continuation_steps=args.max_continuation_steps,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         prefill_chunk_token_slots=args.prefill_chunk_token_slots,

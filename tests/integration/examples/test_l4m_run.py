@@ -3,13 +3,14 @@ how the controller ended, with the reason on stderr's last line when it did not 
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import L4M_CLI, REPO, CliRun, free_port, service_env
+from tests.integration.harness import L4M_CLI, REPO, CliRun, UpCluster, free_port, service_env
 
 pytestmark = pytest.mark.slow
 
@@ -102,3 +103,35 @@ def test_controllers_of_l4m_up_speak_l4m_over_framed_sessions(l4m_run: Callable[
               "    await ctx.send(await ctx.model.debug_query('ping'))\n")
     run = l4m_run(program(tmp_path, source))
     assert (run.returncode, run.stdout) == (0, "framed:///run/l4m/scheduler.frames.sock\npong\n"), run.stderr
+
+
+def service_policies(state_dir: Path) -> dict[str, int]:
+    """`l4m.<service>` -> the CPU policy of the process `l4m up` started for it in `state_dir` (read from
+    /proc: each service's command line names the state directory)."""
+    policies: dict[str, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if any(str(state_dir).encode() in arg for arg in argv) and b"-m" in argv:
+                module = argv[argv.index(b"-m") + 1].decode()
+                if module.startswith("l4m.") and module != "l4m.cli":
+                    policies[module] = os.sched_getscheduler(int(entry.name))
+        except (OSError, IndexError):
+            continue  # a process that ended meanwhile
+    return policies
+
+
+def test_the_control_plane_and_controllers_yield_to_the_executor_on_wakeup(
+        l4m_up: UpCluster, l4m_run: Callable[..., CliRun], tmp_path: Path) -> None:
+    """`l4m up`'s defaults: the scheduler, spawner and gateway under SCHED_BATCH, the executor under
+    SCHED_OTHER; a controller under SCHED_BATCH (the spawner's default), unable to change it."""
+    policies = service_policies(l4m_up.state_dir)
+    assert policies == {"l4m.executor": os.SCHED_OTHER, "l4m.scheduler": os.SCHED_BATCH,
+                        "l4m.gateway": os.SCHED_BATCH, "l4m.spawner": os.SCHED_BATCH}, policies
+    source = ("import os\n\nasync def main(ctx):\n    await ctx.send(f'policy {os.sched_getscheduler(0)}')\n"
+              "    try:\n        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))\n"
+              "    except PermissionError:\n        await ctx.send('refused')\n")
+    run = l4m_run(program(tmp_path, source))
+    assert (run.returncode, run.stdout) == (0, f"policy {os.SCHED_BATCH}\nrefused\n"), run.describe()

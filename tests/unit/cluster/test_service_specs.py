@@ -332,3 +332,31 @@ def test_the_instances_per_shared_process_reach_the_spawner_only_when_set(tmp_pa
     for value in ("0", "-3", "x"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--max-instances-per-process", value])
+
+
+def test_the_control_plane_runs_under_sched_batch_and_executors_under_sched_other(tmp_path: Path) -> None:
+    """Who may set the services' policy: whoever runs `l4m up` (its own children); nothing reaches it
+    through an API. Controllers' policy is the spawner's flag, passed on only when given."""
+    specs = service_specs(_config(tmp_path))
+    for spec in specs:
+        if spec.name.startswith("executor"):
+            assert spec.command() == spec.argv, spec.name
+        else:
+            assert spec.command() == ("chrt", "--batch", "0", *spec.argv), spec.name
+    assert {s.name for s in specs if s.cpu_policy == "batch"} == {"scheduler", "gateway", "spawner"}
+    normal = service_specs(_config(tmp_path, control_plane_cpu_policy="normal"))
+    assert all(spec.command() == spec.argv for spec in normal)
+    assert "--controller-cpu-policy" not in specs[-1].argv  # the spawner's own default (batch)
+    chosen = service_specs(_config(tmp_path, controller_cpu_policy="normal"))[-1].argv
+    assert _flag(chosen, "--controller-cpu-policy") == "normal"
+    parser = argparse.ArgumentParser()
+    add_cluster_arguments(parser)
+    assert cluster_config(parser.parse_args([])).control_plane_cpu_policy == "batch"
+    assert cluster_config(parser.parse_args([])).controller_cpu_policy is None
+    args = parser.parse_args(["--control-plane-cpu-policy", "normal", "--controller-cpu-policy", "normal"])
+    assert (cluster_config(args).control_plane_cpu_policy, cluster_config(args).controller_cpu_policy) == (
+        "normal", "normal")
+    for flag in ("--control-plane-cpu-policy", "--controller-cpu-policy"):
+        for value in ("idle", "fifo"):
+            with pytest.raises(SystemExit):
+                parser.parse_args([flag, value])

@@ -96,7 +96,7 @@ def test_the_shell_joins_the_cgroups_before_anything_runs() -> None:
     argv = command()
     assert argv[:2] == ["/bin/sh", "-c"]
     assert "/sys/fs/cgroup/pids/l4m/x/i-1/cgroup.procs" in argv[2]
-    assert argv[4] == "prlimit"
+    assert argv[4:8] == ["chrt", "--batch", "0", "prlimit"]  # the CPU policy, then the limits
 
 
 def test_rlimit_as_only_without_a_memory_cgroup() -> None:
@@ -162,7 +162,7 @@ def test_the_launch_lowers_to_exactly_the_cold_rlimits() -> None:
             "i-2", Path("/store/programs/abc"), ("x",), {"L4M_INSTANCE_TOKEN": "t"}, None, Limits()
         )
         cold = build_command(CONFIG, spec, 100_007, [], has_memory_cgroup, SECCOMP_FD)
-        cold_flags = {arg for arg in cold[: cold.index("bwrap")] if arg.startswith("--")} - {"--"}
+        cold_flags = {arg for arg in cold[cold.index("prlimit") : cold.index("bwrap")] if arg.startswith("--")} - {"--"}
         launch = warm_launch(spec, has_memory_cgroup)
         flags = {f"--cpu={launch['cpu_time_s']}:{launch['cpu_time_s'] + 1}"}
         flags |= {f"--{name[7:].lower()}={soft}:{hard}" for name, (soft, hard) in launch["rlimits"].items()}
