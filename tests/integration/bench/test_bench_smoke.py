@@ -166,6 +166,8 @@ def test_shared_text_launches_tokenize_in_one_process(tmp_path: Path) -> None:
         ("scheduler.py", ["--executor-device", "cpu"], "--executor-device goes with --grpc"),
         ("executor_host.py", ["--batches", "1,x"], "--batches: comma-separated integers"),
         ("executor_host.py", ["--steps", "0"], "must be at least 1"),
+        ("cpu_policy.py", ["--policies", "normal,fifo"], "unknown policies ['fifo']; known: normal, batch"),
+        ("cpu_policy.py", ["--wakers", "0"], "--wakers must be at least 1"),
     ],
 )
 def test_bad_flags_are_refused_clearly(script: str, args: list[str], message: str) -> None:
@@ -237,6 +239,21 @@ def test_executor_host_bench_splits_each_batch_around_the_kernels(tmp_path: Path
         assert row["host"] == pytest.approx(row["convert"] + row["prepare"] + row["reply"])
         assert row["kernels"] > row["convert"], row  # a forward pass of the real model outweighs its conversion
     assert "| 3 |" in done.stdout
+
+
+def test_cpu_policy_bench_decodes_beside_wakers_under_each_policy(tmp_path: Path) -> None:
+    """bench/cpu_policy.py, tiny: decode phases with no wakers, then wakers under each policy; the wakers'
+    CPU time is counted while the steps run."""
+    out = tmp_path / "cpu_policy.json"
+    done = run_bench("cpu_policy.py", "--batch", "2", "--prompt-tokens", "8", "--steps", "3", "--rounds", "1",
+                     "--wakers", "2", "--period-ms", "2", "--burn-ms", "1", "--out", str(out), timeout_s=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())["policies"]
+    assert list(rows) == ["none", "normal", "batch"]
+    assert rows["none"]["waker_cpu_ms_per_step"] == 0
+    for name in ("normal", "batch"):
+        assert rows[name]["step_ms"] > 0 and rows[name]["waker_cpu_ms_per_step"] > 0, rows[name]
+    assert "| batch |" in done.stdout
 
 
 def test_transport_bench_measures_both_transports(tmp_path: Path) -> None:
