@@ -51,6 +51,11 @@ _HEALTH_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.ma
                            ("grpc.min_reconnect_backoff_ms", 200))
 
 
+# The CPU policies `l4m up` knows, for its services (`control_plane_cpu_policy`) and the spawner's
+# controllers (its --controller-cpu-policy): SCHED_BATCH, SCHED_OTHER.
+CPU_POLICY_NAMES = ("batch", "normal")
+
+
 class ClusterError(RuntimeError):
     """The cluster could not start or a service died."""
 
@@ -295,6 +300,10 @@ def executor_specs(config: ClusterConfig) -> list[ServiceSpec]:
 def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
     """The services of this host's role, in start order (executors first: the scheduler connects to them)."""
     python = sys.executable
+    for name, policy in (("control_plane_cpu_policy", config.control_plane_cpu_policy),
+                         ("controller_cpu_policy", config.controller_cpu_policy or "batch")):
+        if policy not in CPU_POLICY_NAMES:
+            raise ClusterError(f"{name}: unknown CPU policy {policy!r} (expected one of {', '.join(CPU_POLICY_NAMES)})")
     specs = executor_specs(config)
     if config.role == "executor":
         return specs

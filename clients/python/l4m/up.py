@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from l4m.cluster import ROLES, Cluster, ClusterConfig, ClusterError
+from l4m.cluster import CPU_POLICY_NAMES, ROLES, Cluster, ClusterConfig, ClusterError
 from l4m.wire.credentials import is_loopback_host
 
 DEMO_PROMPT = "What is the capital of France, and what is it famous for?"
@@ -117,13 +117,13 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "model and limits) may run in one controller process (default: the spawner's, 16; 1: never shared)",
     )
     parser.add_argument(
-        "--controller-cpu-policy", choices=("batch", "normal"), default=None,
+        "--controller-cpu-policy", choices=CPU_POLICY_NAMES, default=None,
         help="the CPU scheduling policy controllers run under (default: the spawner's, batch: a controller that "
         "wakes never preempts a running task, such as an executor decoding on this host's cores; normal: "
         "SCHED_OTHER)",
     )
     parser.add_argument(
-        "--control-plane-cpu-policy", choices=("batch", "normal"), default="batch",
+        "--control-plane-cpu-policy", choices=CPU_POLICY_NAMES, default="batch",
         help="the CPU scheduling policy of the scheduler, spawner and gateway this starts (default batch: "
         "SCHED_BATCH, a service that wakes never preempts a running task such as an executor decoding on "
         "this host's cores; normal: SCHED_OTHER); executors always run under SCHED_OTHER",

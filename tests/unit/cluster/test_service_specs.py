@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from l4m.cluster import ClusterConfig, prepare_state_dir, service_specs
+from l4m.cluster import ClusterConfig, ClusterError, prepare_state_dir, service_specs
 from l4m.keys import KeyStore
 from l4m.up import add_cluster_arguments, cluster_config
 
@@ -360,3 +360,9 @@ def test_the_control_plane_runs_under_sched_batch_and_executors_under_sched_othe
         for value in ("idle", "fifo"):
             with pytest.raises(SystemExit):
                 parser.parse_args([flag, value])
+
+
+@pytest.mark.parametrize("field", ["control_plane_cpu_policy", "controller_cpu_policy"])
+def test_an_unknown_cpu_policy_in_the_config_is_refused_by_name(tmp_path: Path, field: str) -> None:
+    with pytest.raises(ClusterError, match=f"{field}: unknown CPU policy 'fifo' \\(expected one of batch, normal\\)"):
+        service_specs(_config(tmp_path, **{field: "fifo"}))
