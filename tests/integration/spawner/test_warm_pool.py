@@ -312,7 +312,7 @@ def test_a_warm_sandbox_waits_at_idle_priority_and_its_launch_runs_at_the_launch
     on_v2 = (cpu_groups / "cgroup.controllers").exists()
     idle_group = CGROUP_ROOT / "cpu" / "l4m-idle" / spawner_id
     # What a cold start runs under: the launch's policy (SCHED_BATCH by default), the spawner's nice value.
-    normal = (os.SCHED_BATCH, os.getpriority(os.PRIO_PROCESS, 0))
+    launch = (os.SCHED_BATCH, os.getpriority(os.PRIO_PROCESS, 0))
 
     def is_idle(name: str) -> bool:
         if on_v2:
@@ -324,7 +324,7 @@ def test_a_warm_sandbox_waits_at_idle_priority_and_its_launch_runs_at_the_launch
         for name, pids in waiting.items():
             # bwrap, bwrap's init and the zygote: all idle, in an idle cpu group (v1: none in its own).
             assert len(pids) >= 3, (name, pids)
-            assert thread_schedules(pids) == {(os.SCHED_IDLE, normal[1])}, name
+            assert thread_schedules(pids) == {(os.SCHED_IDLE, launch[1])}, name
             assert is_idle(name), name
             assert on_v2 or group_pids(cpu_groups / name) == set(), name
         supervisor = start(warm_process_sandbox, store, PRIORITY_PROBE)
@@ -340,14 +340,14 @@ def test_a_warm_sandbox_waits_at_idle_priority_and_its_launch_runs_at_the_launch
             assert group_pids(cpu_groups / launched[0]) == pids
             assert on_v2 or not pids & group_pids(idle_group)
             # Every thread of the launch, the program's own included, runs as a cold start would.
-            assert thread_schedules(pids) == {normal}
+            assert thread_schedules(pids) == {launch}
         finally:
             await supervisor.terminate()
         return await collect(supervisor)
 
     run = run_with(warm_process_sandbox, go())
     assert run.is_warm and run.exit.reason is ExitReason.TERMINATED, f"{run.exit}\n{run.stderr}"
-    assert run.value("policy") == f"{os.SCHED_BATCH} {normal[1]}"
+    assert run.value("policy") == f"{os.SCHED_BATCH} {launch[1]}"
     assert run.value("thread-policy") == str(os.SCHED_BATCH)
     assert run.value("sees-cgroupfs") == "False"  # no way to move itself back out of its cpu group
 
