@@ -543,14 +543,20 @@ class Cluster:
         # Each service names itself (l4m.executor, l4m.scheduler, l4m.spawner); one name for all would
         # merge them in a trace UI. The other OTEL_* variables (exporter, endpoint) pass through.
         env.pop("OTEL_SERVICE_NAME", None)
-        process = await asyncio.create_subprocess_exec(
-            *spec.command(),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # Ctrl-C reaches the supervisor only; it stops children in order
-            pass_fds=() if self._lock_fd is None else (self._lock_fd,),  # the state directory's claim
-        )
+        command = spec.command()
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *command,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # Ctrl-C reaches the supervisor only; it stops children in order
+                pass_fds=() if self._lock_fd is None else (self._lock_fd,),  # the state directory's claim
+            )
+        except OSError as error:
+            hint = " (util-linux's chrt runs the control plane under SCHED_BATCH; without it, pass " \
+                "--control-plane-cpu-policy normal)" if command[0] == "chrt" else ""
+            raise ClusterError(f"could not start the {spec.name}: {command[0]}: {error.strerror}{hint}") from error
         service = RunningService(spec, process, log_path)
         self._services.append(service)
         service.pump = asyncio.create_task(self._pump_log(service))

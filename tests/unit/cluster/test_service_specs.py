@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import stat
 from pathlib import Path
 
 import pytest
 
-from l4m.cluster import ClusterConfig, ClusterError, prepare_state_dir, service_specs
+from l4m.cluster import Cluster, ClusterConfig, ClusterError, prepare_state_dir, service_specs
 from l4m.keys import KeyStore
 from l4m.up import add_cluster_arguments, cluster_config
 
@@ -366,3 +367,14 @@ def test_the_control_plane_runs_under_sched_batch_and_executors_under_sched_othe
 def test_an_unknown_cpu_policy_in_the_config_is_refused_by_name(tmp_path: Path, field: str) -> None:
     with pytest.raises(ClusterError, match=f"{field}: unknown CPU policy 'fifo' \\(expected one of batch, normal\\)"):
         service_specs(_config(tmp_path, **{field: "fifo"}))
+
+
+def test_a_missing_chrt_is_named_with_the_flag_that_does_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no chrt to be found
+    config = _config(tmp_path)
+    scheduler = next(s for s in service_specs(config) if s.name == "scheduler")
+    config.log_dir.mkdir(parents=True, exist_ok=True)
+    with pytest.raises(ClusterError, match=r"could not start the scheduler: chrt: .*--control-plane-cpu-policy normal"):
+        asyncio.run(Cluster(config)._spawn(scheduler))
