@@ -301,8 +301,8 @@ def service_specs(config: ClusterConfig) -> list[ServiceSpec]:
     """The services of this host's role, in start order (executors first: the scheduler connects to them)."""
     python = sys.executable
     for name, policy in (("control_plane_cpu_policy", config.control_plane_cpu_policy),
-                         ("controller_cpu_policy", config.controller_cpu_policy or "batch")):
-        if policy not in CPU_POLICY_NAMES:
+                         ("controller_cpu_policy", config.controller_cpu_policy)):
+        if policy is not None and policy not in CPU_POLICY_NAMES:  # None: the spawner's default
             raise ClusterError(f"{name}: unknown CPU policy {policy!r} (expected one of {', '.join(CPU_POLICY_NAMES)})")
     specs = executor_specs(config)
     if config.role == "executor":
