@@ -234,7 +234,7 @@ inline void tile_dequantized(const float* x, int64_t ldx, const QWeight& w, int6
   store_tile<MR, NR>(acc, out, ldo, n0, accumulate);
 }
 
-// Weight rows ahead that the few-row tiles (tile_fused, tile_bf16: 1-2 rows, the head's Q8_0 up to 8)
+// Weight rows ahead that the few-row tiles (tile_fused: 1-2 rows; tile_fused512: up to 8 rows of x)
 // prefetch, blocks and scales alike. At 1-2 rows of x a linear streams its weights from memory, and the
 // scales (d, m: one line per 32 blocks of a row) are streams of their own that the hardware prefetcher
 // does not follow across short rows: without them prefetched, ~12 GB/s of weights per step; with them,
@@ -535,16 +535,10 @@ inline void prefetch_rows(const QWeight& w, int64_t n0, int64_t n1) {
   if (w.kind == kQ4_1) lines(w.m + n0 * G, (n1 - n0) * G * 2);
 }
 
-// ---- AVX-512 BF16: few rows of x as dot products of exact bf16 weights ------------------------------
+// ---- AVX-512: instruction sets chosen at run time -------------------------------------------------
 //
-// Q4_1 nibbles (0..15) and Q8_0 int8s are exact in bf16, and x = x1 + x2 + x3 exactly with x1 = bf16(x),
-// x2 = bf16(x - x1), x3 = bf16(x - x1 - x2) (8 significand bits each, float32 has 24): `vdpbf16ps`
-// multiplies bf16 pairs exactly and sums them in fp32, so the three dot products give the float32
-// product to its rounding, with a pair of Q4_1 blocks turned into bf16 in 4 instructions (widen bytes to
-// words, shift, two 32-entry table lookups) instead of 40 (widen to int32, to float, scale and offset).
-// x is split once per call into `xb`, laid out to match the weights' order (below). This code is compiled
-// for AVX-512 by the pragma only, the rest of the file stays AVX2 + FMA, and `linear_into` picks a path at
-// run time (`g_isa`). (vcvtneps2bf16 flushes denormals: an |x| below ~1e-35 loses its lower terms.)
+// The code below the pragma is compiled for AVX-512 by the pragma only, the rest of the file stays
+// AVX2 + FMA, and `linear_into` picks a path at run time (`g_isa`).
 
 // Ordered: each runs the paths of those below it, and its own.
 enum Isa { kAvx2 = 0, kAvx512Bf16 = 1, kAmx = 2 };
@@ -601,60 +595,15 @@ std::string set_isa(const std::string& name) {
   return isa();
 }
 
-// Rows of x up to which the bf16 dot products run. Measured at 2 threads: Q8_0 (the head, from memory)
-// faster up to 8 rows (1.3-1.6x); Q4_1 faster at 1-2 rows, but at 3-8 rows 0.85-1.0x of the AVX2 tiles,
-// which gain more from the second thread (at 1 thread bf16 is 1.2-1.35x there too).
-template <Kind KIND>
-constexpr int kBf16MaxRows = KIND == kQ8_0 ? 8 : 2;
-
-inline int64_t bf16_max_rows(Kind kind) { return kind == kQ8_0 ? kBf16MaxRows<kQ8_0> : kBf16MaxRows<kQ4_1>; }
-
-// bf16 terms of x: 3 hold float32's whole significand. (2 measured 10-15 % faster at M = 1-4 but leave
-// up to 2^-16 |x| out: ~2e-6 relative errors where float32 makes 1e-7.) With `bf16_x` (x rounded to bf16
-// by the caller's choice, `linear_into`) 1 term: the product of bf16(x) with the weights.
+// bf16 terms of x in the AMX tiles' exact products: x = x1 + x2 + x3 exactly with x1 = bf16(x), x2 = bf16(x - x1),
+// x3 = bf16(x - x1 - x2) (8 significand bits each, float32 has 24), and `tdpbf16ps` multiplies bf16 pairs
+// exactly and sums them in float32, so three products give the float32 product to its rounding. (With
+// `bf16_x`, one term: the product of bf16(x) with the weights. vcvtneps2bf16 flushes denormals: an |x|
+// below ~1e-35 loses its lower terms.)
 constexpr int kExactTerms = 3;
-
-// xb row stride in bf16 values. Q4_1, per pair of blocks (2p, 2p + 1): for the low nibbles (elements
-// 0..15 of both blocks) then the high ones (16..31), each term of x as 32 values (block 2p's 16, then
-// 2p + 1's), matching the words of both blocks' 32 bytes zero-extended. Q8_0, per block: each term's 32.
-inline int64_t bf16_row_stride(Kind kind, int64_t G, int terms) {
-  return kind == kQ4_1 ? (G + 1) / 2 * 64 * terms : G * 32 * terms;
-}
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
-
-// 16 floats (lanes past `valid` read as 0) -> their `terms` bf16 terms, term t at out[t * stride + 0..15].
-inline void split_bf16(const float* x, __mmask16 valid, uint16_t* out, int64_t stride, int terms) {
-  __m512 v = _mm512_maskz_loadu_ps(valid, x);
-  for (int t = 0; t < terms; ++t, out += stride) {
-    const __m256bh h = _mm512_cvtneps_pbh(v);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)h);
-    v = _mm512_sub_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16)));
-  }
-}
-
-void prepare_bf16(const float* x, int64_t ldx, int64_t M, Kind kind, int64_t K, uint16_t* xb, int terms) {
-  const int64_t G = K / 32, ldb = bf16_row_stride(kind, G, terms);
-  for (int64_t i = 0; i < M; ++i) {
-    const float* xr = x + i * ldx;
-    uint16_t* b = xb + i * ldb;
-    if (kind == kQ4_1) {
-      for (int64_t p = 0; p < (G + 1) / 2; ++p, b += 64 * terms)
-        for (int t = 0; t < 2; ++t) {  // block 2p + t
-          const __mmask16 valid = 2 * p + t < G ? 0xFFFF : 0;
-          const float* xs = xr + (2 * p + t) * 32;
-          split_bf16(xs, valid, b + 16 * t, 32, terms);                    // elements 0..15
-          split_bf16(xs + 16, valid, b + 32 * terms + 16 * t, 32, terms);  // elements 16..31
-        }
-    } else {
-      for (int64_t g = 0; g < G; ++g, b += 32 * terms) {
-        split_bf16(xr + g * 32, 0xFFFF, b, 32, terms);
-        split_bf16(xr + g * 32 + 16, 0xFFFF, b + 16, 32, terms);
-      }
-    }
-  }
-}
 
 // Block sums of bf16(x): xsum[i * G + g] = sum of bf16(x[i][32g .. 32g + 31]), for `bf16_x`.
 void block_sums_bf16(const float* x, int64_t ldx, int64_t M, int64_t G, float* xsum) {
@@ -669,89 +618,70 @@ void block_sums_bf16(const float* x, int64_t ldx, int64_t M, int64_t G, float* x
     }
 }
 
+// x[M, K] as bf16(x) in float32 (out: row stride K), for `bf16_x` in the few-row tiles.
+void round_to_bf16(const float* x, int64_t ldx, int64_t M, int64_t K, float* out) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t k = 0; k < K; k += 16) {
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + i * ldx + k));
+      _mm512_storeu_ps(out + i * K + k, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16)));
+    }
+}
+
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
-// MR rows of x (xb, stride ldb) times NR weight rows from n0. acc[i][j] holds per-lane partial sums of
-// out[i][n0 + j], scaled per block by d; Q4_1's m * sum(x) is one dot over the blocks at the end.
-template <Kind KIND, int MR, int NR, int T>
-inline void tile_bf16(const uint16_t* xb, int64_t ldb, const float* xsum, const QWeight& w, int64_t n0, float* out,
-                      int64_t ldo, bool accumulate) {
+// ---- AVX-512 float32: few rows of x as per-block dot products --------------------------------------
+//
+// tile_fused's sums (d * sum_k x_k q_k + m * sum_k x_k per block) 16 lanes wide, in float32 FMAs. A Q4_1
+// block's 16 bytes widen to 16 int32 lanes once; their low nibbles become floats by one 16-entry table
+// lookup (`vpermps` reads the low 4 bits of each lane), the high nibbles by a shift and a conversion.
+// Q8_0's 32 int8s widen and convert in two halves. The scales d are widened 16 blocks at a time and
+// broadcast from memory. Up to kFewRows rows of x, with x as given or rounded to bf16 (`bf16_x`).
+// Measured on an AVX-512 host with AMX (2 threads, weights from memory, bench/q4_gemm.py): a decode step's
+// linears at 1 row 8.4 -> 4.8 ms against the bf16 dot products of three terms of x this replaced (its
+// `vdpbf16ps` retired one per ~1.8 cycles there, where two FMAs retire per cycle, and multiplied every
+// weight three times), at 2 rows 12.9 -> 6.1, at 8 rows 24 -> 15 (AVX2 8-row panels and bf16 products).
+template <Kind KIND, int MR, int NR>
+inline void tile_fused512(const float* x, int64_t ldx, const float* xsum, const QWeight& w, int64_t n0, float* out,
+                          int64_t ldo, bool accumulate) {
   const int64_t G = w.k / 32;
+  const __m512 table = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   __m512 acc[MR][NR];
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 16
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-  if (KIND == kQ4_1) {
-    // bf16(v & 15) for v in 0..31: vpermw reads the low 5 bits, so the low nibble needs no mask.
-    const __m512i table = _mm512_set_epi16(
-        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040,
-        0x4000, 0x3F80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0,
-        0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
-    const __m512i pair_index = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    for (int64_t g = 0; g < G; g += 2) {
-      const bool both = g + 1 < G;
-      __m512bh lo[NR], hi[NR];
-      __m512 dv[NR];
+  alignas(64) float dbuf[NR][16];
+  for (int64_t g0 = 0; g0 < G; g0 += 16) {
+    const int64_t gn = std::min<int64_t>(16, G - g0);
+    const __mmask16 valid = gn == 16 ? 0xFFFF : __mmask16((1u << gn) - 1);
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j)
+      _mm512_store_ps(dbuf[j], _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, w.d + (n0 + j) * G + g0)));
+    for (int64_t b = 0; b < gn; ++b) {
+      const int64_t g = g0 + b;
+      __m512 q0[NR], q1[NR];
 #pragma GCC unroll 16
       for (int j = 0; j < NR; ++j) {
-        const uint8_t* q = w.qs + (n0 + j) * (w.k / 2) + g * 16;
-        if (MR <= 2) prefetch_block<KIND>(w, n0 + j + kAheadRows, g);  // from memory (never faults past the end)
-        const __m256i bytes = both ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))
-                                   : _mm256_maskz_loadu_epi8(0xFFFF, q);
-        const __m512i words = _mm512_cvtepu8_epi16(bytes);
-        lo[j] = as_bh(_mm512_permutexvar_epi16(words, table));
-        hi[j] = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table));
-        const uint16_t* d = w.d + (n0 + j) * G + g;
-        int32_t d_bits = d[0];
-        if (both) std::memcpy(&d_bits, d, 4);
-        const __m128 d2 = _mm_cvtph_ps(_mm_cvtsi32_si128(d_bits));
-        dv[j] = _mm512_permutexvar_ps(pair_index, _mm512_castps128_ps512(d2));
+        prefetch_block<KIND>(w, n0 + j + kAheadRows, g);  // (a prefetch past the end never faults)
+        if (KIND == kQ4_1) {
+          const __m512i v = _mm512_cvtepu8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + (n0 + j) * (w.k / 2) + g * 16)));
+          q0[j] = _mm512_permutexvar_ps(v, table);                        // elements 0..15: low nibbles
+          q1[j] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));             // 16..31: high nibbles
+        } else {
+          const int8_t* q = reinterpret_cast<const int8_t*>(w.qs) + (n0 + j) * w.k + g * 32;
+          q0[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+          q1[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+        }
       }
 #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i) {
-        const uint16_t* xs = xb + i * ldb + g / 2 * 64 * T;
-        __m512bh xl[T], xh[T];
-#pragma GCC unroll 4
-        for (int t = 0; t < T; ++t) xl[t] = load_bh(xs + 32 * t), xh[t] = load_bh(xs + 32 * (T + t));
+        const __m512 x0 = _mm512_loadu_ps(x + i * ldx + g * 32), x1 = _mm512_loadu_ps(x + i * ldx + g * 32 + 16);
 #pragma GCC unroll 16
-        for (int j = 0; j < NR; ++j) {
-          // Two chains (low, high nibbles): shorter dependencies than one.
-          __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
-#pragma GCC unroll 4
-          for (int t = 0; t < T; ++t) a = _mm512_dpbf16_ps(a, lo[j], xl[t]), b = _mm512_dpbf16_ps(b, hi[j], xh[t]);
-          acc[i][j] = _mm512_fmadd_ps(_mm512_add_ps(a, b), dv[j], acc[i][j]);
-        }
-      }
-    }
-  } else {
-    for (int64_t g = 0; g < G; ++g) {
-      __m512bh qv[NR];
-      __m512 dv[NR];
-#pragma GCC unroll 16
-      for (int j = 0; j < NR; ++j) {
-        const int8_t* q = reinterpret_cast<const int8_t*>(w.qs) + (n0 + j) * w.k + g * 32;
-        prefetch_block<KIND>(w, n0 + j + kAheadRows, g);  // the head's 28 MB stream, as Q4_1's above
-        const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
-        const __m512 f1 =
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
-        qv[j] = _mm512_cvtne2ps_pbh(f1, f0);  // elements 0..15 in the low half
-        dv[j] = _mm512_set1_ps(half_at(w.d, (n0 + j) * G + g));
-      }
-#pragma GCC unroll 16
-      for (int i = 0; i < MR; ++i) {
-        const uint16_t* xs = xb + i * ldb + g * 32 * T;
-        __m512bh xt[T];
-#pragma GCC unroll 4
-        for (int t = 0; t < T; ++t) xt[t] = load_bh(xs + 32 * t);
-#pragma GCC unroll 16
-        for (int j = 0; j < NR; ++j) {
-          __m512 a = _mm512_setzero_ps();
-#pragma GCC unroll 4
-          for (int t = 0; t < T; ++t) a = _mm512_dpbf16_ps(a, qv[j], xt[t]);
-          acc[i][j] = _mm512_fmadd_ps(a, dv[j], acc[i][j]);
-        }
+        for (int j = 0; j < NR; ++j)
+          acc[i][j] = _mm512_fmadd_ps(_mm512_fmadd_ps(q1[j], x1, _mm512_mul_ps(q0[j], x0)),
+                                      _mm512_set1_ps(dbuf[j][b]), acc[i][j]);
       }
     }
   }
@@ -770,49 +700,38 @@ inline void tile_bf16(const uint16_t* xb, int64_t ldb, const float* xsum, const 
     }
 }
 
-template <Kind KIND, int MR, int T>
-void rows_bf16_m(const uint16_t* xb, int64_t ldb, const float* xsum, const QWeight& w, int64_t n0, int64_t n1,
-                 float* out, int64_t ldo, bool accumulate) {
-  // Measured (bench/q4_gemm.py, --copies 30 for weights from memory): the head's Q8_0 rows run faster 8
-  // at a time up to 2 rows of x; Q4_1 keeps 2 vectors per weight row, 4 rows best from memory.
-  constexpr int NR = KIND == kQ8_0 && MR <= 2 ? 8 : 4;
+template <Kind KIND, int MR>
+void rows_fused512_m(const float* x, int64_t ldx, const float* xsum, const QWeight& w, int64_t n0, int64_t n1,
+                     float* out, int64_t ldo, bool accumulate) {
+  constexpr int NR = 4;  // 4 weight rows a tile (8 measured slower at every row count)
   int64_t n = n0;
-  for (; n + NR <= n1; n += NR) tile_bf16<KIND, MR, NR, T>(xb, ldb, xsum, w, n, out, ldo, accumulate);
-  for (; n < n1; ++n) tile_bf16<KIND, MR, 1, T>(xb, ldb, xsum, w, n, out, ldo, accumulate);
+  for (; n + NR <= n1; n += NR) tile_fused512<KIND, MR, NR>(x, ldx, xsum, w, n, out, ldo, accumulate);
+  for (; n < n1; ++n) tile_fused512<KIND, MR, 1>(x, ldx, xsum, w, n, out, ldo, accumulate);
 }
 
-// Weight rows n0..n1 for M <= kBf16MaxRows<KIND> rows of x (prepared by prepare_bf16), up to 4 rows of x
-// per pass over the weights.
-template <Kind KIND, int T>
-void rows_bf16_kind(const uint16_t* xb, const float* xsum, int64_t M, const QWeight& w, int64_t n0, int64_t n1,
-                    float* out, int64_t ldo, bool accumulate) {
-  constexpr int kPass = T == 1 ? 4 : std::min(kBf16MaxRows<KIND>, 4);
-  const int64_t G = w.k / 32, ldb = bf16_row_stride(KIND, G, T);
-  for (int64_t i = 0; i < M; i += kPass) {
-    const uint16_t* xi = xb + i * ldb;
+// Weight rows n0..n1 for M rows of x (xsum: Q4_1's block sums of x, [M, G]), up to 4 rows a pass (2 a pass
+// measured 1.2-1.3x slower at 3-8 rows).
+template <Kind KIND>
+void rows_fused512_kind(const float* x, int64_t ldx, const float* xsum, int64_t M, const QWeight& w, int64_t n0,
+                        int64_t n1, float* out, int64_t ldo, bool accumulate) {
+  const int64_t G = w.k / 32;
+  for (int64_t i = 0; i < M; i += 4) {
+    const float* xi = x + i * ldx;
     const float* si = KIND == kQ4_1 ? xsum + i * G : xsum;
     float* oi = out + i * ldo;
-    switch (std::min<int64_t>(M - i, kPass)) {
-      case 1: rows_bf16_m<KIND, 1, T>(xi, ldb, si, w, n0, n1, oi, ldo, accumulate); break;
-      case 2: rows_bf16_m<KIND, 2, T>(xi, ldb, si, w, n0, n1, oi, ldo, accumulate); break;
-      case 3:
-        if constexpr (kPass >= 3) rows_bf16_m<KIND, 3, T>(xi, ldb, si, w, n0, n1, oi, ldo, accumulate);
-        break;
-      default:
-        if constexpr (kPass >= 4) rows_bf16_m<KIND, 4, T>(xi, ldb, si, w, n0, n1, oi, ldo, accumulate);
+    switch (std::min<int64_t>(M - i, 4)) {
+      case 1: rows_fused512_m<KIND, 1>(xi, ldx, si, w, n0, n1, oi, ldo, accumulate); break;
+      case 2: rows_fused512_m<KIND, 2>(xi, ldx, si, w, n0, n1, oi, ldo, accumulate); break;
+      case 3: rows_fused512_m<KIND, 3>(xi, ldx, si, w, n0, n1, oi, ldo, accumulate); break;
+      default: rows_fused512_m<KIND, 4>(xi, ldx, si, w, n0, n1, oi, ldo, accumulate);
     }
   }
 }
 
-void rows_bf16(const uint16_t* xb, const float* xsum, int64_t M, const QWeight& w, int64_t n0, int64_t n1,
-               float* out, int64_t ldo, bool accumulate, int terms) {
-  if (terms == 1) {
-    if (w.kind == kQ4_1) rows_bf16_kind<kQ4_1, 1>(xb, xsum, M, w, n0, n1, out, ldo, accumulate);
-    else rows_bf16_kind<kQ8_0, 1>(xb, xsum, M, w, n0, n1, out, ldo, accumulate);
-  } else {
-    if (w.kind == kQ4_1) rows_bf16_kind<kQ4_1, kExactTerms>(xb, xsum, M, w, n0, n1, out, ldo, accumulate);
-    else rows_bf16_kind<kQ8_0, kExactTerms>(xb, xsum, M, w, n0, n1, out, ldo, accumulate);
-  }
+void rows_fused512(const float* x, int64_t ldx, const float* xsum, int64_t M, const QWeight& w, int64_t n0,
+                   int64_t n1, float* out, int64_t ldo, bool accumulate) {
+  if (w.kind == kQ4_1) rows_fused512_kind<kQ4_1>(x, ldx, xsum, M, w, n0, n1, out, ldo, accumulate);
+  else rows_fused512_kind<kQ8_0>(x, ldx, xsum, M, w, n0, n1, out, ldo, accumulate);
 }
 
 // ---- AVX-512 panels: rows_panels' tiles at 16 rows of x per register ----
@@ -1187,9 +1106,20 @@ void linear_amx(const float* x, int64_t ldx, int64_t M, const QWeight& w, float*
 constexpr int64_t kPanelRowsAtOnce = 512;  // rows of x per pass over the weights (6,400 rows: 1.3-2x faster)
 constexpr int64_t kChunkRows = 24;  // weight rows per parallel chunk (a multiple of 2, 3, 4, 6 and 12)
 
-// Rows of x up to which `bf16_x` takes the few-row tiles' one-term dot products (4 rows a pass); more
-// take the panels of pairs (padded to 16 rows).
-inline int64_t bf16_x_tile_rows(Kind kind) { return kind == kQ8_0 ? 8 : 4; }
+// Rows of x up to which the AVX-512 paths take the few-row tiles (rows_fused512); more take AMX's tiles
+// (padded to 16 rows: at 9-15 rows 17 ms a decode step's linears against 22-29 on the few-row tiles or the
+// AVX2 tiles) or, without AMX, the 16-row panels.
+constexpr int64_t kFewRows = 8;
+
+// Block sums of x: xsum[i * G + g] = sum of x[i][32g .. 32g + 31], for the fused Q4_1 tiles' m terms.
+void block_sums(const float* x, int64_t ldx, int64_t M, int64_t G, float* xsum) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* xs = x + i * ldx + g * 32;
+      xsum[i * G + g] = hsum(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xs), _mm256_loadu_ps(xs + 8)),
+                                           _mm256_add_ps(_mm256_loadu_ps(xs + 16), _mm256_loadu_ps(xs + 24))));
+    }
+}
 
 // out[M, N] (row stride ldo) = (or +=) x[M, K] @ W.T; with `bf16_x`, bf16(x) @ W.T (AVX-512 BF16 only).
 void linear_into(const float* x, int64_t ldx, int64_t M, const QWeight& w, float* out, int64_t ldo, bool accumulate,
@@ -1200,7 +1130,6 @@ void linear_into(const float* x, int64_t ldx, int64_t M, const QWeight& w, float
               "avx512_bf16 instruction set; they run ", isa());
   if (M == 0) return;
   const int64_t G = w.k / 32;
-  const bool bf16 = M <= bf16_max_rows(w.kind) && avx512;
   const int64_t chunks = (w.n + kChunkRows - 1) / kChunkRows;
   if (M > kPanelRowsAtOnce && avx512) {
     // Every weight chunk streams all the packed rows of x: at a prefill's thousands of rows they no
@@ -1209,50 +1138,51 @@ void linear_into(const float* x, int64_t ldx, int64_t M, const QWeight& w, float
       linear_into(x + m0 * ldx, ldx, std::min(kPanelRowsAtOnce, M - m0), w, out + m0 * ldo, ldo, accumulate, bf16_x);
     return;
   }
-  if (M >= 16 && chosen == kAmx) return linear_amx(x, ldx, M, w, out, ldo, accumulate, bf16_x);
-  if (bf16_x) {
+  if (M > kFewRows && chosen == kAmx) return linear_amx(x, ldx, M, w, out, ldo, accumulate, bf16_x);
+  if (avx512 && M <= kFewRows) {
+    std::vector<float> rounded;  // bf16(x) in float32, for `bf16_x`
+    if (bf16_x) {
+      rounded.resize(M * w.k);
+      round_to_bf16(x, ldx, M, w.k, rounded.data());
+      x = rounded.data(), ldx = w.k;
+    }
+    std::vector<float> xsum(w.kind == kQ4_1 ? M * G : 0);  // Q4_1's block sums of x
+    if (w.kind == kQ4_1) block_sums(x, ldx, M, G, xsum.data());
+    parallel_chunks_ahead(
+        chunks, [&](int64_t c) { prefetch_rows(w, c * kChunkRows, std::min(w.n, (c + 1) * kChunkRows)); },
+        [&](int64_t c) {
+          const int64_t n0 = c * kChunkRows, n1 = std::min(w.n, n0 + kChunkRows);
+          rows_fused512(x, ldx, xsum.data(), M, w, n0, n1, out, ldo, accumulate);
+        });
+    return;
+  }
+  if (bf16_x) {  // 9 rows and more without AMX: x's bf16 pairs in 16-row panels
     std::vector<float> sums;  // block sums of bf16(x), for Q4_1's m terms (Q8_0 has none)
     if (w.kind == kQ4_1) {
       sums.resize(M * G);
       block_sums_bf16(x, ldx, M, G, sums.data());
     }
-    if (M > bf16_x_tile_rows(w.kind)) {
-      const int64_t P = (M + 15) / 16;
-      const std::unique_ptr<float[]> xf(new float[w.k * 16]);
-      const std::unique_ptr<uint16_t[]> pairs(new uint16_t[P * w.k * 16]);
-      std::vector<float> xs(P * G * 16, 0.0f);  // the sums per panel, block and row (rows past M, and Q8_0: 0)
-      for (int64_t p = 0; p < P; ++p) {
-        pack_panel16(x, ldx, M, w.k, p, xf.get());
-        pairs_panel16(xf.get(), w.k, pairs.get() + p * w.k * 16);
-        if (sums.empty()) continue;
-        for (int64_t r = 0; r < 16 && 16 * p + r < M; ++r)
-          for (int64_t g = 0; g < G; ++g) xs[(p * G + g) * 16 + r] = sums[(16 * p + r) * G + g];
-      }
-      parallel_chunks(chunks, [&](int64_t c) {
-        const int64_t n0 = c * kChunkRows, n1 = std::min(w.n, n0 + kChunkRows);
-        rows_pairs16_any(pairs.get(), xs.data(), M, w, n0, n1, out, ldo, accumulate);
-      });
-      return;
+    const int64_t P = (M + 15) / 16;
+    const std::unique_ptr<float[]> xf(new float[w.k * 16]);
+    const std::unique_ptr<uint16_t[]> pairs(new uint16_t[P * w.k * 16]);
+    std::vector<float> xs(P * G * 16, 0.0f);  // the sums per panel, block and row (rows past M, and Q8_0: 0)
+    for (int64_t p = 0; p < P; ++p) {
+      pack_panel16(x, ldx, M, w.k, p, xf.get());
+      pairs_panel16(xf.get(), w.k, pairs.get() + p * w.k * 16);
+      if (sums.empty()) continue;
+      for (int64_t r = 0; r < 16 && 16 * p + r < M; ++r)
+        for (int64_t g = 0; g < G; ++g) xs[(p * G + g) * 16 + r] = sums[(16 * p + r) * G + g];
     }
-    std::vector<uint16_t> xb(M * bf16_row_stride(w.kind, G, 1));
-    prepare_bf16(x, ldx, M, w.kind, w.k, xb.data(), 1);
-    parallel_chunks_ahead(
-        chunks, [&](int64_t c) { prefetch_rows(w, c * kChunkRows, std::min(w.n, (c + 1) * kChunkRows)); },
-        [&](int64_t c) {
-          const int64_t n0 = c * kChunkRows, n1 = std::min(w.n, n0 + kChunkRows);
-          rows_bf16(xb.data(), sums.data(), M, w, n0, n1, out, ldo, accumulate, 1);
-        });
+    parallel_chunks(chunks, [&](int64_t c) {
+      const int64_t n0 = c * kChunkRows, n1 = std::min(w.n, n0 + kChunkRows);
+      rows_pairs16_any(pairs.get(), xs.data(), M, w, n0, n1, out, ldo, accumulate);
+    });
     return;
   }
   std::vector<float> xsum;  // block sums of x, for the fused Q4_1 tiles
-  if ((M <= 2 || bf16) && w.kind == kQ4_1) {
+  if (M <= 2 && w.kind == kQ4_1) {
     xsum.resize(M * G);
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t g = 0; g < G; ++g) {
-        const float* xs = x + i * ldx + g * 32;
-        xsum[i * G + g] = hsum(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xs), _mm256_loadu_ps(xs + 8)),
-                                             _mm256_add_ps(_mm256_loadu_ps(xs + 16), _mm256_loadu_ps(xs + 24))));
-      }
+    block_sums(x, ldx, M, G, xsum.data());
   }
   if (M >= 16 && avx512) {
     // The whole 16-row panels here; the rows past them (1-15) by this function again (reading W again).
@@ -1265,17 +1195,6 @@ void linear_into(const float* x, int64_t ldx, int64_t M, const QWeight& w, float
       rows_panels16_any(xt, M16, w, n0, n1, out, ldo, accumulate);
     });
     if (M16 < M) linear_into(x + M16 * ldx, ldx, M - M16, w, out + M16 * ldo, ldo, accumulate, false);
-    return;
-  }
-  if (bf16) {
-    std::vector<uint16_t> xb(M * bf16_row_stride(w.kind, G, kExactTerms));
-    prepare_bf16(x, ldx, M, w.kind, w.k, xb.data(), kExactTerms);
-    parallel_chunks_ahead(
-        chunks, [&](int64_t c) { prefetch_rows(w, c * kChunkRows, std::min(w.n, (c + 1) * kChunkRows)); },
-        [&](int64_t c) {
-          const int64_t n0 = c * kChunkRows, n1 = std::min(w.n, n0 + kChunkRows);
-          rows_bf16(xb.data(), xsum.data(), M, w, n0, n1, out, ldo, accumulate, kExactTerms);
-        });
     return;
   }
   if (use_panels(M)) {

@@ -3,9 +3,9 @@ blocks (see `quant.py`).
 
 Five kernels, registered as `torch.ops.l4m_cpu.*` (beside `isa` / `set_isa`, below):
 
-- `linear(x [M, K], qs, d, m?) -> [M, N]`: `x @ W.T` with W in GGUF blocks. Up to 4 rows of x, each
-  block is converted in registers and used at once (for 1-2 rows scaled per block: d * sum(x q) +
-  m * sum(x)); for more rows, 24 weight rows at a time are dequantized once into an L1/L2 buffer and
+- `linear(x [M, K], qs, d, m?) -> [M, N]`: `x @ W.T` with W in GGUF blocks. Up to 4 rows of x (AVX2;
+  AVX-512: 8), each block is converted in registers and used at once (for 1-2 rows, and every few-row
+  AVX-512 tile, scaled per block: d * sum(x q) + m * sum(x)); for more rows, 24 weight rows at a time are dequantized once into an L1/L2 buffer and
   reused by every row of x: at 5-15 rows (but 8) by a 4x3 dot-product microkernel, at 8 and >= 16 rows
   by 2x6 / 1x12 tiles of 8-row panels of x transposed (outputs in registers, weights broadcast, no
   horizontal sums). All agree with the dense float32 weights' matmul to float32 rounding (the order of
@@ -33,10 +33,9 @@ Five kernels, registered as `torch.ops.l4m_cpu.*` (beside `isa` / `set_isa`, bel
 products with the blocks, the operator's opt-in (`EngineConfig.quantized_activations = "bfloat16"`, the
 executor's `--quantized-activations`), AVX-512 BF16 only (refused under avx2). Then every row count is
 bf16(x) times the blocks' exact values, summed in float32 per block of 32 and scaled by d (plus m times the
-block's sum of bf16(x)), as llama.cpp rounds x for its own 4-bit dot products: up to 4 rows of Q4_1 (8 of
-Q8_0) as one-term dot products of the few-row tiles, more rows as 16-row panels of bf16 pairs (one
-`vdpbf16ps` adds 2 products to each of 16 rows: 32 multiply-adds an instruction where the float32 panels do
-16), the weight rows' values and scales read 16 rows ahead.
+block's sum of bf16(x)), as llama.cpp rounds x for its own 4-bit dot products: up to 8 rows as the
+AVX-512 few-row tiles below over bf16(x), more rows as 16-row panels of bf16 pairs (one `vdpbf16ps` adds 2
+products to each of 16 rows: 32 multiply-adds an instruction where the float32 panels do 16), or AMX's tiles.
 
 The KV cache the attention reads (`decode_layers`, `decode_attention`, `mixed_layers`, `group_attention`) is
 float32, or float16 (the operator's opt-in, `EngineConfig.kv_cache_dtype = "float16"`, the executor's
@@ -45,14 +44,15 @@ result is the float32 kernel's over the widened values, and the layer stacks sto
 clamped to +-65504 (NaN kept), as the torch path writes them.
 
 `linear` (and so the layer stacks) picks its instruction set at run time. On a CPU with AVX-512 BF16,
-up to 2 rows of x for Q4_1 and 8 for Q8_0 run as bf16 dot products (`vdpbf16ps`) of the blocks' exact
-bf16 values with x split into three bf16 terms (float32's product to its rounding, 1.2-1.9x the AVX2
-tiles' speed), and from 16 rows the 8-row panels become 16-row panels in AVX-512 registers (float32 FMAs,
-the same sums in the same order as the 8-row ones, 1.3-1.9x); other row counts, and every case on other
-CPUs, run the AVX2 + FMA code. On a CPU with AMX-BF16 (and the OS's leave to use its tiles) `amx` runs the
-AVX-512 BF16 code and, from 16 rows of x, 16 x 16 tiles of bf16 products: one block of 16 weight rows'
-exact values against 16 rows of x as bf16 pairs (three terms of x, or one with `bf16_x`) per `tdpbf16ps`,
-each block's float32 sums scaled by d (and m) as the other paths scale theirs. `L4M_CPU_ISA` (auto, avx2,
+up to 8 rows of x run as few-row tiles of float32 FMAs 16 lanes wide (d * sum(x q) + m * sum(x) per block,
+a Q4_1 block's low nibbles widened by one 16-entry `vpermps` table lookup; 1.7-2.1x the bf16 dot products of
+three terms of x they replaced, and faster than the AVX2 tiles), and from 16 rows the 8-row panels become
+16-row panels in AVX-512 registers (float32 FMAs, the same sums in the same order as the 8-row ones,
+1.3-1.9x); other row counts, and every case on other CPUs, run the AVX2 + FMA code. On a CPU with AMX-BF16
+(and the OS's leave to use its tiles) `amx` runs the AVX-512 code up to 8 rows of x and, from 9 rows (padded
+to 16), 16 x 16 tiles of bf16 products: one block of 16 weight rows' exact values against 16 rows of x as
+bf16 pairs (three terms of x, x = x1 + x2 + x3 exactly, or one with `bf16_x`) per `tdpbf16ps`, each block's
+float32 sums scaled by d (and m) as the other paths scale theirs. `L4M_CPU_ISA` (auto, avx2,
 avx512_bf16 or amx; read when the kernels load, logged) forces a choice, say avx2 to compare the paths on
 one host; an instruction set the CPU lacks, or any other value, is an error (not a fall back).
 `torch.ops.l4m_cpu.isa()` / `set_isa(name)` read and change it in a process.

@@ -1,8 +1,8 @@
 """`torch.ops.l4m_cpu.linear` at every row-tile edge: M across the dot-product tiles (<= 15 rows but 8)
 and the 8-row panels (8, >= 16: 2 x 6 and 1 x 12 tiles), weight row counts that leave NR and chunk tails,
-K past one K block and odd block counts (the bf16 path's Q4_1 block pairs), on 1 and 2 threads, under
-each instruction set this CPU runs (AVX2; AVX-512: bf16 dot products up to 2 Q4_1 / 8 Q8_0 rows, 16-row
-panels from 16; AMX: 16 x 16 tiles from 16 rows), against a dense float64 product of the same blocks."""
+K past one K block and odd block counts (the AMX path's block pairs), on 1 and 2 threads, under each
+instruction set this CPU runs (AVX2; AVX-512: float32 few-row tiles up to 8 rows, 4 a pass, 16-row panels
+from 16; AMX: 16 x 16 tiles from 9 rows, padded), against a dense float64 product of the same blocks."""
 
 from __future__ import annotations
 
@@ -179,12 +179,14 @@ def test_the_isa_switch_changes_the_path(kind) -> None:
 @needs_amx
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("bf16_x", [False, True])
-def test_amx_takes_16_rows_and_more(kind, bf16_x) -> None:
-    """From 16 rows `amx` multiplies on tiles, in another summation order than the AVX-512 panels (so
-    bitwise different outputs show that it took its own path), as close to the dense product (of bf16(x)
-    with `bf16_x`); below 16 rows it runs the avx512_bf16 code, bit for bit."""
+def test_amx_takes_9_rows_and_more(kind, bf16_x) -> None:
+    """From 9 rows `amx` multiplies on tiles (padded to 16 rows), in another summation order than the
+    AVX-512 code (so bitwise different outputs show that it took its own path), as close to the dense
+    product (of bf16(x) with `bf16_x`); up to 8 rows it runs the avx512_bf16 code, bit for bit. (With
+    `bf16_x`, 9 rows on the AVX-512 panels of pairs, also padded to 16 rows, may give the tiles' bits:
+    there the tiles' 9 rows are checked against their own 16-row call instead.)"""
     w = random_blocks(kind, 48, 576, seed=2)
-    xs = [torch.randn(m, 576, generator=torch.Generator().manual_seed(m)) for m in (15, 16, 40)]
+    xs = [torch.randn(m, 576, generator=torch.Generator().manual_seed(m)) for m in (8, 9, 16, 40)]
     before = torch.ops.l4m_cpu.isa()
     try:
         got = {}
@@ -195,7 +197,15 @@ def test_amx_takes_16_rows_and_more(kind, bf16_x) -> None:
         torch.ops.l4m_cpu.set_isa(before)
     assert torch.equal(got["avx512_bf16"][0], got["amx"][0])
     for x, panels, tiles in zip(xs[1:], got["avx512_bf16"][1:], got["amx"][1:], strict=True):
-        assert not torch.equal(panels, tiles)
+        if bf16_x and x.shape[0] == 9:
+            padded = torch.cat((x, torch.randn(7, 576, generator=torch.Generator().manual_seed(7))))
+            torch.ops.l4m_cpu.set_isa("amx")
+            try:
+                assert torch.equal(tiles, torch.ops.l4m_cpu.linear(padded, *w, bf16_x)[:9])
+            finally:
+                torch.ops.l4m_cpu.set_isa(before)
+        else:
+            assert not torch.equal(panels, tiles)
         want = (x.bfloat16() if bf16_x else x).double() @ dense(*w).T
         for out in (panels, tiles):
             assert (out.double() - want).abs().max() <= 1e-5 * want.abs().max()
