@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from l4m.executor.cpu_kernels import AVX512_BF16_ISAS
+from l4m.executor.cpu_kernels import AVX512_BF16_ISAS, AVX512_ISAS
 from l4m.executor.quant import kernels_available, load_kernels
 from l4m.executor.weights import LoadedModel
 
@@ -77,7 +77,7 @@ def resolve_max_quantized_rows(config: EngineConfig, isa: str) -> int:
         raise ValueError(f"max_quantized_rows must be 0 (auto) or more, got {config.max_quantized_rows}")
     if config.max_quantized_rows:
         return config.max_quantized_rows
-    return config.max_batch_tokens if isa in AVX512_BF16_ISAS else AVX2_MAX_QUANTIZED_ROWS
+    return config.max_batch_tokens if isa in AVX512_ISAS else AVX2_MAX_QUANTIZED_ROWS
 
 
 def resolve_bf16_x(config: EngineConfig, weights: str, isa: str) -> bool:

@@ -537,19 +537,22 @@ inline void prefetch_rows(const QWeight& w, int64_t n0, int64_t n1) {
 
 // ---- AVX-512: instruction sets chosen at run time -------------------------------------------------
 //
-// The code below the pragma is compiled for AVX-512 by the pragma only, the rest of the file stays
+// The code below the pragmas is compiled for AVX-512 by the pragmas only, the rest of the file stays
 // AVX2 + FMA, and `linear_into` picks a path at run time (`g_isa`).
 
-// Ordered: each runs the paths of those below it, and its own.
-enum Isa { kAvx2 = 0, kAvx512Bf16 = 1, kAmx = 2 };
+// Ordered: each runs the paths of those below it, and its own. `avx512` runs every float32 path of
+// `avx512_bf16` (the same code, bit for bit); `avx512_bf16` adds x rounded to bf16 (`bf16_x`).
+enum Isa { kAvx2 = 0, kAvx512 = 1, kAvx512Bf16 = 2, kAmx = 3 };
 
-// Every extension the pragma below compiles for (libgcc also checks that the OS saves the zmm state).
-bool cpu_has_avx512_bf16() {
+// Every extension the first pragma below compiles for (libgcc also checks that the OS saves the zmm state).
+bool cpu_has_avx512() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512bf16");
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
+
+// And the second's.
+bool cpu_has_avx512_bf16() { return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16"); }
 
 // AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22) beside AVX-512 BF16, and the kernel's leave to
 // use the tile data (Linux asks each process to request it: arch_prctl ARCH_REQ_XCOMP_PERM for
@@ -565,21 +568,27 @@ bool cpu_has_amx() {
   return has;
 }
 
-int best_isa() { return cpu_has_amx() ? kAmx : cpu_has_avx512_bf16() ? kAvx512Bf16 : kAvx2; }
+int best_isa() {
+  return cpu_has_amx() ? kAmx : cpu_has_avx512_bf16() ? kAvx512Bf16 : cpu_has_avx512() ? kAvx512 : kAvx2;
+}
 
 std::atomic<int> g_isa{best_isa()};
 
 std::string isa() {
   const int chosen = g_isa.load();
-  return chosen == kAmx ? "amx" : chosen == kAvx512Bf16 ? "avx512_bf16" : "avx2";
+  return chosen == kAmx ? "amx" : chosen == kAvx512Bf16 ? "avx512_bf16" : chosen == kAvx512 ? "avx512" : "avx2";
 }
 
-// "auto": the best this CPU runs; "avx2" (any x86-64 host the kernels build on); "avx512_bf16"; "amx".
+// "auto": the best this CPU runs; "avx2" (any x86-64 host the kernels build on); "avx512"; "avx512_bf16"; "amx".
 std::string set_isa(const std::string& name) {
   if (name == "auto") {
     g_isa = best_isa();
   } else if (name == "avx2") {
     g_isa = kAvx2;
+  } else if (name == "avx512") {
+    TORCH_CHECK(cpu_has_avx512(), "CPU kernel ISA avx512: this CPU (or its OS) lacks one of ",
+                "avx512f, avx512bw, avx512vl, avx512dq");
+    g_isa = kAvx512;
   } else if (name == "avx512_bf16") {
     TORCH_CHECK(cpu_has_avx512_bf16(), "CPU kernel ISA avx512_bf16: this CPU (or its OS) lacks one of ",
                 "avx512f, avx512bw, avx512vl, avx512dq, avx512_bf16");
@@ -590,7 +599,7 @@ std::string set_isa(const std::string& name) {
                 "(arch_prctl ARCH_REQ_XCOMP_PERM)");
     g_isa = kAmx;
   } else {
-    TORCH_CHECK(false, "unknown CPU kernel ISA '", name, "': expected auto, avx2, avx512_bf16 or amx");
+    TORCH_CHECK(false, "unknown CPU kernel ISA '", name, "': expected auto, avx2, avx512, avx512_bf16 or amx");
   }
   return isa();
 }
@@ -603,32 +612,7 @@ std::string set_isa(const std::string& name) {
 constexpr int kExactTerms = 3;
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
-
-// Block sums of bf16(x): xsum[i * G + g] = sum of bf16(x[i][32g .. 32g + 31]), for `bf16_x`.
-void block_sums_bf16(const float* x, int64_t ldx, int64_t M, int64_t G, float* xsum) {
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t g = 0; g < G; ++g) {
-      const float* xs = x + i * ldx + g * 32;
-      const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xs + 16), _mm512_loadu_ps(xs));
-      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
-      const __m512 hi =
-          _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
-      xsum[i * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-    }
-}
-
-// x[M, K] as bf16(x) in float32 (out: row stride K), for `bf16_x` in the few-row tiles.
-void round_to_bf16(const float* x, int64_t ldx, int64_t M, int64_t K, float* out) {
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t k = 0; k < K; k += 16) {
-      const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + i * ldx + k));
-      _mm512_storeu_ps(out + i * K + k, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16)));
-    }
-}
-
-inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
-inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
 
 // ---- AVX-512 float32: few rows of x as per-block dot products --------------------------------------
 //
@@ -802,6 +786,36 @@ void rows_panels16_any(const float* xt, int64_t M, const QWeight& w, int64_t n0,
   if (w.kind == kQ4_1) rows_panels16<kQ4_1>(xt, M, w, n0, n1, out, ldo, accumulate);
   else rows_panels16<kQ8_0>(xt, M, w, n0, n1, out, ldo, accumulate);
 }
+
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+
+// Block sums of bf16(x): xsum[i * G + g] = sum of bf16(x[i][32g .. 32g + 31]), for `bf16_x`.
+void block_sums_bf16(const float* x, int64_t ldx, int64_t M, int64_t G, float* xsum) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* xs = x + i * ldx + g * 32;
+      const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xs + 16), _mm512_loadu_ps(xs));
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+      const __m512 hi =
+          _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+      xsum[i * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    }
+}
+
+// x[M, K] as bf16(x) in float32 (out: row stride K), for `bf16_x` in the few-row tiles.
+void round_to_bf16(const float* x, int64_t ldx, int64_t M, int64_t K, float* out) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t k = 0; k < K; k += 16) {
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + i * ldx + k));
+      _mm512_storeu_ps(out + i * K + k, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16)));
+    }
+}
+
+inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
 // ---- AVX-512 BF16 with x rounded to bf16 (`bf16_x`): 16-row panels of bf16 pairs -----------------------
 //
@@ -1125,8 +1139,8 @@ void block_sums(const float* x, int64_t ldx, int64_t M, int64_t G, float* xsum) 
 void linear_into(const float* x, int64_t ldx, int64_t M, const QWeight& w, float* out, int64_t ldo, bool accumulate,
                  bool bf16_x) {
   const int chosen = g_isa.load(std::memory_order_relaxed);
-  const bool avx512 = chosen >= kAvx512Bf16;
-  TORCH_CHECK(!bf16_x || avx512, "x rounded to bf16 (quantized_activations=bfloat16) needs the CPU kernels' ",
+  const bool avx512 = chosen >= kAvx512;
+  TORCH_CHECK(!bf16_x || chosen >= kAvx512Bf16, "x rounded to bf16 (quantized_activations=bfloat16) needs the CPU kernels' ",
               "avx512_bf16 instruction set; they run ", isa());
   if (M == 0) return;
   const int64_t G = w.k / 32;

@@ -43,18 +43,19 @@ float32, or float16 (the operator's opt-in, `EngineConfig.kv_cache_dtype = "floa
 result is the float32 kernel's over the widened values, and the layer stacks store new K/V rounded to nearest,
 clamped to +-65504 (NaN kept), as the torch path writes them.
 
-`linear` (and so the layer stacks) picks its instruction set at run time. On a CPU with AVX-512 BF16,
-up to 8 rows of x run as few-row tiles of float32 FMAs 16 lanes wide (d * sum(x q) + m * sum(x) per block,
-a Q4_1 block's low nibbles widened by one 16-entry `vpermps` table lookup; 1.7-2.1x the bf16 dot products of
-three terms of x they replaced, and faster than the AVX2 tiles), and from 16 rows the 8-row panels become
-16-row panels in AVX-512 registers (float32 FMAs, the same sums in the same order as the 8-row ones,
-1.3-1.9x); other row counts, and every case on other CPUs, run the AVX2 + FMA code. On a CPU with AMX-BF16
-(and the OS's leave to use its tiles) `amx` runs the AVX-512 code up to 8 rows of x and, from 9 rows (padded
-to 16), 16 x 16 tiles of bf16 products: one block of 16 weight rows' exact values against 16 rows of x as
-bf16 pairs (three terms of x, x = x1 + x2 + x3 exactly, or one with `bf16_x`) per `tdpbf16ps`, each block's
-float32 sums scaled by d (and m) as the other paths scale theirs. `L4M_CPU_ISA` (auto, avx2,
-avx512_bf16 or amx; read when the kernels load, logged) forces a choice, say avx2 to compare the paths on
-one host; an instruction set the CPU lacks, or any other value, is an error (not a fall back).
+`linear` (and so the layer stacks) picks its instruction set at run time. On a CPU with AVX-512 (F, BW, VL,
+DQ: `avx512`; with BF16 too, `avx512_bf16` runs the same float32 code and adds `bf16_x`), up to 8 rows of x
+run as few-row tiles of float32 FMAs 16 lanes wide (d * sum(x q) + m * sum(x) per block, a Q4_1 block's low
+nibbles widened by one 16-entry `vpermps` table lookup; 1.7-2.1x the bf16 dot products of three terms of x
+they replaced, and faster than the AVX2 tiles), and from 16 rows the 8-row panels become 16-row panels in
+AVX-512 registers (float32 FMAs, the same sums in the same order as the 8-row ones, 1.3-1.9x); other row
+counts, and every case on other CPUs, run the AVX2 + FMA code. On a CPU with AMX-BF16 (and the OS's leave to
+use its tiles) `amx` runs the AVX-512 code up to 8 rows of x and, from 9 rows (padded to 16), 16 x 16 tiles
+of bf16 products: one block of 16 weight rows' exact values against 16 rows of x as bf16 pairs (three terms
+of x, x = x1 + x2 + x3 exactly, or one with `bf16_x`) per `tdpbf16ps`, each block's float32 sums scaled by d
+(and m) as the other paths scale theirs. `L4M_CPU_ISA` (auto, avx2, avx512, avx512_bf16 or amx; read when
+the kernels load, logged) forces a choice, say avx2 to compare the paths on one host; an instruction set the
+CPU lacks, or any other value, is an error (not a fall back).
 `torch.ops.l4m_cpu.isa()` / `set_isa(name)` read and change it in a process.
 
 Parallel work is cut into many small chunks that the threads pull from a shared counter, so that a
@@ -80,8 +81,10 @@ log = logging.getLogger(__name__)
 
 SOURCE_PATH = Path(__file__).with_name("cpu_kernels.cpp")
 ISA_ENV = "L4M_CPU_ISA"
-ISAS = ("auto", "avx2", "avx512_bf16", "amx")
-# The instruction sets that run the AVX-512 BF16 paths (amx runs them too, and its tiles from 16 rows).
+ISAS = ("auto", "avx2", "avx512", "avx512_bf16", "amx")
+# The instruction sets that run the AVX-512 float32 paths (each runs those of the sets before it).
+AVX512_ISAS = ("avx512", "avx512_bf16", "amx")
+# Those that run the AVX-512 BF16 paths (x rounded to bf16; amx runs them too, and its tiles from 9 rows).
 AVX512_BF16_ISAS = ("avx512_bf16", "amx")
 
 

@@ -91,11 +91,11 @@ def test_openmp_threads_spin_a_little_while_waiting_unless_the_operator_chose(pr
 
 
 def test_an_unknown_cpu_isa_is_refused_before_anything_loads(monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setenv("L4M_CPU_ISA", "avx512")
+    monkeypatch.setenv("L4M_CPU_ISA", "avx-512")
     with pytest.raises(SystemExit) as exit_:
         parse_config(["--model", "m.gguf"])
     assert exit_.value.code == 2
-    assert "L4M_CPU_ISA must be one of auto, avx2, avx512_bf16, amx, got 'avx512'" in capsys.readouterr().err
+    assert "L4M_CPU_ISA must be one of auto, avx2, avx512, avx512_bf16, amx, got 'avx-512'" in capsys.readouterr().err
     assert parse_config(["--model", "m.gguf", "--device", "cuda:0"])[0].engine.device == "cuda:0"  # no CPU kernels
 
 

@@ -39,6 +39,20 @@ def has_avx512_bf16() -> bool:
     return not missing_avx512_bf16_flags()
 
 
+def missing_avx512_flags() -> list[str]:
+    """The /proc/cpuinfo flags the avx512 path needs that this CPU lacks."""
+    return [f for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq") if f not in cpu_flags()]
+
+
+def has_avx512() -> bool:
+    return not missing_avx512_flags()
+
+
+needs_avx512 = pytest.mark.skipif(
+    not has_avx512(), reason=f"this CPU lacks {', '.join(missing_avx512_flags())} (hardware)"
+)
+
+
 needs_bf16 = pytest.mark.skipif(
     not has_avx512_bf16(), reason=f"this CPU lacks {', '.join(missing_avx512_bf16_flags())} (hardware)"
 )
@@ -55,7 +69,10 @@ def has_amx() -> bool:
 needs_amx = pytest.mark.skipif(not has_amx(), reason=f"this CPU lacks {', '.join(missing_amx_flags())} (hardware)")
 
 
-@pytest.fixture(params=["avx2", pytest.param("avx512_bf16", marks=needs_bf16), pytest.param("amx", marks=needs_amx)])
+@pytest.fixture(params=[
+    "avx2", pytest.param("avx512", marks=needs_avx512), pytest.param("avx512_bf16", marks=needs_bf16),
+    pytest.param("amx", marks=needs_amx),
+])
 def isa(request):
     before = torch.ops.l4m_cpu.isa()
     assert torch.ops.l4m_cpu.set_isa(request.param) == request.param
@@ -214,7 +231,7 @@ def test_amx_takes_9_rows_and_more(kind, bf16_x) -> None:
 def test_auto_picks_the_best_isa_of_this_cpu() -> None:
     before = torch.ops.l4m_cpu.isa()
     try:
-        best = "amx" if has_amx() else "avx512_bf16" if has_avx512_bf16() else "avx2"
+        best = "amx" if has_amx() else "avx512_bf16" if has_avx512_bf16() else "avx512" if has_avx512() else "avx2"
         assert torch.ops.l4m_cpu.set_isa("auto") == best
     finally:
         torch.ops.l4m_cpu.set_isa(before)
@@ -224,7 +241,7 @@ def test_an_unknown_isa_is_refused_by_name(monkeypatch) -> None:
     with pytest.raises(RuntimeError, match="unknown CPU kernel ISA 'sse2'"):
         torch.ops.l4m_cpu.set_isa("sse2")
     monkeypatch.setenv("L4M_CPU_ISA", "sse2")
-    with pytest.raises(ValueError, match="L4M_CPU_ISA must be one of auto, avx2, avx512_bf16, amx, got 'sse2'"):
+    with pytest.raises(ValueError, match="L4M_CPU_ISA must be one of auto, avx2, avx512, avx512_bf16, amx, got 'sse2'"):
         cpu_kernels.requested_isa()
 
 
@@ -246,9 +263,40 @@ def test_avx512_bf16_forced_on_a_cpu_without_it_is_an_error_naming_the_variable(
 
 @pytest.mark.skipif(has_avx512_bf16(), reason="this CPU has AVX-512 BF16")
 def test_the_real_op_refuses_avx512_bf16_on_a_cpu_without_it() -> None:
+    before = torch.ops.l4m_cpu.isa()
     with pytest.raises(RuntimeError, match="this CPU \\(or its OS\\) lacks one of avx512f"):
         torch.ops.l4m_cpu.set_isa("avx512_bf16")
+    assert torch.ops.l4m_cpu.isa() == before
+
+
+@pytest.mark.skipif(has_avx512(), reason="this CPU has AVX-512")
+def test_the_real_op_refuses_avx512_on_a_cpu_without_it() -> None:
+    with pytest.raises(RuntimeError, match="CPU kernel ISA avx512: this CPU \\(or its OS\\) lacks one of avx512f"):
+        torch.ops.l4m_cpu.set_isa("avx512")
     assert torch.ops.l4m_cpu.isa() == "avx2"
+
+
+@needs_bf16
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_avx512_runs_the_float32_paths_of_avx512_bf16_bit_for_bit_and_refuses_bf16_x(kind) -> None:
+    """`avx512` (AVX-512 without BF16, say Skylake-X or Ice Lake servers) runs the same float32 code as
+    `avx512_bf16` at every row count, so the outputs are the same bits; x rounded to bf16 needs BF16 and is
+    refused by name."""
+    w = random_blocks(kind, 61, 1184, seed=3)
+    xs = [torch.randn(m, 1184, generator=torch.Generator().manual_seed(m)) for m in ROWS]
+    before = torch.ops.l4m_cpu.isa()
+    try:
+        got = {}
+        for isa in ("avx512", "avx512_bf16"):
+            assert torch.ops.l4m_cpu.set_isa(isa) == isa
+            got[isa] = [torch.ops.l4m_cpu.linear(x, *w) for x in xs]
+        torch.ops.l4m_cpu.set_isa("avx512")
+        with pytest.raises(RuntimeError, match="needs the CPU kernels' avx512_bf16 instruction set; they run avx512"):
+            torch.ops.l4m_cpu.linear(xs[0], *w, True)
+    finally:
+        torch.ops.l4m_cpu.set_isa(before)
+    for m, a, b in zip(ROWS, got["avx512"], got["avx512_bf16"], strict=True):
+        assert torch.equal(a, b), f"M = {m}"
 
 
 def test_the_environment_selects_the_isa(monkeypatch) -> None:

@@ -94,10 +94,11 @@ def test_weight_mode_resolution(loaded) -> None:
 
 
 def test_auto_quantized_rows_follow_the_instruction_set() -> None:
-    """Where the 4-bit linears have AVX-512 BF16 panels they beat dense float32 at any row count (prefill
+    """Where the 4-bit linears have AVX-512 panels they beat dense float32 at any row count (prefill
     included); on AVX2 only up to 64 rows. An explicit count is kept; a negative one is refused."""
     auto = EngineConfig()
     assert auto.max_quantized_rows == 0
+    assert resolve_max_quantized_rows(auto, "avx512") == auto.max_batch_tokens
     assert resolve_max_quantized_rows(auto, "avx512_bf16") == auto.max_batch_tokens
     assert resolve_max_quantized_rows(auto, "amx") == auto.max_batch_tokens
     assert resolve_max_quantized_rows(auto, "avx2") == AVX2_MAX_QUANTIZED_ROWS == 64
@@ -114,7 +115,7 @@ def test_an_engine_resolves_auto_rows_for_the_selected_instruction_set(loaded) -
         torch.ops.l4m_cpu.set_isa("avx2")
         assert Engine(loaded, config).max_quantized_rows == 64
         torch.ops.l4m_cpu.set_isa("auto")
-        want = config.max_batch_tokens if torch.ops.l4m_cpu.isa() in ("avx512_bf16", "amx") else 64
+        want = config.max_batch_tokens if torch.ops.l4m_cpu.isa() in ("avx512", "avx512_bf16", "amx") else 64
         engine = Engine(loaded, config)
         assert engine.max_quantized_rows == want
         # Blocks for every batch: the head keeps no dense copy and always multiplies with its blocks.
