@@ -10,6 +10,9 @@ sent when the reply arrives (so commands in flight = instances).
     .venv/bin/python bench/scheduler.py --grpc --framed --sdk   # clients are the SDK's sessions (l4m.session)
     python bench/scheduler.py --grpc --framed --sdk --executor-device cuda:0 --strategies adaptive
                                                         # the real executor (default model) on a GPU
+    .venv/bin/python bench/scheduler.py --grpc --framed --sdk --forward-latency-ms 2 --sizes 64
+                                                        # the simulated executor takes 2 ms per forward batch
+                                                        # of any size, as a GPU's decode step nearly does
 
 With --grpc the table has the scheduler's CPU per command (its process time over the commands answered):
 1e6 / that is what one scheduler core can take, whatever the clients beside it on this machine cost.
@@ -335,6 +338,9 @@ def main() -> None:
                         help="with --grpc: how the scheduler sends batches to the simulated executor")
     parser.add_argument("--executor-device", default="", metavar="DEVICE",
                         help="with --grpc: l4m's executor (the default model) on cpu or cuda:N, not the simulated one")
+    parser.add_argument("--forward-latency-ms", type=float, default=0.0,
+                        help="with --grpc: the simulated executor's time per forward batch, whatever its size (a GPU's "
+                             "decode step is nearly flat in the batch size)")
     parser.add_argument("--duration-s", type=float, default=1.5)
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="batching strategies, comma separated")
@@ -345,7 +351,12 @@ def main() -> None:
     if args.executor_device and not args.grpc:
         parser.error("--executor-device goes with --grpc (the in-process mode runs the simulated executor)")
     framed_path = f"{tempfile.mkdtemp(prefix='l4m-bench-framed-')}/scheduler.frames.sock" if args.framed else None
-    grpc_processes = (start_processes(framed_path, args.executor_transport, executor_device=args.executor_device)
+    if args.forward_latency_ms and (not args.grpc or args.executor_device):
+        parser.error("--forward-latency-ms goes with --grpc and the simulated executor")
+    if args.forward_latency_ms < 0:
+        parser.error("--forward-latency-ms must be at least 0")
+    simulated_args = ["--forward-latency-ms", str(args.forward_latency_ms)] if args.forward_latency_ms else []
+    grpc_processes = (start_processes(framed_path, args.executor_transport, simulated_args, args.executor_device)
                       if args.grpc else None)
     # Each instance's steps cycle through its pages: twice round covers every page bucket.
     warm_up_commands = 2 * PAGE_SIZE * NUM_PAGES_PER_INSTANCE if args.executor_device else 0
@@ -353,7 +364,8 @@ def main() -> None:
     if args.grpc:
         executor = f"l4m executor ({args.executor_device})" if args.executor_device else "simulated executor"
         mode = (f"scheduler + {executor} processes, {'SDK sessions' if args.sdk else 'raw calls'} over "
-                f"{'framed sessions' if args.framed else 'gRPC'}, batches over {args.executor_transport}")
+                f"{'framed sessions' if args.framed else 'gRPC'}, batches over {args.executor_transport}"
+                + (f", forward batches of {args.forward_latency_ms:g} ms" if args.forward_latency_ms else ""))
     print(f"scheduler benchmark, {mode}, cpus={len(os.sched_getaffinity(0))}")
     # "1 core cmds/s": what one core running only the scheduler takes (1e6 / its CPU per command).
     cpu_columns = f" {'scheduler CPU us/cmd':>20} {'1 core cmds/s':>13} {'clients CPU us/cmd':>18}" if args.grpc else ""

@@ -52,7 +52,7 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[SchedulerConfig, Me
                         help="auto: send batches on an executor's framed Execute socket where it offers one on this "
                         "host (GetInfo's framed_execute_path), else on gRPC; grpc: always gRPC")
     parser.add_argument("--batching", default="adaptive",
-                        help="adaptive | adaptive:<max_hold_ms>[:<launch_hold_ms>] | t-only:<t_ms> | k-only:<k> | "
+                        help="adaptive | adaptive:<max_hold_ms>[:<launch_hold_ms>[:<hold_fraction>]] | t-only:<t_ms> | k-only:<k> | "
                         "k-or-t:<k>:<t_ms> (forward batches)")
     parser.add_argument("--page-budget", type=int, default=0, help="max KV pages per instance (0: executor capacity)")
     parser.add_argument("--slot-budget", type=int, default=0, help="max embed slots per instance (0: executor capacity)")

@@ -150,7 +150,7 @@ class BatchQueue:
     """Queued items of one kind for one executor, one deque per priority level."""
 
     __slots__ = ("kind", "target", "levels", "num_items", "is_forward", "max_batch_tokens", "bounds", "awaited",
-                 "hold_until", "num_first_forwards", "launched")
+                 "hold_until", "late", "num_first_forwards", "launched")
 
     def __init__(self, kind: str, target: FireTarget, max_batch_tokens: int, bounds: BatchBounds | None = None, *,
                  is_forward: bool) -> None:
@@ -162,9 +162,11 @@ class BatchQueue:
         self.max_batch_tokens = max_batch_tokens if self.is_forward else 1 << 62
         self.bounds = bounds or BatchBounds.from_info(getattr(target, "info", None))
         # Adaptive regrouping: streams of the batch that just returned which have not sent their next
-        # item yet, and until when the next fire may wait for them.
+        # item yet, and until when the next fire may wait for them; streams that did not answer within
+        # their last hold, which are not waited for until one of their items arrives within a hold.
         self.awaited: dict[Stream, None] = {}
         self.hold_until = 0.0
+        self.late: dict[Stream, None] = {}
         # Queued items that are their instance's first forward (`Command.is_first_forward`), and the
         # batcher's instances launched but not yet heard from (`Batcher.launched`, shared by its queues).
         self.num_first_forwards = 0
@@ -177,6 +179,8 @@ class BatchQueue:
             self.num_first_forwards += 1
         if self.awaited:
             self.awaited.pop(command.stream, None)
+        if self.late and command.arrived_at <= self.hold_until:
+            self.late.pop(command.stream, None)  # it answered within the hold: waited for again
 
     def streams(self) -> set[Stream]:
         return {command.stream for level in self.levels for command in level}
@@ -294,13 +298,20 @@ class KOrT:
         return queue.oldest_arrival() + self.t_s
 
 
-# The adaptive hold's bound. Half a batch's time bounds it too, so it matters for long batches: one that
-# carries continuation (nine decode steps) returns 64 streams' worth of tokens at once, and 64 controllers
-# on two cores need ~100 ms to answer; a shorter bound splits them into alternating groups again.
+# The adaptive hold's bound. The returned batch's time bounds it too (DEFAULT_HOLD_FRACTION), so this one
+# matters for long batches: one that carries continuation (nine decode steps) returns 64 streams' worth of
+# tokens at once, and 64 controllers on two cores need ~100 ms to answer; a shorter bound splits them into
+# alternating groups again.
 DEFAULT_MAX_HOLD_S = 0.250
 # The launch hold's bound: how long an idle executor's first forwards wait for the instances launched
 # beside them, from the oldest one's arrival (and how long after its registration an instance is waited for).
 DEFAULT_LAUNCH_HOLD_S = 0.150
+# The hold as a fraction of the returned batch's execution time. Waiting w for the stragglers and running
+# one batch of n beats two alternating batches of n/2 while w + t(n) < 2 t(n/2). Where a step's time barely
+# grows with the batch (a GPU's decode step), that is w < t(n): one batch's time. Where it grows with the
+# batch (a CPU), waiting pays less, but lock-step streams answer within a few ms of steps of tens of ms,
+# well inside the bound (docs/benchmarks.md, "Round 16").
+DEFAULT_HOLD_FRACTION = 1.0
 
 
 class Adaptive:
@@ -314,7 +325,9 @@ class Adaptive:
     that have nothing queued become awaited: the queue fires once none is awaited (each arrival
     removes itself) or at `hold_until` = return + min(`max_hold_s`, `hold_fraction` x the batch's
     execution time), whichever comes first. A lone stream that answers at once is never held; a stream
-    that ended is no longer awaited; one that went silent delays the others by the bound at most, once.
+    that ended is no longer awaited; one that went silent delays the others by the bound at most, once:
+    a stream the hold ran out on is late, not awaited again until one of its items arrives within a
+    hold (so a controller that is always slow to answer does not hold the others back at every step).
     `max_hold_s` = 0 turns the wait off.
 
     The same for a burst of launches (`launch_hold_s`): when an idle executor's queue holds nothing but
@@ -325,12 +338,14 @@ class Adaptive:
     stream that is decoding) never waits for launches. `launch_hold_s` = 0 turns this wait off.
     """
 
-    def __init__(self, max_hold_s: float = DEFAULT_MAX_HOLD_S, hold_fraction: float = 0.5,
+    def __init__(self, max_hold_s: float = DEFAULT_MAX_HOLD_S, hold_fraction: float = DEFAULT_HOLD_FRACTION,
                  launch_hold_s: float = DEFAULT_LAUNCH_HOLD_S) -> None:
         self.max_hold_s = max_hold_s
         self.hold_fraction = hold_fraction
         self.launch_hold_s = launch_hold_s
-        if launch_hold_s != DEFAULT_LAUNCH_HOLD_S:
+        if hold_fraction != DEFAULT_HOLD_FRACTION:
+            self.name = f"adaptive:{max_hold_s * 1000:g}:{launch_hold_s * 1000:g}:{hold_fraction:g}"
+        elif launch_hold_s != DEFAULT_LAUNCH_HOLD_S:
             self.name = f"adaptive:{max_hold_s * 1000:g}:{launch_hold_s * 1000:g}"
         elif max_hold_s != DEFAULT_MAX_HOLD_S:
             self.name = f"adaptive:{max_hold_s * 1000:g}"
@@ -343,6 +358,7 @@ class Adaptive:
         if queue.awaited:
             if now < queue.hold_until:
                 return 0
+            queue.late.update(queue.awaited)  # the hold ran out on them: not waited for next time
             queue.awaited.clear()
         if _holds_first_forwards_only(queue):
             expire_launches(queue.launched, now, self.launch_hold_s)
@@ -366,7 +382,8 @@ class Adaptive:
             queue.awaited.clear()
             return
         queued = queue.streams() if queue.num_items else set()
-        queue.awaited = {s: None for s in streams if s not in queued and s.instance.is_alive}
+        late = queue.late
+        queue.awaited = {s: None for s in streams if s not in queued and s not in late and s.instance.is_alive}
         queue.hold_until = now + hold
 
 
@@ -389,7 +406,7 @@ EAGER = Eager()
 
 
 def parse_strategy(spec: str) -> Strategy:
-    """"adaptive" | "adaptive:<max_hold_ms>[:<launch_hold_ms>]" | "t-only:<t_ms>" | "k-only:<k>" |
+    """"adaptive" | "adaptive:<max_hold_ms>[:<launch_hold_ms>[:<hold_fraction>]]" | "t-only:<t_ms>" | "k-only:<k>" |
     "k-or-t:<k>:<t_ms>"; ValueError when malformed."""
     name, *args = spec.split(":")
     try:
@@ -399,6 +416,8 @@ def parse_strategy(spec: str) -> Strategy:
             return Adaptive(float(args[0]) / 1000)
         if name == "adaptive" and len(args) == 2 and float(args[0]) >= 0 and float(args[1]) >= 0:
             return Adaptive(float(args[0]) / 1000, launch_hold_s=float(args[1]) / 1000)
+        if name == "adaptive" and len(args) == 3 and min(float(args[0]), float(args[1]), float(args[2])) >= 0:
+            return Adaptive(float(args[0]) / 1000, launch_hold_s=float(args[1]) / 1000, hold_fraction=float(args[2]))
         if name == "eager" and not args:
             return Eager()
         if name == "t-only" and len(args) == 1:
@@ -413,7 +432,8 @@ def parse_strategy(spec: str) -> Strategy:
         pass
     raise ValueError(
         f"bad batching strategy {spec!r}; use adaptive, adaptive:<max_hold_ms>, adaptive:<max_hold_ms>:"
-        "<launch_hold_ms>, t-only:<t_ms>, k-only:<k> or k-or-t:<k>:<t_ms>"
+        "<launch_hold_ms>, adaptive:<max_hold_ms>:<launch_hold_ms>:<hold_fraction>, t-only:<t_ms>, k-only:<k> or "
+        "k-or-t:<k>:<t_ms>"
     )
 
 
@@ -486,6 +506,7 @@ class Batcher:
         for queue in self.queues:
             if queue.awaited:
                 queue.awaited.pop(stream, None)
+            queue.late.pop(stream, None)
         if stream.is_ready:
             self._ready[stream.level].pop(stream, None)
             stream.is_ready = False

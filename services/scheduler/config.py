@@ -13,8 +13,8 @@ from l4m.wire.rules import MAX_CONTINUATION_STEPS
 class SchedulerConfig:
     """Everything the scheduler process is told at start.
 
-    `batching` is the forward/forward_text strategy: "adaptive" (= "adaptive:250:150"),
-    "adaptive:<max_hold_ms>[:<launch_hold_ms>]", "t-only:<t_ms>", "k-only:<k>" or "k-or-t:<k>:<t_ms>"
+    `batching` is the forward/forward_text strategy: "adaptive" (= "adaptive:250:150:1"),
+    "adaptive:<max_hold_ms>[:<launch_hold_ms>[:<hold_fraction>]]", "t-only:<t_ms>", "k-only:<k>" or "k-or-t:<k>:<t_ms>"
     (switchable live with debug_query "batching:...", by an admin instance).
     """
 

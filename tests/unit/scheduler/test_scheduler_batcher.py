@@ -227,6 +227,9 @@ def test_dropped_stream_and_removed_instance_leave_the_queues() -> None:
         ("adaptive:250:150", "adaptive"),
         ("adaptive:250:0", "adaptive:250:0"),
         ("adaptive:100:40", "adaptive:100:40"),
+        ("adaptive:250:150:1", "adaptive"),
+        ("adaptive:250:150:0.5", "adaptive:250:150:0.5"),
+        ("adaptive:100:40:2", "adaptive:100:40:2"),
         ("t-only:5", "t-only:5"),
         ("k-only:8", "k-only:8"),
         ("k-or-t:8:2.5", "k-or-t:8:2.5"),
@@ -236,7 +239,7 @@ def test_parse_strategy(spec: str, name: str) -> None:
     assert parse_strategy(spec).name == name
 
 
-@pytest.mark.parametrize("spec", ["", "fast", "k-only:0", "k-only:x", "t-only", "t-only:-1", "k-or-t:1", "adaptive:-1", "adaptive:x", "adaptive:1:2:3", "adaptive:1:-2", "adaptive:1:x"])
+@pytest.mark.parametrize("spec", ["", "fast", "k-only:0", "k-only:x", "t-only", "t-only:-1", "k-or-t:1", "adaptive:-1", "adaptive:x", "adaptive:1:2:3:4", "adaptive:1:2:-3", "adaptive:1:2:x", "adaptive:1:-2", "adaptive:1:x"])
 def test_parse_strategy_rejects_malformed_specs(spec: str) -> None:
     with pytest.raises(ValueError, match="bad batching strategy"):
         parse_strategy(spec)
@@ -350,6 +353,83 @@ def test_the_hold_is_a_fraction_of_the_batch_time_for_fast_batches() -> None:
     rig.now = 0.004  # a 4 ms batch (a GPU): hold 2 ms, not 50
     rig.answer()
     assert rig.batcher.next_deadline() == pytest.approx(0.006)
+
+
+def test_by_default_the_hold_is_the_returned_batch_time() -> None:
+    """Where steps take about as long at any batch size (a GPU), waiting up to one step for the stragglers
+    beats running two alternating half batches."""
+    rig = DecodeRig(Adaptive())
+    a, b = rig.stream(), rig.stream()
+    rig.submit(a, "forward_text", 0)
+    rig.step()
+    rig.submit(b, "forward_text", 1)
+    rig.now = 0.004  # a 4 ms batch: a waits up to 4 ms, b with it
+    rig.answer()
+    assert rig.batcher.next_deadline() == pytest.approx(0.008)
+    rig.now = 0.007
+    rig.submit(a, "forward_text", 2)
+    rig.step()
+    assert rig.fired_ids()[-1] == [1, 2], "a answered within the hold: one batch of both"
+
+
+def test_a_stream_the_hold_ran_out_on_is_not_awaited_until_it_answers_within_one() -> None:
+    """A controller that is always slow to answer (it computes between steps) holds the others back once,
+    not at every step; once it answers within a hold again it is waited for again."""
+    rig = DecodeRig()  # hold = min(50 ms, 0.5 x the batch's time)
+    slow, a, b = rig.stream(), rig.stream(), rig.stream()
+    request = iter(range(1000))
+    for s in (slow, a, b):
+        rig.submit(s, "forward_text", next(request))
+    rig.step()
+    rig.now = 0.040  # 40 ms batch: hold 20 ms, until 0.060
+    rig.answer()
+    rig.now = 0.041
+    for s in (a, b):
+        rig.submit(s, "forward_text", next(request))
+    rig.step()
+    assert rig.batch_sizes() == [3], "slow is awaited the first time"
+    rig.now = 0.060
+    rig.step()  # the hold ran out on slow: a and b go without it
+    assert rig.batch_sizes() == [3, 2]
+    assert slow in rig.queues["forward_text"].late
+    rig.now = 0.070
+    rig.submit(slow, "forward_text", next(request))  # after the hold: still late
+    rig.step()
+    rig.now = 0.100  # [a, b] returns after 40 ms; slow is queued, a and b are awaited
+    rig.answer()
+    rig.now = 0.101
+    for s in (a, b):
+        rig.submit(s, "forward_text", next(request))
+    rig.step()
+    assert rig.batch_sizes() == [3, 2, 3]
+    rig.now = 0.141  # that batch returns; slow is late: a and b do not wait for it
+    rig.answer()
+    rig.now = 0.142
+    for s in (a, b):
+        rig.submit(s, "forward_text", next(request))
+    rig.step()
+    assert rig.batch_sizes() == [3, 2, 3, 2], "a and b fire the moment they are both back"
+    assert rig.batcher.next_deadline() is None
+    rig.now = 0.150  # slow answers within that batch's hold (until 0.161): it is waited for again
+    rig.submit(slow, "forward_text", next(request))
+    rig.step()
+    assert slow not in rig.queues["forward_text"].late
+    rig.now = 0.182
+    rig.answer()  # [a, b] returns: slow is queued, a and b are awaited and answer
+    for s in (a, b):
+        rig.submit(s, "forward_text", next(request))
+    rig.step()
+    assert rig.batch_sizes()[-1] == 3
+    rig.now = 0.222
+    rig.answer()
+    rig.submit(a, "forward_text", next(request))
+    rig.submit(b, "forward_text", next(request))
+    rig.step()
+    assert rig.batch_sizes()[-1] == 3, "slow, punctual again, is awaited again: a and b wait for it"
+    rig.now = 0.223
+    rig.submit(slow, "forward_text", next(request))
+    rig.step()
+    assert rig.batch_sizes()[-1] == 3 and len(rig.fired) == 6
 
 
 def test_an_ended_instance_is_no_longer_awaited() -> None:

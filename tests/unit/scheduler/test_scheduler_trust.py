@@ -61,6 +61,14 @@ async def test_batching_switch_needs_an_admin_instance(harness_factory) -> None:
     await h.settle()
     assert tenant_sink.trap.kind == TRAP.TRAP_KIND_PERMISSION_DENIED and tenant_sink.trap.offending_request_id == 4  # type: ignore[union-attr]
     assert admin_sink.trap is None and h.scheduler.batcher.forward_strategy.name == "adaptive:250:20"
+    # So is the hold's fraction of a batch's time: a tenant may not stretch how long others wait for it.
+    stretcher, stretcher_sink = h.open("stretcher")
+    h.send(stretcher, rq.debug_query("batching:adaptive:250:150:100", request_id=5))
+    h.send(admin, rq.debug_query("batching:adaptive:250:150:0.5"))
+    await h.settle()
+    assert stretcher_sink.trap.kind == TRAP.TRAP_KIND_PERMISSION_DENIED  # type: ignore[union-attr]
+    assert stretcher_sink.trap.offending_request_id == 5  # type: ignore[union-attr]
+    assert admin_sink.trap is None and h.scheduler.batcher.forward_strategy.name == "adaptive:250:150:0.5"
 
 
 # ---- export ownership and visibility ----
