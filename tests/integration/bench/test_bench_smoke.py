@@ -164,6 +164,8 @@ def test_shared_text_launches_tokenize_in_one_process(tmp_path: Path) -> None:
         ("agentic.py", ["--branches", "0"], "must be at least 1"),
         ("peers.py", ["--engine", "l4m-executor", "--streams", "0"], "must be at least 1"),
         ("scheduler.py", ["--executor-device", "cpu"], "--executor-device goes with --grpc"),
+        ("scheduler.py", ["--forward-latency-ms", "2"], "--forward-latency-ms goes with --grpc"),
+        ("scheduler.py", ["--grpc", "--forward-latency-ms", "-1"], "--forward-latency-ms must be at least 0"),
         ("executor_host.py", ["--batches", "1,x"], "--batches: comma-separated integers"),
         ("executor_host.py", ["--steps", "0"], "must be at least 1"),
         ("cpu_policy.py", ["--policies", "normal,fifo"], "unknown policies ['fifo']; known: normal, batch"),
@@ -189,6 +191,19 @@ def test_scheduler_bench_prints_a_row_per_strategy(mode: tuple[str, ...]) -> Non
         if mode:  # the scheduler's CPU per command, and what one core of it takes: 1e6 / that
             scheduler_us, one_core = float(row[6]), float(row[7].replace(",", ""))
             assert scheduler_us > 0 and abs(one_core * scheduler_us / 1e6 - 1) < 0.01, done.stdout
+
+
+def test_scheduler_bench_paces_the_simulated_executor() -> None:
+    """bench/scheduler.py --forward-latency-ms: every forward batch takes that long, whatever its size, so two
+    lock-step instances at 50 ms a batch answer at most ~40 commands/s, in batches of both."""
+    done = run_bench("scheduler.py", "--grpc", "--framed", "--sdk", "--forward-latency-ms", "50", "--strategies",
+                     "adaptive", "--duration-s", "0.6", "--sizes", "2", timeout_s=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "forward batches of 50 ms" in done.stdout
+    rows = [line.split() for line in done.stdout.splitlines()[2:] if line.strip()]
+    assert [row[:2] for row in rows] == [["adaptive", "2"]], done.stdout
+    commands_per_s, mean_batch = float(rows[0][2].replace(",", "")), float(rows[0][3])
+    assert 0 < commands_per_s <= 45 and mean_batch > 1.5, done.stdout
 
 
 def test_scheduler_bench_runs_in_front_of_the_real_executor() -> None:
