@@ -350,11 +350,11 @@ def main() -> None:
         parser.error("--framed goes with --grpc (the in-process mode has no transport)")
     if args.executor_device and not args.grpc:
         parser.error("--executor-device goes with --grpc (the in-process mode runs the simulated executor)")
-    framed_path = f"{tempfile.mkdtemp(prefix='l4m-bench-framed-')}/scheduler.frames.sock" if args.framed else None
     if args.forward_latency_ms and (not args.grpc or args.executor_device):
         parser.error("--forward-latency-ms goes with --grpc and the simulated executor")
     if args.forward_latency_ms < 0:
         parser.error("--forward-latency-ms must be at least 0")
+    framed_path = f"{tempfile.mkdtemp(prefix='l4m-bench-framed-')}/scheduler.frames.sock" if args.framed else None
     simulated_args = ["--forward-latency-ms", str(args.forward_latency_ms)] if args.forward_latency_ms else []
     grpc_processes = (start_processes(framed_path, args.executor_transport, simulated_args, args.executor_device)
                       if args.grpc else None)

@@ -410,14 +410,14 @@ def parse_strategy(spec: str) -> Strategy:
     "k-or-t:<k>:<t_ms>"; ValueError when malformed."""
     name, *args = spec.split(":")
     try:
-        if name == "adaptive" and not args:
-            return Adaptive()
-        if name == "adaptive" and len(args) == 1 and float(args[0]) >= 0:
-            return Adaptive(float(args[0]) / 1000)
-        if name == "adaptive" and len(args) == 2 and float(args[0]) >= 0 and float(args[1]) >= 0:
-            return Adaptive(float(args[0]) / 1000, launch_hold_s=float(args[1]) / 1000)
-        if name == "adaptive" and len(args) == 3 and min(float(args[0]), float(args[1]), float(args[2])) >= 0:
-            return Adaptive(float(args[0]) / 1000, launch_hold_s=float(args[1]) / 1000, hold_fraction=float(args[2]))
+        if name == "adaptive" and len(args) <= 3:
+            given = [float(arg) for arg in args]
+            if all(value >= 0 for value in given):
+                scaled = dict(zip(("max_hold_s", "launch_hold_s", "hold_fraction"), given, strict=False))
+                for key in ("max_hold_s", "launch_hold_s"):  # given in ms
+                    if key in scaled:
+                        scaled[key] /= 1000
+                return Adaptive(**scaled)
         if name == "eager" and not args:
             return Eager()
         if name == "t-only" and len(args) == 1:
